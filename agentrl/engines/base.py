@@ -1,0 +1,44 @@
+"""The RolloutEngine contract shared by the local transformers engine and OpenAI-compatible servers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. ``max_new_tokens`` bounds one assistant action; ``stop_token_ids`` end it
+    (the stop token itself is included in the returned ids)."""
+
+    max_new_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    """One sampled continuation.
+
+    ``token_ids``: sampled ids (stop token included when one was hit). ``logprobs``: natural-log
+    probability of each sampled id under the sampling distribution's model (same length).
+    ``finish_reason``: ``"stop"`` (hit a stop token) or ``"length"`` (hit ``max_new_tokens``).
+    ``routing``: optional per-token MoE expert choices recorded during sampling (for routing replay).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    routing: Any = None
+
+
+class RolloutEngine(Protocol):
+    """Samples completions for a batch of token prompts."""
+
+    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+        """Return one :class:`Completion` per prompt, in order."""
+        ...
