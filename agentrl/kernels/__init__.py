@@ -1,1 +1,17 @@
-"""agentrl.kernels."""
+"""Sink attention for GPT-OSS: Triton kernels (forward, backward, d(sink)), torch references, and
+registration as a transformers attention implementation.
+
+Importing this package needs only torch; Triton is imported on the first kernel call, and
+transformers on :func:`register_transformers_attention`. Nothing else from ``agentrl`` is imported.
+"""
+
+from agentrl.kernels.reference import sink_attention_eager, sink_attention_reference
+from agentrl.kernels.sink_attention import sink_attention
+from agentrl.kernels.transformers_attention import register_transformers_attention
+
+__all__ = [
+    "register_transformers_attention",
+    "sink_attention",
+    "sink_attention_eager",
+    "sink_attention_reference",
+]

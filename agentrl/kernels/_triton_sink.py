@@ -1,0 +1,369 @@
+"""Triton kernels for attention with a per-head sink logit (GPT-OSS).
+
+Imported lazily by :mod:`agentrl.kernels.sink_attention`, so that ``import agentrl.kernels`` works
+without Triton. All kernels work on one generic layout: every tensor is addressed through
+(batch, head, token) strides with a contiguous last dimension, and with ``VARLEN`` the batch index
+selects a sequence of a packed tensor through ``cu_seqlens`` (batch stride 0).
+
+Conventions shared by all kernels:
+
+* A query row ``r`` of a sequence with ``n_q`` queries and ``n_k`` keys sits at key position
+  ``r + n_k - n_q`` (bottom-right alignment, as with a KV cache). Causal: key ``j`` is visible iff
+  ``j <= pos``; window ``W``: also ``j > pos - W`` (``W`` keys including the query itself).
+* Scores are kept in the log2 domain: ``s2 = (q . k) * scale * log2(e)``; the sink enters as
+  ``sigma * log2(e)`` (raw, not scaled). The stored LSE is natural-log and includes the sink.
+* Every KV range is split into masked edge blocks and an unmasked middle, so the mask arithmetic
+  runs only where a block straddles the causal diagonal, the window edge or the sequence end.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _seq_bounds(CU_Q, CU_K, b, n_q_dense, n_k_dense, VARLEN: tl.constexpr):
+    """Start offsets (in tokens) and lengths of sequence ``b`` for queries and keys."""
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        n_q = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        n_k = tl.load(CU_K + b + 1) - k_start
+    else:
+        q_start = b * 0  # a tensor, not a constexpr, so that .to(int64) works below
+        n_q = n_q_dense
+        k_start = b * 0
+        n_k = n_k_dense
+    return q_start, n_q, k_start, n_k
+
+
+@triton.jit
+def _kv_ranges(m0, n_k, off, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """KV blocks seen by query rows [m0, m0+BLOCK_M): [lo, full_lo) masked, [full_lo, full_hi)
+    unmasked, [full_hi, hi) masked. All block starts are multiples of BLOCK_N."""
+    lo = 0
+    hi = n_k
+    full_lo = 0
+    full_hi = (n_k // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(n_k, m0 + BLOCK_M + off)
+        full_hi = (tl.minimum(m0 + off + 1, n_k) // BLOCK_N) * BLOCK_N
+    if WINDOW:
+        lo = (tl.maximum(m0 + off - window + 1, 0) // BLOCK_N) * BLOCK_N
+        full_lo = tl.maximum(((m0 + BLOCK_M + off - window + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, lo)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _q_ranges(n0, n_q, n_k, off, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Query blocks that see keys [n0, n0+BLOCK_N), split like :func:`_kv_ranges` (starts are
+    multiples of BLOCK_M)."""
+    lo = 0
+    hi = n_q
+    full_lo = 0
+    full_hi = (n_q // BLOCK_M) * BLOCK_M
+    if CAUSAL:
+        lo = (tl.maximum(n0 - off, 0) // BLOCK_M) * BLOCK_M
+        full_lo = ((tl.maximum(n0 + BLOCK_N - 1 - off, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    if WINDOW:
+        hi = tl.minimum(n_q, n0 + BLOCK_N - 1 + window - off)
+        full_hi = (tl.minimum(n_q, n0 + window - off) // BLOCK_M) * BLOCK_M
+    if n0 + BLOCK_N > n_k:  # key tail: every block needs the key-length mask
+        full_lo = hi
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _visible(rows_pos, cols, n_k, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] visibility of keys ``cols`` for queries at positions ``rows_pos``."""
+    ok = cols[None, :] < n_k
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= rows_pos[:, None])
+    if WINDOW:
+        ok = ok & (cols[None, :] > rows_pos[:, None] - window)
+    return ok
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, start, end, n_k,
+               qk_scale2, window, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_d[:, None]
+        v_ptrs = v_ptr + cols[:, None] * stride_vn + offs_d[None, :]
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=cols[None, :] < n_k, other=0.0)
+            v = tl.load(v_ptrs, mask=cols[:, None] < n_k, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, kt) * qk_scale2
+        if MASKED:
+            s = tl.where(_visible(rows_pos, cols, n_k, window, CAUSAL, WINDOW), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def sink_fwd_kernel(Q, K, V, SINK, O, LSE, CU_Q, CU_K,
+                    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
+                    sl_b, sl_h, n_q_dense, n_k_dense, H, GROUP, qk_scale2, window,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                    HAS_SINK: tl.constexpr):
+    # Longest blocks first: under causal masking the last query blocks do the most work.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    q_start, n_q, k_start, n_k = _seq_bounds(CU_Q, CU_K, b, n_q_dense, n_k_dense, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    off = n_k - n_q
+    b64 = b.to(tl.int64)
+    q_ptr = Q + b64 * sq_b + h.to(tl.int64) * sq_h + q_start.to(tl.int64) * sq_n
+    k_ptr = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_n
+    v_ptr = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_n
+    o_ptr = O + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_n
+    lse_ptr = LSE + b64 * sl_b + h.to(tl.int64) * sl_h + q_start
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    row_ok = rows < n_q
+    q = tl.load(q_ptr + rows[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    rows_pos = rows + off
+
+    # Running max starts at the sink, so fully masked tiles never produce exp(-inf - -inf).
+    if HAS_SINK:
+        sink2 = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
+    else:
+        sink2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    m_i = tl.maximum(sink2, -1.0e30)
+    l_i = tl.exp2(sink2 - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = _kv_ranges(m0, n_k, off, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, lo, full_lo, n_k,
+                               qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_lo, full_hi,
+                               n_k, qk_scale2, window, BLOCK_N, HEAD_D, False, CAUSAL, WINDOW)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_hi, hi, n_k,
+                               qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only without a sink and with no visible key
+    out = acc / l_i[:, None]
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    tl.store(o_ptr + rows[:, None] * so_n + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def sink_bwd_preprocess_kernel(O, DO, LSE, DLSE, SINK, DELTA, SINKTERM, CU_Q, CU_K,
+                               so_b, so_h, so_n, sdo_b, sdo_h, sdo_n, sl_b, sl_h,
+                               n_q_dense, n_k_dense, H,
+                               BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, VARLEN: tl.constexpr,
+                               HAS_DLSE: tl.constexpr, HAS_SINK: tl.constexpr):
+    """DELTA_i = dO_i . O_i - dL_i and SINKTERM_i = p_i * DELTA_i (p_i = exp(sigma - L_i)), one per row,
+    so that d(sigma) = -sum_i SINKTERM_i is a deterministic reduction done outside."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_start, n_q, k_start, n_k = _seq_bounds(CU_Q, CU_K, b, n_q_dense, n_k_dense, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    b64 = b.to(tl.int64)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    row_ok = rows < n_q
+    o_ptr = O + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_n
+    do_ptr = DO + b64 * sdo_b + h.to(tl.int64) * sdo_h + q_start.to(tl.int64) * sdo_n
+    l_off = b64 * sl_b + h.to(tl.int64) * sl_h + q_start + rows
+    o = tl.load(o_ptr + rows[:, None] * so_n + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + rows[:, None] * sdo_n + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + l_off, mask=row_ok, other=0.0)
+    tl.store(DELTA + l_off, delta, mask=row_ok)
+    if HAS_SINK:
+        lse = tl.load(LSE + l_off, mask=row_ok, other=0.0)
+        p_sink = tl.exp(tl.load(SINK + h).to(tl.float32) - lse)
+        tl.store(SINKTERM + l_off, p_sink * delta, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sq_n, sdo_n, cols, start, end,
+                    n_q, n_k, off, qk_scale2, window, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m
+        q_ptrs = q_ptr + rows[:, None] * sq_n + offs_d[None, :]
+        do_ptrs = do_ptr + rows[:, None] * sdo_n + offs_d[None, :]
+        if MASKED:
+            row_ok = rows < n_q
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(lse_ptr + rows)
+            delta = tl.load(delta_ptr + rows)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale2  # [BLOCK_N, BLOCK_M]
+        p_t = tl.exp2(s_t - (lse * 1.4426950408889634)[None, :])
+        if MASKED:
+            ok = tl.trans(_visible(rows + off, cols, n_k, window, CAUSAL, WINDOW)) & row_ok[None, :]
+            p_t = tl.where(ok, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def sink_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+                         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdo_b, sdo_h, sdo_n,
+                         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sl_b, sl_h,
+                         n_q_dense, n_k_dense, HKV, GROUP, qk_scale2, sm_scale, window,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr):
+    """One program per (KV block, batch, KV head); it loops over the GROUP query heads that share
+    the KV head, so dK and dV are summed over the group without atomics."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    q_start, n_q, k_start, n_k = _seq_bounds(CU_Q, CU_K, b, n_q_dense, n_k_dense, VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= n_k:
+        return
+    off = n_k - n_q
+    b64 = b.to(tl.int64)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    col_ok = cols < n_k
+    k_ptr = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_n
+    v_ptr = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_n
+    k = tl.load(k_ptr + cols[:, None] * sk_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + cols[:, None] * sv_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _q_ranges(n0, n_q, n_k, off, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    for g in range(GROUP):
+        h = (hk * GROUP + g).to(tl.int64)
+        q_ptr = Q + b64 * sq_b + h * sq_h + q_start.to(tl.int64) * sq_n
+        do_ptr = DO + b64 * sdo_b + h * sdo_h + q_start.to(tl.int64) * sdo_n
+        lse_ptr = LSE + b64 * sl_b + h * sl_h + q_start
+        delta_ptr = DELTA + b64 * sl_b + h * sl_h + q_start
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sq_n, sdo_n, cols, lo,
+                                 full_lo, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, True,
+                                 CAUSAL, WINDOW)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sq_n, sdo_n, cols,
+                                 full_lo, full_hi, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D,
+                                 False, CAUSAL, WINDOW)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sq_n, sdo_n, cols,
+                                 full_hi, hi, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, True,
+                                 CAUSAL, WINDOW)
+    dk = dk * sm_scale
+    dk_ptr = DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_n
+    dv_ptr = DV + b64 * sdv_b + hk.to(tl.int64) * sdv_h + k_start.to(tl.int64) * sdv_n
+    tl.store(dk_ptr + cols[:, None] * sdk_n + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptr + cols[:, None] * sdv_n + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, start, end, n_k,
+                  qk_scale2, window, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_D)
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_d[:, None]
+        vt_ptrs = v_ptr + cols[None, :] * stride_vn + offs_d[:, None]
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=cols[None, :] < n_k, other=0.0)
+            vt = tl.load(vt_ptrs, mask=cols[None, :] < n_k, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        s = tl.dot(q, kt) * qk_scale2
+        p = tl.exp2(s - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(rows_pos, cols, n_k, window, CAUSAL, WINDOW), p, 0.0)
+        dp = tl.dot(do, vt)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)
+    return dq
+
+
+@triton.jit
+def sink_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+                       sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdo_b, sdo_h, sdo_n,
+                       sdq_b, sdq_h, sdq_n, sl_b, sl_h, n_q_dense, n_k_dense, H, GROUP,
+                       qk_scale2, sm_scale, window,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    q_start, n_q, k_start, n_k = _seq_bounds(CU_Q, CU_K, b, n_q_dense, n_k_dense, VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    off = n_k - n_q
+    b64 = b.to(tl.int64)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_D)
+    row_ok = rows < n_q
+    q_ptr = Q + b64 * sq_b + h.to(tl.int64) * sq_h + q_start.to(tl.int64) * sq_n
+    do_ptr = DO + b64 * sdo_b + h.to(tl.int64) * sdo_h + q_start.to(tl.int64) * sdo_n
+    k_ptr = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_n
+    v_ptr = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_n
+    l_off = b64 * sl_b + h.to(tl.int64) * sl_h + q_start + rows
+    q = tl.load(q_ptr + rows[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + rows[:, None] * sdo_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse2 = tl.load(LSE + l_off, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
+    rows_pos = rows + off
+    dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _kv_ranges(m0, n_k, off, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, lo, full_lo, n_k,
+                       qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_lo, full_hi, n_k,
+                       qk_scale2, window, BLOCK_N, HEAD_D, False, CAUSAL, WINDOW)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_hi, hi, n_k,
+                       qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
+    dq = dq * sm_scale
+    dq_ptr = DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_n
+    tl.store(dq_ptr + rows[:, None] * sdq_n + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])

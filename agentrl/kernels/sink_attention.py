@@ -1,0 +1,294 @@
+"""Sink attention (GPT-OSS) with Triton forward and backward, as an autograd function.
+
+Math: ``s_ij = scale * q_i . k_j``; ``L_i = log(sum_j exp(s_ij) + exp(sigma_h))``;
+``O_i = sum_j exp(s_ij - L_i) v_j``. The sink ``sigma_h`` joins the normaliser but carries no value.
+Its gradient is ``d sigma_h = -sum_{batch, i} p_i (dO_i . O_i - dL_i)`` with ``p_i = exp(sigma_h - L_i)``,
+per query head.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch parameters of one kernel (``num_stages`` is ignored by the interpreter)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Benchmarks may override the heuristic per kernel ("fwd", "dkdv", "dq"); None means the heuristic.
+CONFIG_OVERRIDES: dict[str, KernelConfig | None] = {"fwd": None, "dkdv": None, "dq": None}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _kernels():
+    try:
+        from agentrl.kernels import _triton_sink
+    except ImportError as exc:  # pragma: no cover - exercised only without triton
+        raise RuntimeError(
+            "agentrl.kernels.sink_attention needs Triton (pip install 'agentrl-sdk[kernels]'); "
+            f"importing it failed: {exc}"
+        ) from exc
+    return _triton_sink
+
+
+def _pick(kind: str, head_dim: int, max_q: int) -> KernelConfig:
+    override = CONFIG_OVERRIDES.get(kind)
+    if override is not None:
+        return override
+    if _interpreting():
+        return KernelConfig(16, 16, 4, 1)
+    small_q = max(16, triton_next_pow2(max_q))
+    if kind == "fwd":
+        bm = min(128, small_q)
+        return KernelConfig(bm, 64, 4 if head_dim <= 64 else 8, 3)
+    if kind == "dq":
+        bm = min(64, small_q)
+        return KernelConfig(bm, 64, 4 if head_dim <= 64 else 8, 3)
+    # dkdv: the q-block loop is the inner loop
+    return KernelConfig(min(64, small_q), 64, 4 if head_dim <= 64 else 8, 3)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Dense ([B, H, N, D]) or packed ([total, H, D] + cu_seqlens) geometry of one call."""
+
+    varlen: bool
+    batch: int
+    n_q: int  # dense length, or max_seqlen_q for packed
+    n_k: int
+    hq: int
+    hkv: int
+    head_dim: int
+
+    def strides(self, t: torch.Tensor) -> tuple[int, int, int]:
+        """(batch, head, token) strides of a q/k/v-like tensor in elements."""
+        if self.varlen:
+            return 0, t.stride(1), t.stride(0)
+        return t.stride(0), t.stride(1), t.stride(2)
+
+    def lse_shape(self, total_q: int) -> tuple[int, ...]:
+        return (self.hq, total_q) if self.varlen else (self.batch, self.hq, self.n_q)
+
+    def lse_strides(self, lse: torch.Tensor) -> tuple[int, int]:
+        return (0, lse.stride(0)) if self.varlen else (lse.stride(0), lse.stride(1))
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch_fwd(q, k, v, sinks, cu_q, cu_k, lay: _Layout, causal, window, scale):
+    kern = _kernels()
+    out = torch.empty_like(q)
+    total_q = q.shape[0]
+    lse = torch.empty(lay.lse_shape(total_q), device=q.device, dtype=torch.float32)
+    cfg = _pick("fwd", lay.head_dim, lay.n_q)
+    grid = (triton_cdiv(lay.n_q, cfg.block_m), lay.batch * lay.hq)
+    dummy = lse  # any tensor: pointer arguments behind a false constexpr are never read
+    kern.sink_fwd_kernel[grid](
+        q, k, v, sinks if sinks is not None else dummy, out, lse,
+        cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
+        *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out), *lay.lse_strides(lse),
+        lay.n_q, lay.n_k, lay.hq, lay.hq // lay.hkv, scale * kern.LOG2E, window or 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_D=lay.head_dim, CAUSAL=causal,
+        WINDOW=window is not None, VARLEN=lay.varlen, HAS_SINK=sinks is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+def _launch_bwd(do, q, k, v, sinks, out, lse, dlse, cu_q, cu_k, lay: _Layout, causal, window, scale):
+    kern = _kernels()
+    do = _last_dim_contiguous(do)
+    delta = torch.empty_like(lse)
+    sinkterm = torch.empty_like(lse) if sinks is not None else None
+    dummy = lse
+    cu_q_arg = cu_q if cu_q is not None else dummy
+    cu_k_arg = cu_k if cu_k is not None else dummy
+    pre_m = 64 if not _interpreting() else 16
+    kern.sink_bwd_preprocess_kernel[(triton_cdiv(lay.n_q, pre_m), lay.batch * lay.hq)](
+        out, do, lse, dlse if dlse is not None else dummy, sinks if sinks is not None else dummy,
+        delta, sinkterm if sinkterm is not None else dummy, cu_q_arg, cu_k_arg,
+        *lay.strides(out), *lay.strides(do), *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hq,
+        BLOCK_M=pre_m, HEAD_D=lay.head_dim, VARLEN=lay.varlen, HAS_DLSE=dlse is not None,
+        HAS_SINK=sinks is not None,
+    )
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    group = lay.hq // lay.hkv
+    common = dict(HEAD_D=lay.head_dim, CAUSAL=causal, WINDOW=window is not None, VARLEN=lay.varlen)
+    cfg = _pick("dkdv", lay.head_dim, lay.n_q)
+    kern.sink_bwd_dkdv_kernel[(triton_cdiv(lay.n_k, cfg.block_n), lay.batch * lay.hkv)](
+        q, k, v, do, lse, delta, dk, dv, cu_q_arg, cu_k_arg,
+        *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dk),
+        *lay.strides(dv), *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hkv, group,
+        scale * kern.LOG2E, scale, window or 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **common,
+    )
+    cfg = _pick("dq", lay.head_dim, lay.n_q)
+    kern.sink_bwd_dq_kernel[(triton_cdiv(lay.n_q, cfg.block_m), lay.batch * lay.hq)](
+        q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg,
+        *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dq),
+        *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hq, group, scale * kern.LOG2E, scale, window or 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **common,
+    )
+    dsink = None
+    if sinks is not None:
+        reduce_dims = (1,) if lay.varlen else (0, 2)
+        dsink = -sinkterm.sum(dim=reduce_dims)  # fixed-order reduction: deterministic
+    return dq, dk, dv, dsink
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return max(1, -(-int(a) // int(b)))
+
+
+class _SinkAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, lay, causal, window, scale):
+        sinks32 = sinks.detach().float().contiguous() if sinks is not None else None
+        out, lse = _launch_fwd(q, k, v, sinks32, cu_q, cu_k, lay, causal, window, scale)
+        ctx.save_for_backward(q, k, v, sinks32, out, lse, cu_q, cu_k)
+        ctx.meta = (lay, causal, window, scale, None if sinks is None else sinks.dtype)
+        ctx.set_materialize_grads(False)  # an unused LSE gives dlse=None, not a tensor of zeros
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, sinks32, out, lse, cu_q, cu_k = ctx.saved_tensors
+        lay, causal, window, scale, sink_dtype = ctx.meta
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dlse = dlse.contiguous() if dlse is not None else None
+        dq, dk, dv, dsink = _launch_bwd(dout, q, k, v, sinks32, out, lse, dlse, cu_q, cu_k, lay, causal,
+                                        window, scale)
+        if dsink is not None:
+            dsink = dsink.to(sink_dtype)
+        return dq, dk, dv, dsink, None, None, None, None, None, None
+
+
+def _check_cu(name: str, cu: torch.Tensor, total: int, device) -> torch.Tensor:
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor [batch+1] of offsets; got "
+                         f"shape {tuple(cu.shape)} dtype {cu.dtype}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but the tensors are on {device}; move it there")
+    return cu.to(torch.int32).contiguous()
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    return_lse: bool = False,
+    softmax_scale: float | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
+):
+    """Attention with a per-head sink logit, differentiable in q, k, v and sinks.
+
+    Args:
+        q: dense ``[B, Hq, Nq, D]`` or packed ``[total_q, Hq, D]`` (with ``cu_seqlens``); fp16,
+            bf16 or fp32 (fp32 dots run as TF32 on GPUs). ``D`` a power of two in 16..256.
+        k, v: dense ``[B, Hkv, Nk, D]`` or packed ``[total_k, Hkv, D]``, same dtype; ``Hkv``
+            divides ``Hq`` (query head ``h`` reads KV head ``h // (Hq // Hkv)``).
+        sinks: ``[Hq]`` sink logits (any float dtype; used in fp32, added unscaled), or ``None``
+            for plain attention.
+        causal: causal masking. With ``Nq < Nk`` the queries are the last ``Nq`` positions
+            (bottom-right alignment, as for decoding against a KV cache).
+        window: sliding window of ``window`` keys including the query itself (FlashAttention's
+            ``window_size=(window-1, 0)``); needs ``causal=True``.
+        cu_seqlens: ``[S+1]`` int32/int64 offsets of ``S`` packed sequences in ``q`` (and in
+            ``k``/``v`` unless ``cu_seqlens_k`` is given). Empty sequences are allowed.
+        max_seqlen, max_seqlen_k: longest sequence (queries / keys); computed (one host sync)
+            when omitted.
+        return_lse: also return the log-sum-exp ``L`` (natural log, sink included), fp32,
+            ``[B, Hq, Nq]`` dense or ``[Hq, total_q]`` packed; it is differentiable too.
+        softmax_scale: score scale, default ``1/sqrt(D)``.
+
+    Returns:
+        ``out`` shaped and strided like ``q``, or ``(out, lse)`` with ``return_lse``.
+        A query row that sees no key returns ``out = 0`` and ``L = sigma``.
+    """
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise TypeError("q, k and v must be torch tensors")
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.is_cuda or _interpreting()):
+        raise RuntimeError("sink_attention runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1, "
+                           "for tests); use sink_attention_reference for CPU tensors otherwise")
+    if window is not None:
+        if not causal:
+            raise ValueError("window needs causal=True (a sliding window here is causal by definition)")
+        if int(window) < 1:
+            raise ValueError(f"window must be a positive number of keys; got {window}")
+        window = int(window)
+    packed = cu_seqlens is not None
+    want_dims = 3 if packed else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want_dims:
+            layout = "[total, H, D] with cu_seqlens" if packed else "[B, H, N, D]"
+            raise ValueError(f"{name} must be {layout}; got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim or head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim must be one of 16, 32, 64, 128, 256 and equal for q and k; got "
+                         f"{head_dim} and {k.shape[-1]}")
+    hq, hkv = q.shape[-2 if packed else 1], k.shape[-2 if packed else 1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"the number of KV heads ({hkv}) must divide the number of query heads ({hq})")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != hq):
+        raise ValueError(f"sinks must have shape [{hq}] (one logit per query head); got {tuple(sinks.shape)}")
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    if packed:
+        cu_q = _check_cu("cu_seqlens", cu_seqlens, q.shape[0], q.device)
+        cu_k = cu_q if cu_seqlens_k is None else _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+        if cu_k.numel() != cu_q.numel():
+            raise ValueError("cu_seqlens and cu_seqlens_k must describe the same number of sequences")
+        if max_seqlen is None:
+            max_seqlen = int((cu_q[1:] - cu_q[:-1]).max())
+        if max_seqlen_k is None:
+            max_seqlen_k = max_seqlen if cu_seqlens_k is None else int((cu_k[1:] - cu_k[:-1]).max())
+        lay = _Layout(True, cu_q.numel() - 1, int(max_seqlen), int(max_seqlen_k), hq, hkv, head_dim)
+    else:
+        if cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_k needs cu_seqlens (packed layout)")
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
+        if causal and q.shape[2] > k.shape[2]:
+            raise ValueError(f"causal attention needs Nq <= Nk (queries are the last Nq positions); got "
+                             f"Nq={q.shape[2]}, Nk={k.shape[2]}")
+        cu_q = cu_k = None
+        lay = _Layout(False, q.shape[0], q.shape[2], k.shape[2], hq, hkv, head_dim)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    out, lse = _SinkAttentionFn.apply(q, k, v, sinks, cu_q, cu_k, lay, bool(causal), window, scale)
+    return (out, lse) if return_lse else out
