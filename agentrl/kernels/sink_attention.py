@@ -43,6 +43,16 @@ def _kernels():
             "agentrl.kernels.sink_attention needs Triton (pip install 'agentrl-sdk[kernels]'); "
             f"importing it failed: {exc}"
         ) from exc
+    if _interpreting() and not type(_triton_sink.sink_fwd_kernel).__name__ == "InterpretedFunction":
+        raise RuntimeError("TRITON_INTERPRET=1 was set after triton (or agentrl.kernels' kernels) had been "
+                           "imported; set it in the environment before the process imports triton")
+    if _interpreting():
+        import triton.language.standard as std
+
+        if type(std.sum).__name__ != "InterpretedFunction":
+            raise RuntimeError("TRITON_INTERPRET=1 was set after triton had been imported (triton's own "
+                               "functions are compiled, not interpreted); set it in the environment "
+                               "before the process imports triton")
     return _triton_sink
 
 
