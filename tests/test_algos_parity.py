@@ -9,7 +9,8 @@ import torch
 from agentrl.train import algorithms as A
 
 core_algos = pytest.importorskip(
-    "verl.trainer.ppo.core_algos", reason="verl is not installed (pip install 'agentrl-sdk[verl]' to run parity tests)"
+    "verl.trainer.ppo.core_algos",
+    reason="verl is not installed (pip install 'agentrl-sdk[verl]' to run parity tests)",
 )
 rch = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="verl is not installed")
 from omegaconf import OmegaConf  # noqa: E402  (verl dependency)
@@ -40,10 +41,13 @@ def _close(ours: torch.Tensor, theirs: torch.Tensor):
 def test_grpo(seed, norm):
     mask, rewards, *_ = _batch(seed)
     index = np.array(["a", "a", "a", "b", "b", "c", "d", "d", "d", "d", "e", "e"], dtype=object)
-    ours = A.compute_advantages("grpo", token_level_rewards=rewards, response_mask=mask, index=index,
-                                norm_adv_by_std_in_grpo=norm)
-    theirs = core_algos.compute_grpo_outcome_advantage(rewards.clone(), mask, index, norm_adv_by_std_in_grpo=norm)
-    for o, t in zip(ours, theirs):
+    ours = A.compute_advantages(
+        "grpo", token_level_rewards=rewards, response_mask=mask, index=index, norm_adv_by_std_in_grpo=norm
+    )
+    theirs = core_algos.compute_grpo_outcome_advantage(
+        rewards.clone(), mask, index, norm_adv_by_std_in_grpo=norm
+    )
+    for o, t in zip(ours, theirs, strict=True):
         _close(o, t)
 
 
@@ -51,12 +55,14 @@ def test_grpo(seed, norm):
 def test_group_estimators(seed):
     mask, rewards, *_ = _batch(seed)
     index = np.array([0, 0, 1, 1, 1, 2, 3, 3, 3, 3, 4, 5])
-    for name, fn in [("rloo", core_algos.compute_rloo_outcome_advantage),
-                     ("opo", core_algos.compute_opo_outcome_advantage),
-                     ("reinforce_plus_plus_baseline", core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage)]:
+    for name, fn in [
+        ("rloo", core_algos.compute_rloo_outcome_advantage),
+        ("opo", core_algos.compute_opo_outcome_advantage),
+        ("reinforce_plus_plus_baseline", core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage),
+    ]:
         ours = A.compute_advantages(name, token_level_rewards=rewards, response_mask=mask, index=index)
         theirs = fn(token_level_rewards=rewards.clone(), response_mask=mask, index=index)
-        for o, t in zip(ours, theirs):
+        for o, t in zip(ours, theirs, strict=True):
             _close(o, t)
 
 
@@ -64,15 +70,18 @@ def test_group_estimators(seed):
 def test_gae_and_reinforce_pp(gamma, lam):
     mask, rewards, _, _, _, g = _batch(3)
     values = torch.randn(mask.shape, generator=g)
-    ours = A.compute_advantages("gae", token_level_rewards=rewards, response_mask=mask, values=values,
-                                gamma=gamma, lam=lam)
+    ours = A.compute_advantages(
+        "gae", token_level_rewards=rewards, response_mask=mask, values=values, gamma=gamma, lam=lam
+    )
     theirs = core_algos.compute_gae_advantage_return(rewards, values, mask, gamma, lam)
-    for o, t in zip(ours, theirs):
+    for o, t in zip(ours, theirs, strict=True):
         _close(o, t)
     cfg = OmegaConf.create({"gamma": gamma})
-    ours = A.compute_advantages("reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=gamma)
+    ours = A.compute_advantages(
+        "reinforce_plus_plus", token_level_rewards=rewards, response_mask=mask, gamma=gamma
+    )
     theirs = core_algos.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, config=cfg)
-    for o, t in zip(ours, theirs):
+    for o, t in zip(ours, theirs, strict=True):
         _close(o, t)
 
 
@@ -104,13 +113,28 @@ def test_policy_losses(name, mode, clip, with_is):
     mask, _, old, new, adv, g = _batch(6)
     w = torch.rand(mask.shape, generator=g) * 2 if with_is else None
     ratio, low, high = clip
-    cfg = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, clip_ratio=ratio,
-                      clip_ratio_low=ratio if low is None else low, clip_ratio_high=ratio if high is None else high)
+    cfg = ActorConfig(
+        strategy="fsdp",
+        ppo_micro_batch_size_per_gpu=1,
+        rollout_n=1,
+        clip_ratio=ratio,
+        clip_ratio_low=ratio if low is None else low,
+        clip_ratio_high=ratio if high is None else high,
+    )
     a = new.clone().requires_grad_(True)
     b = new.clone().requires_grad_(True)
-    ours, om = A.policy_loss(name, old_log_prob=old, log_prob=a, advantages=adv, response_mask=mask,
-                             loss_agg_mode=mode, clip_ratio=ratio, clip_ratio_low=low, clip_ratio_high=high,
-                             rollout_is_weights=w)
+    ours, om = A.policy_loss(
+        name,
+        old_log_prob=old,
+        log_prob=a,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=mode,
+        clip_ratio=ratio,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        rollout_is_weights=w,
+    )
     theirs, tm = core_algos.get_policy_loss_fn(name)(old, b, adv, mask, mode, cfg, w)
     _close(ours, theirs)
     ours.backward()
@@ -126,20 +150,25 @@ def _verl_rollout_corr(old, roll, mask, **kw):
     return (None if proto is None else proto.batch["rollout_is_weights"]), new_mask, metrics
 
 
-@pytest.mark.parametrize("kw", [
-    dict(rollout_is="token", rollout_is_threshold=2.0),
-    dict(rollout_is="token", rollout_is_threshold=1.3),
-    dict(rollout_is="sequence", rollout_is_threshold=5.0),
-    dict(rollout_is="token", rollout_is_threshold="0.8_1.25"),
-    dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True),
-    dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True),
-    dict(rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25"),
-    dict(rollout_rs="token_k2,token_k3", rollout_rs_threshold="0.02,0.01"),
-    dict(rollout_rs="seq_sum_k1,seq_mean_k3,seq_max_k2", rollout_rs_threshold="2.0,0.01,0.05"),
-    dict(rollout_rs="seq_mean_k1,seq_sum_k2,seq_max_k3,seq_mean_k2,seq_sum_k3", rollout_rs_threshold=1.1),
-    dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
-    dict(),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(rollout_is="token", rollout_is_threshold=2.0),
+        dict(rollout_is="token", rollout_is_threshold=1.3),
+        dict(rollout_is="sequence", rollout_is_threshold=5.0),
+        dict(rollout_is="token", rollout_is_threshold="0.8_1.25"),
+        dict(rollout_is="sequence", rollout_is_threshold="0.5_2.0", rollout_is_batch_normalize=True),
+        dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True),
+        dict(rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25"),
+        dict(rollout_rs="token_k2,token_k3", rollout_rs_threshold="0.02,0.01"),
+        dict(rollout_rs="seq_sum_k1,seq_mean_k3,seq_max_k2", rollout_rs_threshold="2.0,0.01,0.05"),
+        dict(rollout_rs="seq_mean_k1,seq_sum_k2,seq_max_k3,seq_mean_k2,seq_sum_k3", rollout_rs_threshold=1.1),
+        dict(
+            rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01
+        ),
+        dict(),
+    ],
+)
 def test_rollout_correction(kw):
     mask, _, old, _, _, g = _batch(7, B=16, T=12)
     roll = old + 0.15 * torch.randn(old.shape, generator=g)

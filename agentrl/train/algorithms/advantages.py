@@ -40,13 +40,17 @@ def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     return deco
 
 
-def _group_ids(index: Sequence[Any] | np.ndarray | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+def _group_ids(
+    index: Sequence[Any] | np.ndarray | torch.Tensor, batch: int, device: torch.device
+) -> torch.Tensor:
     """Map arbitrary group ids to dense int64 ids ``[B]`` (first-seen order)."""
     if isinstance(index, torch.Tensor):
         index = index.tolist()
     keys = list(index.tolist() if isinstance(index, np.ndarray) else index)
     if len(keys) != batch:
-        raise ValueError(f"index has {len(keys)} entries but the batch has {batch} rows; give one group id per row")
+        raise ValueError(
+            f"index has {len(keys)} entries but the batch has {batch} rows; give one group id per row"
+        )
     dense: dict[Any, int] = {}
     ids = [dense.setdefault(k, len(dense)) for k in keys]
     return torch.tensor(ids, dtype=torch.long, device=device)
@@ -55,7 +59,9 @@ def _group_ids(index: Sequence[Any] | np.ndarray | torch.Tensor, batch: int, dev
 def _group_stats(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row group ``(count, mean, unbiased std)``; singleton groups get mean 0 and std 1."""
     n_groups = int(gid.max()) + 1
-    count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, torch.ones_like(scores))
+    count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, gid, torch.ones_like(scores)
+    )
     total = torch.zeros_like(count).index_add_(0, gid, scores)
     mean = total / count
     sq = torch.zeros_like(count).index_add_(0, gid, (scores - mean[gid]) ** 2)
@@ -149,7 +155,9 @@ def gae(*, token_level_rewards, response_mask, values=None, gamma=1.0, lam=1.0, 
     ``advantages + values`` before whitening; advantages are then whitened over unmasked tokens.
     """
     if values is None:
-        raise ValueError("'gae' needs values=[B, T] from a critic; use 'grpo' or 'rloo' for critic-free training")
+        raise ValueError(
+            "'gae' needs values=[B, T] from a critic; use 'grpo' or 'rloo' for critic-free training"
+        )
     with torch.no_grad():
         next_value = torch.zeros_like(values[:, 0])
         running = torch.zeros_like(values[:, 0])
@@ -185,7 +193,9 @@ def compute_advantages(
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
     if fn is None:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}"
+        )
     if token_level_rewards.shape != response_mask.shape:
         raise ValueError(
             f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "

@@ -17,7 +17,13 @@ import torch
 
 from agentrl.train.algorithms._masked import masked_max, masked_mean, masked_min, masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 _LOG_RATIO_CLAMP = 20.0
 
 
@@ -85,7 +91,9 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
         rev = torch.clamp(-diff, min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP)
         value = torch.clamp(torch.exp(rev) - rev - 1, min=-10.0, max=10.0)
     else:
-        raise ValueError(f"unknown KL estimator {kind!r}; choose one of {list(KL_KINDS)} (optionally with '+')")
+        raise ValueError(
+            f"unknown KL estimator {kind!r}; choose one of {list(KL_KINDS)} (optionally with '+')"
+        )
     if not straight_through or base in ("k2", "mse"):
         return value
     grad_carrier = 0.5 * diff.square()
@@ -137,7 +145,9 @@ def _ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
 
 
 @register_policy_loss("vanilla")
-def vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs):
+def vanilla(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs
+):
     """PPO clipped surrogate with dual clip for negative advantages (ratio capped at ``clip.c``)."""
     if clip.c <= 1.0:
         raise ValueError(f"dual-clip bound clip_ratio_c must be > 1.0, got {clip.c}")
@@ -164,7 +174,9 @@ def vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cl
 
 
 @register_policy_loss("gspo")
-def gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs):
+def gspo(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs
+):
     """GSPO: sequence-level ratio ``exp(mean_t log(pi/pi_old))`` with per-token gradients, clipped."""
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / response_mask.sum(dim=-1).clamp(min=1)
@@ -186,7 +198,9 @@ def gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip,
 
 
 @register_policy_loss("cispo")
-def cispo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs):
+def cispo(
+    old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs
+):
     """CISPO: ``-sg(clip(ratio)) * A * log_prob`` (the clipped ratio is a stopped-gradient weight)."""
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -230,8 +244,12 @@ def policy_loss(
     fn = POLICY_LOSSES.get(name)
     if fn is None:
         raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}")
-    shapes = {k: tuple(v.shape) for k, v in
-              dict(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask).items()}
+    shapes = {
+        k: tuple(v.shape)
+        for k, v in dict(
+            old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask
+        ).items()
+    }
     if len(set(shapes.values())) != 1:
         raise ValueError(f"policy_loss inputs must share one [B, T] shape, got {shapes}")
     agg_kwargs = {}
@@ -240,4 +258,6 @@ def policy_loss(
     if global_batch_size is not None:
         agg_kwargs["global_batch_size"] = global_batch_size
     clip = ClipConfig(ratio=clip_ratio, low=clip_ratio_low, high=clip_ratio_high, c=clip_ratio_c)
-    return fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs)
+    return fn(
+        old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs
+    )

@@ -25,7 +25,9 @@ def is_on_policy(ppo_epochs: int, num_mini_batches: int) -> bool:
     return ppo_epochs == 1 and num_mini_batches == 1
 
 
-def onpolicy_old_log_prob(log_prob: torch.Tensor, *, ppo_epochs: int, num_mini_batches: int) -> torch.Tensor | None:
+def onpolicy_old_log_prob(
+    log_prob: torch.Tensor, *, ppo_epochs: int, num_mini_batches: int
+) -> torch.Tensor | None:
     """``log_prob.detach()`` when :func:`is_on_policy`, else None (use the separately computed old log-probs).
 
     ``log_prob`` is the ``[B, T]`` tensor of the training forward that the loss backpropagates through.

@@ -31,10 +31,17 @@ from agentrl.train.algorithms._masked import masked_max, masked_mean, masked_min
 
 SAFETY_BOUND = 20.0
 RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
 )
 
 
@@ -50,24 +57,34 @@ def parse_is_threshold(spec: float | int | str) -> tuple[float, float | None]:
         else:
             upper = float(spec)
     except ValueError as exc:
-        raise ValueError(f"rollout_is_threshold {spec!r} is not a number or a 'lo_hi' pair like '0.5_2.0'") from exc
+        raise ValueError(
+            f"rollout_is_threshold {spec!r} is not a number or a 'lo_hi' pair like '0.5_2.0'"
+        ) from exc
     if upper <= 0 or (lower is not None and not 0 < lower <= upper):
         raise ValueError(f"rollout_is_threshold {spec!r} needs 0 < lo <= hi")
     return upper, lower
 
 
-def parse_rs_thresholds(options: list[str], spec: float | int | str | None) -> dict[str, tuple[float | None, float]]:
+def parse_rs_thresholds(
+    options: list[str], spec: float | int | str | None
+) -> dict[str, tuple[float | None, float]]:
     """Per option ``(lower, upper)``; ``lower`` is set only for k1 options (ratio bounds)."""
     if spec is None:
         raise ValueError("rollout_rs_threshold is required when rollout_rs is set (e.g. 2.0 or '0.5_2.0')")
-    parts = [str(spec)] if isinstance(spec, (int, float)) else [p.strip() for p in str(spec).split(",") if p.strip()]
+    parts = (
+        [str(spec)]
+        if isinstance(spec, (int, float))
+        else [p.strip() for p in str(spec).split(",") if p.strip()]
+    )
     if len(parts) == 1:
         parts = parts * len(options)
     if len(parts) != len(options):
-        raise ValueError(f"rollout_rs_threshold has {len(parts)} values for {len(options)} rollout_rs options; "
-                         "give one shared value or one per option")
+        raise ValueError(
+            f"rollout_rs_threshold has {len(parts)} values for {len(options)} rollout_rs options; "
+            "give one shared value or one per option"
+        )
     out: dict[str, tuple[float | None, float]] = {}
-    for opt, part in zip(options, parts):
+    for opt, part in zip(options, parts, strict=True):
         try:
             if opt.endswith("k1"):
                 lo_s, hi_s = part.split("_", 1) if "_" in part else (None, part)
@@ -82,8 +99,10 @@ def parse_rs_thresholds(options: list[str], spec: float | int | str | None) -> d
                     raise ValueError
                 out[opt] = (None, hi)
         except ValueError as exc:
-            raise ValueError(f"bad rollout_rs_threshold {part!r} for {opt!r}: k1 options take 'lo_hi' or one "
-                             "ratio bound u > 0 (meaning [1/u, u]); k2/k3 options take one positive upper bound") from exc
+            raise ValueError(
+                f"bad rollout_rs_threshold {part!r} for {opt!r}: k1 options take 'lo_hi' or one "
+                "ratio bound u > 0 (meaning [1/u, u]); k2/k3 options take one positive upper bound"
+            ) from exc
     return out
 
 
@@ -123,7 +142,9 @@ def _is_weights(log_ratio, mask, level, upper, lower, batch_normalize):
         m["rollout_is_std"] = var.clamp(min=0.0).sqrt().item()
     else:
         m["rollout_is_std"] = 0.0
-    m["rollout_is_eff_sample_size"] = 1.0 / masked_mean((bounded / (bounded_mean + 1e-8)).square(), mask).item()
+    m["rollout_is_eff_sample_size"] = (
+        1.0 / masked_mean((bounded / (bounded_mean + 1e-8)).square(), mask).item()
+    )
     seq_mean = masked_mean(weights, mask, dim=-1)
     m["rollout_is_seq_mean"] = seq_mean.mean().item()
     m["rollout_is_seq_std"] = seq_mean.std().item() if seq_mean.numel() > 1 else 0.0
@@ -226,7 +247,9 @@ def _rs_mask(log_ratio, mask, rs, rs_threshold):
         combined = combined * keep_f
         m[f"{p}_masked_fraction"] = masked_mean(1 - keep_f, mask).item()
         row_kept = (keep | ~mask_b).all(dim=-1)
-        m[f"{p}_seq_masked_fraction"] = ((~row_kept & valid_rows).float().sum() / valid_rows.float().sum()).item()
+        m[f"{p}_seq_masked_fraction"] = (
+            (~row_kept & valid_rows).float().sum() / valid_rows.float().sum()
+        ).item()
 
     m["rollout_rs_masked_fraction"] = masked_mean(1 - combined, mask).item()
     rejected_any = (~((combined > 0.5) & mask_b) & mask_b).any(dim=-1)
@@ -296,7 +319,9 @@ def rollout_correction(
     weights = None
     if rollout_is is not None and rollout_is_threshold is not None:
         upper, lower = parse_is_threshold(rollout_is_threshold)
-        weights, is_m = _is_weights(log_ratio, response_mask, rollout_is, upper, lower, rollout_is_batch_normalize)
+        weights, is_m = _is_weights(
+            log_ratio, response_mask, rollout_is, upper, lower, rollout_is_batch_normalize
+        )
         metrics.update(is_m)
     new_mask = response_mask.clone()
     if rollout_rs is not None:

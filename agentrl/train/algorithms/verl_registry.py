@@ -20,15 +20,24 @@ def _cfg(config, key, default=None):
     return config.get(key, default) if hasattr(config, "get") else getattr(config, key, default)
 
 
-def agentrl_onpolicy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                          config=None, rollout_is_weights=None):
+def agentrl_onpolicy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="token-mean",
+    config=None,
+    rollout_is_weights=None,
+):
     """verl ``PolicyLossFn`` signature; see the module docstring."""
     if config is None:
         raise ValueError("agentrl_onpolicy needs verl's actor config (clip_ratio, ppo_epochs, ...)")
     epochs = _cfg(config, "ppo_epochs", 1)
     if epochs != 1:
-        raise ValueError(f"policy loss {ONPOLICY_LOSS_NAME!r} is only valid with ppo_epochs=1 and one mini-batch "
-                         f"(got ppo_epochs={epochs}); use 'vanilla' for multi-epoch PPO")
+        raise ValueError(
+            f"policy loss {ONPOLICY_LOSS_NAME!r} is only valid with ppo_epochs=1 and one mini-batch "
+            f"(got ppo_epochs={epochs}); use 'vanilla' for multi-epoch PPO"
+        )
     batch_info = dict(_cfg(config, "global_batch_info", None) or {})
     loss, metrics = policy_loss(
         "vanilla",
