@@ -20,6 +20,7 @@ Containment done here (the host adds the namespaces, read-only filesystem and th
 """
 
 import ast
+import base64
 import errno
 import io
 import json
@@ -77,11 +78,21 @@ def write_frame(fd, obj):
 # ---------------------------------------------------------------- code side (runs in the forked child)
 
 
-def execute(code, namespace, want_display, cap):
-    """Run ``code`` in ``namespace`` and return {exit_code, kind, display, error}; output goes to fds 1/2."""
+def execute(code, namespace, want_display, cap, files=None, fetch=()):
+    """Run ``code`` in ``namespace`` and return {exit_code, kind, display, error, files}; output goes to fds 1/2.
+
+    ``files`` (path -> base64) are written first and ``fetch`` paths read back afterwards (base64, None if
+    missing or too big), both with the code's own privileges.
+    """
     display = error = None
     linecache.cache[FILENAME] = (len(code), None, code.splitlines(True), FILENAME)
     try:
+        for path, b64 in (files or {}).items():
+            parent = os.path.dirname(path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(base64.b64decode(b64 or ""))
         tree = ast.parse(code, FILENAME, "exec")
         last = None
         if want_display and tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -93,7 +104,7 @@ def execute(code, namespace, want_display, cap):
                 display = repr(value)[:cap]
         exit_code, kind = 0, "ok"
     except SystemExit as exc:
-        exit_code, kind = _system_exit_code(exc), "ok"
+        exit_code = _system_exit_code(exc)
         kind = "ok" if exit_code == 0 else "error"
     except BaseException as exc:  # the code's failure is data, never the kernel's death
         kind = "oom" if isinstance(exc, MemoryError) else "error"
@@ -101,7 +112,29 @@ def execute(code, namespace, want_display, cap):
         error = {"ename": type(exc).__name__, "evalue": _safe_str(exc)}
         _print_user_traceback(exc)
     _flush_std()
-    return {"exit_code": exit_code, "kind": kind, "display": display, "error": error}
+    return {
+        "exit_code": exit_code,
+        "kind": kind,
+        "display": display,
+        "error": error,
+        "files": _fetch_files(fetch, 4 * cap),
+    }
+
+
+def _fetch_files(paths, budget):
+    out = {}
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(budget + 1)
+        except OSError:
+            data = None
+        if data is None or len(data) > budget:
+            out[path] = None
+        else:
+            budget -= len(data)
+            out[path] = base64.b64encode(data).decode("ascii")
+    return out
 
 
 def _system_exit_code(exc):
@@ -195,7 +228,7 @@ def kernel_main(cfg, cap):
         sys.stdin = io.StringIO(req["stdin"])
         if sys.stdout.closed or sys.stderr.closed:
             _fresh_std_streams()
-        result = execute(req["code"], namespace, True, cap)
+        result = execute(req["code"], namespace, True, cap, req.get("files"), req.get("fetch_files", ()))
         if sys.stdout.closed or sys.stderr.closed:
             _fresh_std_streams()
         write_frame(4, result)
@@ -305,9 +338,9 @@ class Worker:
         if pid == 0:
             try:
                 setup_child(self.cfg, 0, (stdin_fd, out_w, err_w, res_w), cpu_s, workdir)
-                result = execute(
-                    req["code"], {"__name__": "__main__", "__builtins__": __builtins__}, False, self.cap
-                )
+                namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+                fetch = req.get("fetch_files", ())
+                result = execute(req["code"], namespace, False, self.cap, req.get("files"), fetch)
                 write_frame(3, result)
                 os._exit(result["exit_code"])
             except BaseException:
@@ -370,7 +403,13 @@ class Worker:
         _drain_nonblocking(kernel.out_r)
         _drain_nonblocking(kernel.err_r)
         try:
-            write_frame(kernel.ctl_w, {"code": req["code"], "stdin": req["stdin"]})
+            msg = {
+                "code": req["code"],
+                "stdin": req["stdin"],
+                "files": req.get("files"),
+                "fetch_files": req.get("fetch_files", ()),
+            }
+            write_frame(kernel.ctl_w, msg)
         except OSError:
             pass  # the kernel died between calls; collect() sees it exit
         col = self.collect(
@@ -411,7 +450,7 @@ class Worker:
                     res_buf += chunk
                 elif fd == pidfd:
                     exited = True
-            if len(res_buf) > 8 * self.cap + 65536:
+            if len(res_buf) > 10 * self.cap + 65536:
                 col["bad_frame"] = True
                 break
             if not one_shot and _frame_complete(res_buf):
@@ -524,6 +563,7 @@ class Worker:
             "display": result.get("display"),
             "message": message,
             "error": result.get("error"),
+            "files": result.get("files") or {},
             "reset": col["reset"],
         }
 

@@ -21,7 +21,7 @@ Contract of an execution:
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 #: Allowed values of :attr:`ExecResult.status`.
@@ -55,6 +55,8 @@ class ExecResult:
             expression whose value is not ``None``; otherwise ``None``.
         message: a short human-readable note from the sandbox (e.g. why it timed out, that a session's state
             was reset); empty when there is nothing to say.
+        files: files fetched after the run, for backends that support ``fetch_files``: path -> base64 of the
+            content, or None if the file was missing or too large.
     """
 
     stdout: str
@@ -65,6 +67,7 @@ class ExecResult:
     truncated: bool = False
     display: str | None = None
     message: str = ""
+    files: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -169,12 +172,11 @@ class SyncSandbox:
         self._backend: SandboxBackend | None = self._loop.run_until_complete(_build(name, kwargs))
 
     def run(
-        self, code: str, *, session: str | None = None, timeout_s: float = 10.0, stdin: str = ""
+        self, code: str, *, session: str | None = None, timeout_s: float = 10.0, stdin: str = "", **extra: Any
     ) -> ExecResult:
-        """Blocking :meth:`SandboxBackend.run`."""
-        return self._loop.run_until_complete(
-            self._backend.run(code, session=session, timeout_s=timeout_s, stdin=stdin)
-        )
+        """Blocking :meth:`SandboxBackend.run`; ``extra`` goes to backends that take more (e.g. ``files``)."""
+        coro = self._backend.run(code, session=session, timeout_s=timeout_s, stdin=stdin, **extra)
+        return self._loop.run_until_complete(coro)
 
     def create_session(self) -> str:
         """Blocking :meth:`SandboxBackend.create_session`."""

@@ -10,6 +10,7 @@ fresh state and say so in ``ExecResult.message``.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,9 +264,21 @@ class LocalSandbox:
             self._started = True
 
     async def run(
-        self, code: str, *, session: str | None = None, timeout_s: float = 10.0, stdin: str = ""
+        self,
+        code: str,
+        *,
+        session: str | None = None,
+        timeout_s: float = 10.0,
+        stdin: str = "",
+        files: Mapping[str, bytes] | None = None,
+        fetch_files: Sequence[str] = (),
     ) -> ExecResult:
-        """Run ``code``; see :class:`agentrl.envs.sandbox.base.SandboxBackend`."""
+        """Run ``code``; see :class:`agentrl.envs.sandbox.base.SandboxBackend`.
+
+        Extras of this backend: ``files`` (path -> content, relative to the run's working directory) are
+        written before the code runs and ``fetch_files`` are read back into ``ExecResult.files`` (base64),
+        both with the code's privileges; fetched files share a budget of 4x ``output_limit_bytes``.
+        """
         self._check_open()
         if not isinstance(code, str) or not isinstance(stdin, str):
             raise SandboxError("code and stdin must be str")
@@ -278,7 +292,15 @@ class LocalSandbox:
             if sess is None:
                 raise SandboxError(f"unknown sandbox session {session!r}; create one with create_session()")
             worker, slot = sess.worker, sess.slot
-        payload = {"op": "run", "code": code, "stdin": stdin, "timeout": float(timeout_s), "slot": slot}
+        payload = {
+            "op": "run",
+            "code": code,
+            "stdin": stdin,
+            "timeout": float(timeout_s),
+            "slot": slot,
+            "files": {p: base64.b64encode(data).decode("ascii") for p, data in (files or {}).items()},
+            "fetch_files": list(fetch_files),
+        }
         start = time.monotonic()
         worker.load += 1
         try:
@@ -373,4 +395,5 @@ def _to_result(resp: dict[str, Any], *, state_lost: bool) -> ExecResult:
         truncated=bool(resp["truncated"]),
         display=resp.get("display"),
         message=message,
+        files=resp.get("files") or {},
     )

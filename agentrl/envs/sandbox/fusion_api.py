@@ -1,0 +1,139 @@
+"""SandboxFusion's HTTP API, as pydantic models: the request and response bodies of ``POST /run_code`` and
+``POST /run_jupyter`` (field names and enum values as in the ``sandbox-fusion`` client, version 0.3.7),
+plus the mapping between them and :class:`~agentrl.envs.sandbox.base.ExecResult`.
+
+Shared by our server (``agentrl serve sandbox``) and our client (:mod:`.fusion`). Unknown request fields
+(e.g. verl's ``memory_limit_MB``) are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from agentrl.envs.sandbox.base import ExecResult
+
+CommandRunStatus = Literal["Finished", "Error", "TimeLimitExceeded"]
+RunStatus = Literal["Success", "Failed", "SandboxError"]
+
+#: Languages this implementation runs. SandboxFusion knows many more; we answer those with SandboxError.
+PYTHON_LANGUAGES = ("python", "python3")
+
+
+class CommandRunResult(BaseModel):
+    status: CommandRunStatus
+    execution_time: float | None = None
+    cpu_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+
+
+class RunCodeRequest(BaseModel):
+    code: str
+    language: str = "python"
+    compile_timeout: float = 10
+    run_timeout: float = 10
+    stdin: str | None = None
+    files: dict[str, str | None] = Field(default_factory=dict)  # path -> base64 content
+    fetch_files: list[str] = Field(default_factory=list)
+
+
+class RunCodeResponse(BaseModel):
+    status: RunStatus
+    message: str
+    compile_result: CommandRunResult | None = None
+    run_result: CommandRunResult | None = None
+    executor_pod_name: str | None = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+class RunJupyterRequest(BaseModel):
+    cells: list[str]
+    cell_timeout: float = 0  # 0: only total_timeout applies
+    total_timeout: float = 45
+    kernel: Literal["python3"] = "python3"
+    files: dict[str, str] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+
+
+class CellRunResult(BaseModel):
+    stdout: str
+    stderr: str
+    display: list[dict[str, Any]]
+    error: list[dict[str, Any]]
+
+
+class RunJupyterResponse(BaseModel):
+    status: RunStatus
+    message: str
+    driver: CommandRunResult | None = None
+    cells: list[CellRunResult] = Field(default_factory=list)
+    executor_pod_name: str | None = None
+    files: dict[str, str] = Field(default_factory=dict)
+
+
+def command_result(result: ExecResult) -> CommandRunResult:
+    """One execution as SandboxFusion's ``CommandRunResult`` (a timeout has no return code)."""
+    return CommandRunResult(
+        status="TimeLimitExceeded" if result.status == "timeout" else "Finished",
+        execution_time=result.duration_s,
+        return_code=None if result.status == "timeout" else result.exit_code,
+        stdout=result.stdout,
+        stderr=result.stderr,
+    )
+
+
+def run_code_response(result: ExecResult) -> RunCodeResponse:
+    """An :class:`ExecResult` as the body of a ``/run_code`` answer."""
+    if result.status == "sandbox_error":
+        return RunCodeResponse(status="SandboxError", message=result.message or "sandbox error")
+    run = command_result(result)
+    status: RunStatus = "Success" if run.status == "Finished" and run.return_code == 0 else "Failed"
+    return RunCodeResponse(status=status, message=result.message, run_result=run)
+
+
+def exec_result_from_run(resp: RunCodeResponse) -> ExecResult:
+    """A ``/run_code`` answer (ours or real SandboxFusion's) as an :class:`ExecResult`."""
+    if resp.status == "SandboxError":
+        return ExecResult("", "", None, "sandbox_error", 0.0, message=resp.message or "sandbox error")
+    run = resp.run_result or resp.compile_result
+    if run is None:
+        return ExecResult(
+            "", "", None, "sandbox_error", 0.0, message=f"no run result in the answer: {resp.message}"
+        )
+    stdout, stderr = run.stdout or "", run.stderr or ""
+    code = run.return_code
+    if run.status == "TimeLimitExceeded":
+        status = "timeout"
+    elif run.status == "Error":
+        status = "sandbox_error"
+    elif code == 0:
+        status = "ok"
+    elif code is not None and code < 0:
+        status = "killed"
+    elif stderr.rstrip().endswith("MemoryError"):
+        status = "oom"
+    else:
+        status = "error"
+    return ExecResult(
+        stdout=stdout,
+        stderr=stderr,
+        exit_code=code,
+        status=status,
+        duration_s=run.execution_time or 0.0,
+        truncated="more bytes of stdout truncated]" in stdout or "more bytes of stderr truncated]" in stderr,
+        message=resp.message,
+    )
+
+
+def cell_result(result: ExecResult) -> CellRunResult:
+    """One stateful execution as a Jupyter cell result (display as a text/plain bundle, error as ename/evalue)."""
+    display = [{"text/plain": result.display}] if result.display is not None else []
+    error: list[dict[str, Any]] = []
+    if result.status in ("error", "oom") and "Traceback (most recent call last):" in result.stderr:
+        last = result.stderr.rstrip().splitlines()[-1]
+        ename, _, evalue = last.partition(": ")
+        error.append({"ename": ename, "evalue": evalue, "traceback": result.stderr.splitlines()})
+    return CellRunResult(stdout=result.stdout, stderr=result.stderr, display=display, error=error)
