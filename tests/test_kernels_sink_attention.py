@@ -46,7 +46,7 @@ def _compare(q, k, v, sinks, tol, **kw):
         (ref_out * g_out.double()).sum() + (ref_lse * g_lse.double()).sum(), ref_leaves)
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     errs = {"out": _rel(out, ref_out), "lse": _rel(lse, ref_lse)}
-    for name, g, rg in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads):
+    for name, g, rg in zip(("dq", "dk", "dv", "dsink"), grads, ref_grads, strict=True):
         errs[name] = _rel(g, rg)
     bad = {name: e for name, e in errs.items() if not e <= tol}
     assert not bad, f"relative errors over {tol}: {bad} (all: {errs})"

@@ -126,7 +126,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, s
 
 
 @triton.jit
-def sink_fwd_kernel(Q, K, V, SINK, O, LSE, CU_Q, CU_K,
+def sink_fwd_kernel(Q, K, V, SINK, Out, LSE, CU_Q, CU_K,
                     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
                     sl_b, sl_h, n_q_dense, n_k_dense, H, GROUP, qk_scale2, window,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
@@ -147,7 +147,7 @@ def sink_fwd_kernel(Q, K, V, SINK, O, LSE, CU_Q, CU_K,
     q_ptr = Q + b64 * sq_b + h.to(tl.int64) * sq_h + q_start.to(tl.int64) * sq_n
     k_ptr = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_n
     v_ptr = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_n
-    o_ptr = O + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_n
+    o_ptr = Out + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_n
     lse_ptr = LSE + b64 * sl_b + h.to(tl.int64) * sl_h + q_start
 
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -176,12 +176,12 @@ def sink_fwd_kernel(Q, K, V, SINK, O, LSE, CU_Q, CU_K,
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only without a sink and with no visible key
     out = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    tl.store(o_ptr + rows[:, None] * so_n + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(o_ptr + rows[:, None] * so_n + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(lse_ptr + rows, lse, mask=row_ok)
 
 
 @triton.jit
-def sink_bwd_preprocess_kernel(O, DO, LSE, DLSE, SINK, DELTA, SINKTERM, CU_Q, CU_K,
+def sink_bwd_preprocess_kernel(Out, DO, LSE, DLSE, SINK, DELTA, SINKTERM, CU_Q, CU_K,
                                so_b, so_h, so_n, sdo_b, sdo_h, sdo_n, sl_b, sl_h,
                                n_q_dense, n_k_dense, H,
                                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, VARLEN: tl.constexpr,
@@ -200,7 +200,7 @@ def sink_bwd_preprocess_kernel(O, DO, LSE, DLSE, SINK, DELTA, SINKTERM, CU_Q, CU
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
     row_ok = rows < n_q
-    o_ptr = O + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_n
+    o_ptr = Out + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_n
     do_ptr = DO + b64 * sdo_b + h.to(tl.int64) * sdo_h + q_start.to(tl.int64) * sdo_n
     l_off = b64 * sl_b + h.to(tl.int64) * sl_h + q_start + rows
     o = tl.load(o_ptr + rows[:, None] * so_n + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
