@@ -59,21 +59,30 @@ class _BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._reject(scope, receive, send)
-        seen = 0
-
-        async def limited_receive() -> dict:
-            nonlocal seen
+        # Read the whole body first (it is small by construction) so that a streamed body without a declared
+        # length is bounded too; then hand it to the app in one message.
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":
+                return  # client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await self._reject(scope, receive, send)
+        async def replay() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
         resp = JSONResponse(
@@ -83,10 +92,6 @@ class _BodyLimit:
             status_code=413,
         )
         await resp(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) -> FastAPI:

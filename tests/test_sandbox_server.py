@@ -1,0 +1,277 @@
+"""``agentrl serve sandbox`` over real HTTP on loopback: the official ``sandbox-fusion`` client and our own
+httpx client against a uvicorn server running the isolated local pool."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import sandbox_fusion as sf
+import uvicorn
+
+from agentrl.envs.sandbox import make_backend
+from agentrl.envs.sandbox.fusion import SandboxFusionBackend
+from agentrl.envs.sandbox.server import ServerSettings, create_app, main
+
+if shutil.which("bwrap") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must install bubblewrap (apt-get install bubblewrap python3-seccomp)")
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+
+TOKEN = "test-token-123"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(settings: ServerSettings) -> Iterator[str]:
+    backend = make_backend("local", workers=2, output_limit_bytes=4096)
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(backend, settings), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if (
+                httpx.get(f"{url}/v1/ping", headers={"Authorization": f"Bearer {settings.token}"}).status_code
+                == 200
+            ):
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    else:
+        raise RuntimeError("server did not start")
+    yield url
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    yield from _serve(ServerSettings(max_body_bytes=64 * 1024, max_timeout_s=5.0, max_concurrency=8))
+
+
+@pytest.fixture(scope="module")
+def token_url() -> Iterator[str]:
+    yield from _serve(ServerSettings(token=TOKEN))
+
+
+def test_ping(url):
+    r = httpx.get(f"{url}/v1/ping")
+    assert r.status_code == 200 and r.json() == "pong"
+
+
+def test_official_client_run_code(url):
+    resp = sf.run_code(
+        sf.RunCodeRequest(code="print(1 + 1)", language="python"), endpoint=url, max_attempts=1
+    )
+    assert resp.status == sf.RunStatus.Success
+    assert resp.run_result.stdout == "2\n" and resp.run_result.return_code == 0
+    assert resp.run_result.status == sf.CommandRunStatus.Finished
+
+
+def test_official_client_stdin_and_failure(url):
+    req = sf.RunCodeRequest(
+        code="import sys\nx = sys.stdin.read()\nprint(x.upper())\nraise SystemExit(3)",
+        language="python",
+        stdin="abc",
+    )
+    resp = sf.run_code(req, endpoint=url, max_attempts=1)
+    assert resp.status == sf.RunStatus.Failed
+    assert resp.run_result.stdout == "ABC\n" and resp.run_result.return_code == 3
+
+
+def test_official_client_timeout(url):
+    req = sf.RunCodeRequest(code="while True:\n    pass", language="python", run_timeout=0.5)
+    resp = sf.run_code(req, endpoint=url, max_attempts=1)
+    assert resp.status == sf.RunStatus.Failed
+    assert resp.run_result.status == sf.CommandRunStatus.TimeLimitExceeded
+
+
+def test_timeout_is_capped_by_server(url):
+    req = sf.RunCodeRequest(code="import time\ntime.sleep(30)", language="python", run_timeout=1000)
+    t = time.monotonic()
+    resp = sf.run_code(req, endpoint=url, max_attempts=1)
+    assert resp.run_result.status == sf.CommandRunStatus.TimeLimitExceeded
+    assert time.monotonic() - t < 20  # capped at max_timeout_s=5
+
+
+def test_official_client_files_roundtrip(url):
+    req = sf.RunCodeRequest(
+        code="data = open('in.txt').read()\nopen('out.txt', 'w').write(data[::-1])",
+        language="python",
+        files={"in.txt": base64.b64encode(b"hello").decode()},
+        fetch_files=["out.txt"],
+    )
+    resp = sf.run_code(req, endpoint=url, max_attempts=1)
+    assert resp.status == sf.RunStatus.Success, resp
+    assert base64.b64decode(resp.files["out.txt"]) == b"olleh"
+
+
+def test_unsupported_language_is_a_clear_sandbox_error(url):
+    with pytest.raises(Exception, match="not supported"):
+        sf.run_code(sf.RunCodeRequest(code="int main(){}", language="cpp"), endpoint=url, max_attempts=1)
+
+
+def test_official_client_run_jupyter(url):
+    cells = [
+        "a = 123",
+        "a",
+        "print(a)",
+        "import sys; sys.stderr.write('stderr message')",
+        "raise RuntimeError('error message')",
+    ]
+    resp = sf.run_jupyter(sf.RunJupyterRequest(cells=cells), endpoint=url, max_attempts=1)
+    assert resp.status == sf.RunStatus.Success
+    # like Jupyter, a trailing expression shows its value: sys.stderr.write returns 14
+    assert [c.display for c in resp.cells] == [[], [{"text/plain": "123"}], [], [{"text/plain": "14"}], []]
+    assert resp.cells[2].stdout == "123\n"
+    assert resp.cells[3].stderr == "stderr message"
+    assert (
+        resp.cells[4].error[0]["ename"] == "RuntimeError"
+        and resp.cells[4].error[0]["evalue"] == "error message"
+    )
+
+
+def test_jupyter_cell_timeout(url):
+    req = sf.RunJupyterRequest(cells=["x = 1", "while True: pass", "x"], cell_timeout=0.5, total_timeout=5)
+    resp = sf.run_jupyter(req, endpoint=url, max_attempts=1)
+    assert resp.driver.status == sf.CommandRunStatus.TimeLimitExceeded
+    assert len(resp.cells) == 2
+
+
+def test_malformed_json(url):
+    r = httpx.post(
+        f"{url}/run_code",
+        content=b'{"code": "print(1)", "language": ',
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 422
+    assert "json" in r.text.lower()
+
+
+def test_missing_field(url):
+    r = httpx.post(f"{url}/run_code", json={"language": "python"})
+    assert r.status_code == 422 and "code" in r.text
+
+
+def test_oversize_code(url):
+    r = httpx.post(f"{url}/run_code", json={"code": "x = 1\n" * 20000, "language": "python"})
+    assert r.status_code == 413 and "exceeds" in r.json()["detail"]
+
+
+def test_oversize_code_streamed_without_length(url):
+    def body():
+        for _ in range(20):
+            yield b" " * 8192
+
+    r = httpx.post(f"{url}/run_code", content=body(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_verl_style_payload_with_extra_fields(url):
+    payload = {
+        "compile_timeout": 10,
+        "run_timeout": 5,
+        "code": "print(input())",
+        "stdin": "7",
+        "memory_limit_MB": 1024,
+        "language": "python",
+        "files": {},
+        "fetch_files": [],
+    }
+    r = httpx.post(f"{url}/run_code", json=payload)
+    assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "7\n"
+
+
+def test_concurrent_load_200_requests_16_clients(url):
+    kwargs = [
+        {
+            "request": sf.RunCodeRequest(code=f"print({i} * {i})", language="python"),
+            "endpoint": url,
+            "max_attempts": 1,
+        }
+        for i in range(200)
+    ]
+    results = sf.run_concurrent(sf.run_code, kwargs=kwargs, concurrency=16)
+    assert len(results) == 200
+    for i, resp in enumerate(results):
+        assert resp.status == sf.RunStatus.Success, resp
+        assert resp.run_result.stdout == f"{i * i}\n"
+
+
+def test_bearer_token(token_url):
+    assert (
+        httpx.post(f"{token_url}/run_code", json={"code": "print(1)", "language": "python"}).status_code
+        == 401
+    )
+    bad = httpx.post(
+        f"{token_url}/run_code",
+        json={"code": "print(1)", "language": "python"},
+        headers={"Authorization": "Bearer nope"},
+    )
+    assert bad.status_code == 401
+    ok = httpx.post(
+        f"{token_url}/run_code",
+        json={"code": "print(1)", "language": "python"},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert ok.status_code == 200 and ok.json()["run_result"]["stdout"] == "1\n"
+
+
+def test_our_client_against_our_server(token_url):
+    async def scenario():
+        async with SandboxFusionBackend(token_url, token=TOKEN) as sb:
+            assert await sb.ping()
+            r = await sb.run("print(6 * 7)")
+            assert r.ok and r.stdout == "42\n"
+            r = await sb.run("import sys; print(sys.stdin.read()[::-1])", stdin="abc")
+            assert r.stdout == "cba\n"
+            r = await sb.run("1/0")
+            assert r.status == "error" and "ZeroDivisionError" in r.stderr and r.exit_code == 1
+            r = await sb.run("while True: pass", timeout_s=0.5)
+            assert r.status == "timeout"
+            r = await sb.run("import ctypes; ctypes.string_at(0)")
+            assert r.status == "killed" and r.exit_code == -11
+            sid = await sb.create_session()
+            assert (await sb.run("x = 20", session=sid)).ok
+            r = await sb.run("x * 2", session=sid)
+            assert r.display == "40"
+            assert (await sb.run("undefined_name", session=sid)).status == "error"
+            assert (await sb.run("x + 1", session=sid)).display == "21"
+            await sb.release_session(sid)
+            results = await asyncio.gather(*(sb.run(f"print({i})") for i in range(32)))
+            assert [r.stdout for r in results] == [f"{i}\n" for i in range(32)]
+
+    asyncio.run(scenario())
+
+
+def test_our_client_reports_unreachable_server():
+    async def scenario():
+        async with SandboxFusionBackend(f"http://127.0.0.1:{_free_port()}", retries=0) as sb:
+            r = await sb.run("print(1)")
+            assert r.status == "sandbox_error" and "failed" in r.message
+
+    asyncio.run(scenario())
+
+
+def test_cli_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "SandboxFusion" in capsys.readouterr().out
