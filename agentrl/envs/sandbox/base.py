@@ -152,7 +152,7 @@ def make_backend(name: str = "local", **kwargs: Any) -> SandboxBackend:
 
         return SandboxFusionBackend(**kwargs)
     if name == "e2b":
-        from agentrl.envs.sandbox.e2b import E2BSandbox
+        from agentrl.envs.sandbox.e2b_backend import E2BSandbox
 
         return E2BSandbox(**kwargs)
     raise SandboxError(
