@@ -1,1 +1,27 @@
-"""agentrl.harmony."""
+"""agentrl.harmony: chat formats (GPT-OSS Harmony, HF chat templates), parsing and token-exact trajectories.
+
+Imports neither torch nor transformers; the HF pieces import transformers lazily when used.
+"""
+
+from agentrl.harmony.encoding import load_harmony_encoding_offline
+from agentrl.harmony.format import ChatFormat
+from agentrl.harmony.harmony_format import HarmonyFormat
+from agentrl.harmony.harmony_parser import StreamingParser
+from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
+from agentrl.harmony.types import Message, ParsedTurn, ParseError, ParseErrorKind, ToolCall, ToolSpec
+
+__all__ = [
+    "ChatFormat",
+    "HarmonyFormat",
+    "Message",
+    "ParseError",
+    "ParseErrorKind",
+    "ParsedTurn",
+    "StreamingParser",
+    "ToolCall",
+    "ToolRecord",
+    "ToolSpec",
+    "Trajectory",
+    "TurnRecord",
+    "load_harmony_encoding_offline",
+]
