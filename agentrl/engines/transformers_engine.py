@@ -1,0 +1,214 @@
+"""Local transformers :class:`~agentrl.engines.base.RolloutEngine`: batched KV-cache sampling on CPU or one GPU.
+
+Concurrent callers (one coroutine per episode) are micro-batched: each ``await engine.generate(...)``
+joins a queue, and a single worker coroutine drains the queue into one batched forward loop that runs
+in a worker thread. The event loop stays free while the model samples, so tool calls of other
+episodes run meanwhile, and episodes whose tool returned join the next batch.
+
+Log-probs: ``Completion.logprobs[i]`` is the natural-log probability of the sampled id under
+``softmax(logits / temperature)`` of the model (``temperature == 0`` means greedy decoding, and the
+log-prob is then taken under ``softmax(logits)``). This is the distribution the trainer recomputes
+(it uses the same temperature), so the rollout-vs-train gap measures numerical/engine mismatch only.
+Top-k/top-p truncation changes which ids can be drawn but not the reported log-prob.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from agentrl.engines.base import Completion, SamplingParams
+
+
+@dataclass
+class _Request:
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    future: asyncio.Future
+
+
+def _sampling_key(s: SamplingParams) -> tuple:
+    return (s.max_new_tokens, s.temperature, s.top_p, s.top_k, tuple(s.stop_token_ids), s.seed)
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) ids outside the top-k / nucleus top-p set. ``logits``: [B, V] float32."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop an id when the mass strictly before it already reaches top_p (the top id is always kept)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class TransformersEngine:
+    """Samples from a causal LM held in this process.
+
+    - ``model``: a transformers ``*ForCausalLM`` (any dtype) already on ``device``.
+    - ``pad_token_id``: id used for left padding (never attended to, any valid id works).
+    - ``max_batch_size``: most sequences in one batched forward loop; larger requests are split.
+    - ``seed``: seeds the engine's own ``torch.Generator``; ``SamplingParams.seed`` re-seeds it for
+      one batch. Re-seed between steps with :meth:`reseed` for resumable runs.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        pad_token_id: int = 0,
+        max_batch_size: int = 64,
+        seed: int = 0,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        self.max_batch_size = max_batch_size
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._queue: list[_Request] = []
+        self._worker: asyncio.Task | None = None
+        self.stats = {"generate_s": 0.0, "generated_tokens": 0, "batches": 0}
+
+    def reseed(self, seed: int) -> None:
+        self.generator.manual_seed(int(seed))
+
+    # ------------------------------------------------------------------ async API (micro-batched)
+    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+        """Return one :class:`Completion` per prompt, in order. Safe to call from many coroutines."""
+        if not prompts:
+            return []
+        loop = asyncio.get_running_loop()
+        request = _Request([list(p) for p in prompts], sampling, loop.create_future())
+        self._queue.append(request)
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await request.future
+
+    async def _drain(self) -> None:
+        while self._queue:
+            await asyncio.sleep(0)  # let episodes that are ready this tick enqueue first
+            key = _sampling_key(self._queue[0].sampling)
+            batch: list[_Request] = []
+            size = 0
+            for req in list(self._queue):
+                if _sampling_key(req.sampling) == key and (not batch or size + len(req.prompts) <= self.max_batch_size):
+                    batch.append(req)
+                    size += len(req.prompts)
+                    self._queue.remove(req)
+            prompts = [p for req in batch for p in req.prompts]
+            try:
+                completions = await asyncio.to_thread(self.generate_sync, prompts, batch[0].sampling)
+            except Exception as exc:  # deliver the failure to every waiting caller
+                for req in batch:
+                    if not req.future.done():
+                        req.future.set_exception(exc)
+                continue
+            offset = 0
+            for req in batch:
+                if not req.future.done():
+                    req.future.set_result(completions[offset : offset + len(req.prompts)])
+                offset += len(req.prompts)
+
+    # ------------------------------------------------------------------ sync core
+    def generate_sync(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+        """Blocking batched sampling; splits into chunks of ``max_batch_size``."""
+        out: list[Completion] = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            out.extend(self._generate_chunk([list(p) for p in prompts[start : start + self.max_batch_size]], sampling))
+        return out
+
+    @torch.no_grad()
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if sampling.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        if sampling.seed is not None:
+            self.generator.manual_seed(int(sampling.seed))
+        t0 = time.perf_counter()
+        device = self.device
+        batch = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
+        attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
+            attention[i, width - len(p) :] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        stop = torch.tensor(sorted(set(sampling.stop_token_ids)) or [-1], dtype=torch.long, device=device)
+
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logps: list[list[float]] = [[] for _ in range(batch)]
+        finish = ["length"] * batch
+        alive = list(range(batch))  # original row index of each live row of the cache
+        was_training = self.model.training
+        self.model.eval()
+        cache = None
+        try:
+            step_ids, step_pos = input_ids, positions
+            for _ in range(sampling.max_new_tokens):
+                out = self.model(
+                    input_ids=step_ids,
+                    attention_mask=attention,
+                    position_ids=step_pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                cache = out.past_key_values
+                logits = out.logits[:, -1, :].float()
+                if sampling.temperature > 0:
+                    scaled = logits / sampling.temperature
+                    logp_all = torch.log_softmax(scaled, dim=-1)
+                    filtered = _filter_logits(scaled, sampling.top_k, sampling.top_p)
+                    probs = torch.softmax(filtered, dim=-1)
+                    next_ids = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+                else:
+                    logp_all = torch.log_softmax(logits, dim=-1)
+                    next_ids = logits.argmax(dim=-1)
+                next_logp = logp_all.gather(-1, next_ids[:, None]).squeeze(-1)
+                ids_list = next_ids.tolist()
+                lp_list = next_logp.tolist()
+                is_stop = torch.isin(next_ids, stop).tolist()
+                keep: list[int] = []
+                for row, orig in enumerate(alive):
+                    tokens[orig].append(ids_list[row])
+                    logps[orig].append(lp_list[row])
+                    if is_stop[row]:
+                        finish[orig] = "stop"
+                    else:
+                        keep.append(row)
+                if not keep:
+                    break
+                step_ids = next_ids[:, None]
+                step_pos = step_pos[:, -1:] + 1
+                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
+                if len(keep) < len(alive):  # drop finished rows from the batch and the KV cache
+                    idx = torch.tensor(keep, dtype=torch.long, device=device)
+                    cache.batch_select_indices(idx)
+                    step_ids, step_pos, attention = step_ids[idx], step_pos[idx], attention[idx]
+                    alive = [alive[r] for r in keep]
+        finally:
+            self.model.train(was_training)
+        self.stats["generate_s"] += time.perf_counter() - t0
+        self.stats["generated_tokens"] += sum(len(t) for t in tokens)
+        self.stats["batches"] += 1
+        return [
+            Completion(
+                token_ids=tokens[i],
+                logprobs=logps[i],
+                finish_reason=finish[i],
+            )
+            for i in range(batch)
+        ]

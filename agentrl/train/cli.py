@@ -1,0 +1,47 @@
+"""``agentrl train env=NAME [key=value ...]``: build the config, run the trainer, print the summary.
+
+``resume=RUN_DIR`` continues a run from its latest checkpoint with the run's saved ``config.yaml``
+(further overrides, e.g. a larger ``trainer.total_steps``, apply on top). Exit codes: 0 done,
+2 bad config or arguments, 1 training failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from omegaconf import OmegaConf
+
+from agentrl.train.config import ConfigError, build_config, help_text
+
+
+def load_run_config(argv: list[str]):
+    """Resolve the config for ``argv`` (handles ``resume=RUN_DIR``); raises ConfigError."""
+    resume = next((a.split("=", 1)[1] for a in argv if a.startswith("resume=")), None)
+    if not resume:
+        return build_config(argv)
+    saved = os.path.join(resume, "config.yaml")
+    if not os.path.exists(saved):
+        raise ConfigError(f"resume={resume}: no config.yaml there; point resume= at a run directory")
+    base = OmegaConf.load(saved)
+    overrides = [a for a in argv if not a.startswith(("resume=", "run_dir="))]
+    return build_config(overrides + [f"resume={resume}", f"run_dir={resume}"], base=base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help", "help") for a in argv):
+        print(help_text())
+        return 0
+    try:
+        cfg = load_run_config(argv)
+    except ConfigError as exc:
+        print(f"agentrl train: {exc}", file=sys.stderr)
+        return 2
+    from agentrl.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    summary = trainer.fit()
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,276 @@
+"""Training configuration: typed dataclasses, OmegaConf dotted overrides, helpful errors.
+
+``agentrl train env=retool trainer.total_steps=20 algorithm.adv_estimator=grpo`` builds a
+:class:`TrainConfig` from the defaults below plus the overrides. Unknown keys and bad values raise
+:class:`ConfigError` with the close matches (difflib) of what was meant. Names follow verl where the
+concept is the same (``ppo_epochs``, ``clip_ratio_*``, ``loss_agg_mode``, ``algorithm.rollout_correction.*``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+
+# critic-free estimators only: this trainer has no value model (gae needs one)
+ADV_ESTIMATORS = tuple(sorted(name for name in ADVANTAGE_ESTIMATORS if name != "gae"))
+GROUP_ESTIMATORS = ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline")
+KL_TYPES = tuple(KL_KINDS) + tuple(f"{k}+" for k in KL_KINDS)
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+FORMATS = ("auto", "chat_template", "harmony")
+FREEZE_GROUPS = ("embeddings", "attention", "mlp", "experts", "router", "norm", "lm_head")
+ROLLOUT_IS = ("token", "sequence")
+
+
+class ConfigError(ValueError):
+    """A bad key or value in the training config; the message says what to do."""
+
+
+@dataclass
+class RolloutConfig:
+    """How episodes are sampled. ``batch_size`` tasks per step, ``n`` samples per task (GRPO group);
+    ``max_new_tokens`` bounds one assistant action; ``max_turns`` bounds one episode (``None`` = env default)."""
+
+    batch_size: int = 8
+    n: int = 4
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_turns: int | None = None
+    max_batch_size: int = 64
+    concurrency: int = 64
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """verl-style rollout correction. ``rollout_is``: None | token | sequence importance weights
+    clipped at ``rollout_is_threshold`` (float, TIS) or ``"lo_hi"`` (IcePop); ``rollout_rs``: None or a
+    rejection-sampling mode (token_k1, seq_mean_k3, ...) with ``rollout_rs_threshold``."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: Any = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: Any = None
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    epsilon: float = 1e-6
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass
+class ActorConfig:
+    """Optimisation. One optimizer step per mini-batch; ``ppo_epochs == num_mini_batches == 1`` makes
+    the update on-policy (old log-probs are the current ones, detached: the on-policy fix).
+    ``micro_batch_size`` sequences per forward/backward (gradient accumulation). ``freeze``: parameter
+    groups kept fixed. ``routing_replay``: replay the old-log-prob pass's MoE routing in the update."""
+
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    micro_batch_size: int = 8
+    policy_loss: str = "vanilla"  # PPO clip with dual clip (clip_ratio_c) for negative advantages
+    loss_agg_mode: str = "token-mean"
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    logprob_chunk_size: int = 1024
+    gradient_checkpointing: bool = False
+    freeze: list[str] = field(default_factory=list)
+    routing_replay: bool = False
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation on a fixed task set (seeds ``seed_offset .. seed_offset+num_tasks-1``,
+    disjoint from training seeds). ``every``: steps between evals (0 = only before and after)."""
+
+    num_tasks: int = 32
+    temperature: float = 0.0
+    every: int = 0
+    before: bool = True
+    after: bool = True
+    seed_offset: int = 1_000_000
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    save_every: int = 1
+    keep_checkpoints: int = 1
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "agentrl"
+    progress: bool = True
+    save_trajectories: bool = True
+
+
+@dataclass
+class TrainConfig:
+    env: str = MISSING
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    model: str = "smollm2-135m"
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    format: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+    seed: int = 0
+    threads: int | None = None
+    run_dir: str | None = None
+    resume: str | None = None
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "algorithm.adv_estimator": ADV_ESTIMATORS,
+    "actor.policy_loss": tuple(sorted(POLICY_LOSSES)),
+    "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
+    "actor.kl_loss_type": KL_TYPES,
+    "device": DEVICES,
+    "dtype": DTYPES,
+    "format": FORMATS,
+}
+
+
+def all_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of the config schema, e.g. ``actor.lr``."""
+    keys = []
+    for f in dataclasses.fields(node):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            keys += all_keys(type(default), f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _suggest(word: str, options: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, list(options), n=3, cutoff=0.5)
+    return f" Did you mean: {', '.join(close)}?" if close else ""
+
+
+def _check_key(key: str) -> None:
+    keys = all_keys()
+    if key in keys or any(k.startswith(key + ".") for k in keys):
+        return
+    if key.startswith(("env_kwargs.", "model_kwargs.")):
+        return
+    raise ConfigError(f"unknown config key {key!r}.{_suggest(key, keys)} Run `agentrl train --help` for all keys.")
+
+
+def parse_overrides(argv: list[str]) -> list[str]:
+    """Validate ``key=value`` tokens (keys checked against the schema)."""
+    for token in argv:
+        if "=" not in token or token.startswith("="):
+            raise ConfigError(f"expected key=value, got {token!r} (e.g. env=retool trainer.total_steps=10)")
+        _check_key(token.split("=", 1)[0].lstrip("+~"))
+    return argv
+
+
+def build_config(overrides: list[str], base: DictConfig | None = None) -> DictConfig:
+    """Defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``,
+    validated; raises :class:`ConfigError`."""
+    parse_overrides(overrides)
+    schema = OmegaConf.structured(TrainConfig)
+    try:
+        cfg = OmegaConf.merge(schema, base) if base is not None else schema
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    except (ValidationError, ConfigKeyError) as exc:
+        first = str(exc).splitlines()[0]
+        key = getattr(exc, "full_key", None)
+        raise ConfigError(f"bad config value{f' for {key}' if key else ''}: {first}") from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"bad config: {exc}") from None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: DictConfig) -> None:
+    """Cross-field and enum checks; raises :class:`ConfigError` naming the key and the valid values."""
+    if OmegaConf.is_missing(cfg, "env"):
+        raise ConfigError("env is required, e.g. `agentrl train env=retool`")
+    for key, choices in _CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not valid.{_suggest(str(value), choices)} Valid: {', '.join(choices)}")
+    for group in cfg.actor.freeze:
+        if group not in FREEZE_GROUPS:
+            raise ConfigError(
+                f"actor.freeze: unknown group {group!r}.{_suggest(group, FREEZE_GROUPS)} Valid: {', '.join(FREEZE_GROUPS)}"
+            )
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is is not None and rc.rollout_is not in ROLLOUT_IS:
+        raise ConfigError(f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r}; valid: null, token, sequence")
+    positive = {
+        "rollout.batch_size": cfg.rollout.batch_size,
+        "rollout.n": cfg.rollout.n,
+        "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
+        "rollout.max_batch_size": cfg.rollout.max_batch_size,
+        "rollout.concurrency": cfg.rollout.concurrency,
+        "actor.ppo_epochs": cfg.actor.ppo_epochs,
+        "actor.num_mini_batches": cfg.actor.num_mini_batches,
+        "actor.micro_batch_size": cfg.actor.micro_batch_size,
+        "actor.logprob_chunk_size": cfg.actor.logprob_chunk_size,
+        "trainer.total_steps": cfg.trainer.total_steps,
+        "trainer.keep_checkpoints": cfg.trainer.keep_checkpoints,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.rollout.temperature < 0 or cfg.eval.temperature < 0:
+        raise ConfigError("temperatures must be >= 0 (0 = greedy)")
+    if cfg.rollout.temperature == 0:
+        raise ConfigError("rollout.temperature=0 gives identical samples per group (no GRPO signal); use > 0")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 (a group per task)")
+    total = cfg.rollout.batch_size * cfg.rollout.n
+    if total % cfg.actor.num_mini_batches:
+        raise ConfigError(
+            f"rollout.batch_size*rollout.n={total} must be divisible by actor.num_mini_batches={cfg.actor.num_mini_batches}"
+        )
+    if cfg.trainer.save_every < 0 or cfg.eval.every < 0 or cfg.eval.num_tasks < 0:
+        raise ConfigError("trainer.save_every, eval.every and eval.num_tasks must be >= 0")
+
+
+def help_text() -> str:
+    """All keys with their defaults, for ``agentrl train --help``."""
+    defaults = OmegaConf.structured(TrainConfig)
+    lines = [
+        "usage: agentrl train env=NAME [key=value ...] [resume=RUN_DIR]",
+        "",
+        "Dotted OmegaConf overrides; lists as actor.freeze=[attention,mlp]. Keys and defaults:",
+    ]
+    for key in all_keys():
+        value = OmegaConf.select(defaults, key, throw_on_missing=False)
+        shown = "(required)" if OmegaConf.is_missing(defaults, key) else repr(OmegaConf.to_object(value) if OmegaConf.is_config(value) else value)
+        choices = f"  [{', '.join(_CHOICES[key])}]" if key in _CHOICES else ""
+        lines.append(f"  {key} = {shown}{choices}")
+    return "\n".join(lines)

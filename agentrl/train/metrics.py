@@ -1,0 +1,147 @@
+"""Per-step metrics: episode statistics, and the sinks they go to (JSONL, TensorBoard, W&B, console).
+
+Names follow verl where the concept is the same: ``critic/score/mean`` (episode reward),
+``response_length/mean``, ``actor/entropy``, ``actor/grad_norm``, ``actor/pg_clipfrac``,
+``actor/ppo_kl``, ``actor/kl_loss``, ``rollout_corr/*``, ``timing_s/*``, ``perf/*``. Ours:
+``reward/<component>/mean``, ``episode/turns_mean``, ``episode/tool_calls_mean``,
+``episode/tool_error_rate`` (failed tool calls / tool calls), ``episode/parse_error_rate`` (model turns
+with a parse error / model turns), ``episode/truncated_frac``, ``episode/rollout_errors``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from agentrl.train.rollout import Episode
+
+
+def mean_and_sem(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample std / sqrt(n); 0 for n < 2)."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def episode_metrics(episodes: Sequence[Episode], prefix: str = "") -> dict[str, float]:
+    """Reward, length, turn, tool and error statistics over ``episodes`` (failed ones count as reward 0
+    in ``critic/score/*`` so that breakage shows up as a drop, and are counted in ``episode/rollout_errors``)."""
+    if not episodes:
+        return {}
+    trajs = [e.trajectory for e in episodes]
+    rewards = [t.reward if e.usable else 0.0 for e, t in zip(episodes, trajs, strict=True)]
+    model_tokens = [sum(t.response_mask) for t in trajs]
+    env_tokens = [len(t.response_mask) - sum(t.response_mask) for t in trajs]
+    turns = [len(t.turns) for t in trajs]
+    tool_records = [rec for t in trajs for turn in t.turns for rec in turn.tools]
+    model_turns = [turn for t in trajs for turn in t.turns]
+    mean_r, sem_r = mean_and_sem(rewards)
+    out: dict[str, float] = {
+        "critic/score/mean": mean_r,
+        "critic/score/sem": sem_r,
+        "critic/score/max": max(rewards),
+        "critic/score/min": min(rewards),
+        "response_length/mean": sum(model_tokens) / len(trajs),
+        "response_length/max": float(max(model_tokens)),
+        "response_length/env_tokens_mean": sum(env_tokens) / len(trajs),
+        "prompt_length/mean": sum(len(t.prompt_ids) for t in trajs) / len(trajs),
+        "episode/turns_mean": sum(turns) / len(trajs),
+        "episode/tool_calls_mean": len(tool_records) / len(trajs),
+        "episode/tool_error_rate": (
+            sum(1 for r in tool_records if r.error) / len(tool_records) if tool_records else 0.0
+        ),
+        "episode/parse_error_rate": (
+            sum(1 for turn in model_turns if turn.parsed.errors) / len(model_turns) if model_turns else 0.0
+        ),
+        "episode/truncated_frac": sum(1 for t in trajs if t.truncated) / len(trajs),
+        "episode/rollout_errors": float(sum(1 for e in episodes if not e.usable)),
+    }
+    components: dict[str, list[float]] = defaultdict(list)
+    for t in trajs:
+        for name, value in t.reward_components.items():
+            components[name].append(float(value))
+    for name, values in sorted(components.items()):
+        out[f"reward/{name}/mean"] = sum(values) / len(values)
+    return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+class MetricsSink:
+    """Writes one record per step to ``RUN_DIR/metrics.jsonl`` (flushed each step), TensorBoard
+    (``RUN_DIR/tensorboard``) when enabled, and W&B when enabled *and* installed (else a warning).
+
+    ``truncate_after(step)`` drops JSONL records of steps > ``step`` (used on resume, so a step that
+    was logged but not checkpointed is not duplicated)."""
+
+    def __init__(self, run_dir: str, *, tensorboard: bool, wandb: bool, wandb_project: str, config: dict[str, Any]) -> None:
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self._tb = None
+        self._wandb = None
+        self.warnings: list[str] = []
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if wandb:
+            try:
+                import wandb as wandb_mod
+            except ImportError:
+                self.warnings.append("trainer.wandb=true but wandb is not installed; logging to JSONL/TensorBoard only")
+            else:
+                self._wandb = wandb_mod.init(project=wandb_project, dir=run_dir, config=config, resume="allow")
+
+    def truncate_after(self, step: int) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path, encoding="utf-8") as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """Records of ``RUN_DIR/metrics.jsonl`` sorted by step, one per step (the last one wins)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: is {run_dir!r} a training run directory?")
+    by_step: dict[int, dict[str, Any]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]

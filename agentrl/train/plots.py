@@ -1,0 +1,90 @@
+"""``agentrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: per-step curves of one or more runs, overlaid.
+
+Writes one PNG per panel (``reward.png``, ``kl.png``, ``entropy.png``, ``grad_norm.png``,
+``clip_fraction.png``, ``rollout_train_gap.png``) plus ``overview.png`` with all panels, into ``--out``
+(default: the first run's ``plots/`` directory). A panel shows the first metric key of its list that a
+run logged; runs without any of them are skipped in that panel. Uses matplotlib's Agg backend (no display).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from agentrl.train.metrics import read_metrics
+
+#: panel file stem -> (title, candidate metric keys in order of preference)
+PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "reward": ("mean reward (train batch)", ("critic/score/mean",)),
+    "kl": ("KL to reference (or PPO KL)", ("actor/kl_loss", "actor/ppo_kl")),
+    "entropy": ("entropy (nats/token)", ("actor/entropy",)),
+    "grad_norm": ("grad norm (before clipping)", ("actor/grad_norm",)),
+    "clip_fraction": ("PPO clip fraction", ("actor/pg_clipfrac",)),
+    "rollout_train_gap": ("rollout vs train log-prob, mean |Δ|", ("rollout_corr/logprob_abs_diff_mean",)),
+}
+
+
+def _series(records: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[str, list[int], list[float]] | None:
+    for key in keys:
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            return key, [p[0] for p in points], [float(p[1]) for p in points]
+    return None
+
+
+def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
+    """Write the panels for ``run_dirs`` into ``out_dir``; returns the PNG paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {os.path.basename(os.path.normpath(d)) or d: read_metrics(d) for d in run_dirs}
+    os.makedirs(out_dir, exist_ok=True)
+    written: list[str] = []
+    overview, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for ax_all, (stem, (title, keys)) in zip(axes.flat, PANELS.items(), strict=True):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for label, records in runs.items():
+            found = _series(records, keys)
+            if found is None:
+                continue
+            key, steps, values = found
+            for target in (ax, ax_all):
+                target.plot(steps, values, marker="o", markersize=3, label=f"{label} ({key})" if len(keys) > 1 else label)
+        for target in (ax, ax_all):
+            target.set_title(title)
+            target.set_xlabel("step")
+            target.grid(alpha=0.3)
+            if target.lines:
+                target.legend(fontsize=7)
+            else:
+                target.text(0.5, 0.5, "not logged", ha="center", va="center", transform=target.transAxes)
+        path = os.path.join(out_dir, f"{stem}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+    overview.tight_layout()
+    path = os.path.join(out_dir, "overview.png")
+    overview.savefig(path, dpi=70)
+    plt.close(overview)
+    written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agentrl plot", description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    parser.add_argument("--out", default=None, help="output directory (default: FIRST_RUN/plots)")
+    args = parser.parse_args(argv)
+    try:
+        paths = plot_runs(args.runs, args.out or os.path.join(args.runs[0], "plots"))
+    except FileNotFoundError as exc:
+        print(f"agentrl plot: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0

@@ -1,0 +1,330 @@
+"""The training loop: rollout -> batch -> update -> metrics -> checkpoint, resumable.
+
+``Trainer(cfg).fit()`` runs ``cfg.trainer.total_steps`` steps in ``RUN_DIR``. Step ``s`` (1-based) draws
+tasks ``data_position .. data_position + rollout.batch_size - 1`` from the env's offline generator (task
+``i`` is ``generate_task(default_rng([seed, 0, i]), "train")``), samples ``rollout.n`` episodes per task,
+does the policy update, logs metrics and saves an atomic checkpoint. The engine's sampling generator is
+re-seeded from ``(seed, step)`` at each step, so a resumed run samples exactly what the killed one would
+have. Held-out evaluation uses ``env.tasks(split="test")`` (disjoint seeds) with ``eval.temperature``.
+
+Run directory::
+
+    RUN_DIR/config.yaml          resolved config
+    RUN_DIR/metrics.jsonl        one record per step (step 0: evaluation before training)
+    RUN_DIR/tensorboard/         TensorBoard events
+    RUN_DIR/trajectories/        step_000001.jsonl ... and eval_step_000000.jsonl (every episode, failed ones too)
+    RUN_DIR/checkpoints/         see agentrl.train.checkpoint
+    RUN_DIR/summary.json         eval before/after (mean ± standard error), wall time
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from agentrl.engines.base import SamplingParams
+from agentrl.engines.transformers_engine import TransformersEngine
+from agentrl.train.batch import collate
+from agentrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from agentrl.train.metrics import MetricsSink, episode_metrics
+from agentrl.train.model_loading import LoadedModel, load_model
+from agentrl.train.rollout import EnvPool, Episode, collect
+from agentrl.train.update import update_policy
+
+
+def make_format(name: str, loaded: LoadedModel) -> Any:
+    """The ChatFormat for ``format=name`` (``auto`` picks what fits the model)."""
+    if name == "auto":
+        name = loaded.format_name
+    if name == "harmony":
+        from agentrl.harmony import HarmonyFormat
+
+        return HarmonyFormat()
+    if loaded.tokenizer is None:
+        raise ValueError(f"format={name} needs an HF tokenizer, but model has none (it speaks Harmony)")
+    from agentrl.harmony import ChatTemplateFormat
+
+    return ChatTemplateFormat(loaded.tokenizer)
+
+
+def default_run_dir(cfg: DictConfig) -> str:
+    return os.path.join("runs", f"{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+class Trainer:
+    """Owns the model, optimizer, envs and engine of one run. See the module docstring."""
+
+    def __init__(self, cfg: DictConfig, *, console: Any = None) -> None:
+        from rich.console import Console
+
+        self.cfg = cfg
+        self.console = console or Console()
+        self.run_dir = cfg.run_dir or default_run_dir(cfg)
+        os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device=cuda but torch sees no CUDA device; use device=cpu")
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+
+        import agentrl.envs.registry as registry
+
+        self.env_cls = registry.env_class(cfg.env)
+        t0 = time.perf_counter()
+        self.loaded = load_model(
+            cfg.model,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            attn_implementation=cfg.attn_implementation,
+            seed=cfg.seed,
+            model_kwargs=OmegaConf.to_container(cfg.model_kwargs),
+        )
+        self.load_s = time.perf_counter() - t0
+        self.model = self.loaded.model
+        self.format = make_format(cfg.format, self.loaded)
+        self.ref_model = None
+        if cfg.actor.use_kl_loss:  # the initial weights, frozen (copied before any checkpoint is loaded)
+            self.ref_model = copy.deepcopy(self.model).eval()
+            self.ref_model.requires_grad_(False)
+        if cfg.actor.freeze:
+            from agentrl.train.freeze import freeze
+
+            freeze(self.model, list(cfg.actor.freeze))
+        if cfg.actor.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"actor.freeze={list(cfg.actor.freeze)} froze every parameter; nothing to train")
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.actor.lr, betas=tuple(cfg.actor.betas), weight_decay=cfg.actor.weight_decay
+        )
+        pad = getattr(self.loaded.tokenizer, "pad_token_id", None) if self.loaded.tokenizer is not None else None
+        self.pad_token_id = int(pad if pad is not None else 0)
+        self.engine = TransformersEngine(
+            self.model, pad_token_id=self.pad_token_id, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed
+        )
+        self.step = 0
+        self.data_position = 0
+        self.update_generator = torch.Generator().manual_seed(cfg.seed)
+        self.sink = MetricsSink(
+            self.run_dir,
+            tensorboard=cfg.trainer.tensorboard,
+            wandb=cfg.trainer.wandb,
+            wandb_project=cfg.trainer.wandb_project,
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+        for warning in self.sink.warnings:
+            self.console.print(f"[yellow]warning:[/] {warning}")
+        self.eval_history: dict[int, tuple[float, float]] = {}
+
+    # ------------------------------------------------------------------ data
+    def _make_env(self) -> Any:
+        kwargs = dict(OmegaConf.to_container(self.cfg.env_kwargs, resolve=True))
+        if self.cfg.rollout.max_turns is not None:
+            kwargs["max_turns"] = self.cfg.rollout.max_turns
+        return self.env_cls(format=self.format, **kwargs)
+
+    def train_task(self, index: int) -> tuple[str, dict[str, Any]]:
+        rng = np.random.default_rng([self.cfg.seed, 0, index])
+        return f"train-{index}", self.env_cls.generate_task(rng, "train")
+
+    def eval_tasks(self) -> list[tuple[str, dict[str, Any]]]:
+        tasks = self.env_cls.tasks(split="test", n=self.cfg.eval.num_tasks, seed=self.cfg.seed + self.cfg.eval.seed_offset)
+        return [(f"test-{i}", t) for i, t in enumerate(tasks)]
+
+    def sampling(self, temperature: float) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            stop_token_ids=list(self.format.stop_token_ids),
+        )
+
+    def _save_trajectories(self, name: str, episodes: list[Episode]) -> None:
+        path = os.path.join(self.run_dir, "trajectories", f"{name}.jsonl")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            for e in episodes:
+                e.trajectory.metadata.setdefault("task_id", e.task_id)
+                e.trajectory.metadata["group"] = e.group
+                f.write(e.trajectory.to_json() + "\n")
+        os.replace(path + ".tmp", path)
+
+    # ------------------------------------------------------------------ resume
+    def maybe_resume(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return
+        state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer)
+        self.step = int(state["step"])
+        self.data_position = int(state["data_position"])
+        self.update_generator.set_state(torch.tensor(state["update_generator"], dtype=torch.uint8))
+        self.eval_history = {int(k): tuple(v) for k, v in state.get("eval_history", {}).items()}
+        self.sink.truncate_after(self.step)
+        self.console.print(f"resumed from {ckpt}: step {self.step}, data position {self.data_position}")
+
+    def save(self) -> None:
+        save_checkpoint(
+            self.run_dir,
+            step=self.step,
+            data_position=self.data_position,
+            model=self.model,
+            optimizer=self.optimizer,
+            extra={
+                "update_generator": self.update_generator.get_state().tolist(),
+                "eval_history": {str(k): list(v) for k, v in self.eval_history.items()},
+            },
+            keep=self.cfg.trainer.keep_checkpoints,
+        )
+
+    # ------------------------------------------------------------------ steps
+    async def evaluate(self, pool: EnvPool) -> dict[str, float]:
+        """Greedy (``eval.temperature``) episodes on the held-out tasks; ``eval/*`` metrics."""
+        tasks = self.eval_tasks()
+        self.engine.reseed(self.cfg.seed + 999_983)
+        result = await collect(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1, seed=self.cfg.seed + 7_777_777)
+        self._save_trajectories(f"eval_step_{self.step:06d}", result.episodes)
+        metrics = episode_metrics(result.episodes, prefix="eval/")
+        metrics["eval/timing_s"] = result.wall_s
+        self.eval_history[self.step] = (metrics["eval/critic/score/mean"], metrics["eval/critic/score/sem"])
+        return metrics
+
+    async def train_step(self, pool: EnvPool) -> dict[str, float]:
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        step = self.step + 1
+        tasks = [self.train_task(self.data_position + i) for i in range(cfg.rollout.batch_size)]
+        self.engine.reseed(cfg.seed * 1_000_003 + step)
+        result = await collect(
+            pool, self.engine, self.sampling(cfg.rollout.temperature), tasks, n=cfg.rollout.n,
+            seed=cfg.seed * 1_000_003 + self.data_position * cfg.rollout.n,
+        )
+        self._save_trajectories(f"step_{step:06d}", result.episodes)
+        metrics = episode_metrics(result.episodes)
+        tool_s = sum(e.tool_s for e in result.episodes)
+        metrics.update({
+            "timing_s/rollout": result.wall_s,
+            "timing_s/gen": result.gen_s,
+            "timing_s/tools": tool_s,
+            "timing_s/env": sum(e.env_s for e in result.episodes),
+            "perf/gen_tokens_per_s": result.generated_tokens / max(result.gen_s, 1e-9),
+        })
+        usable = [e for e in result.episodes if e.usable and sum(e.trajectory.response_mask) > 0]
+        if usable:
+            batch = collate([e.trajectory for e in usable], [e.group for e in usable], self.pad_token_id)
+            batch = batch.to(self.model.device)
+            metrics.update(
+                update_policy(
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    batch=batch,
+                    cfg=cfg,
+                    temperature=cfg.rollout.temperature,
+                    ref_model=self.ref_model,
+                    generator=self.update_generator,
+                )
+            )
+        else:
+            metrics["actor/skipped_update"] = 1.0
+        self.step = step
+        self.data_position += cfg.rollout.batch_size
+        metrics["training/data_position"] = float(self.data_position)
+        metrics["timing_s/step"] = time.perf_counter() - t_step
+        return metrics
+
+    # ------------------------------------------------------------------ loop
+    async def _fit(self) -> dict[str, Any]:
+        cfg = self.cfg
+        pool = EnvPool(self._make_env, min(cfg.rollout.concurrency, max(cfg.rollout.batch_size * cfg.rollout.n, cfg.eval.num_tasks)))
+        t_start = time.perf_counter()
+        try:
+            if self.step == 0 and cfg.eval.before and cfg.eval.num_tasks and 0 not in self.eval_history:
+                metrics = await self.evaluate(pool)
+                self.sink.log(0, metrics)
+                self._print_eval(metrics)
+            with self._progress() as progress:
+                task = progress.add_task("training", total=cfg.trainer.total_steps, completed=self.step) if progress else None
+                while self.step < cfg.trainer.total_steps:
+                    metrics = await self.train_step(pool)
+                    last = self.step == cfg.trainer.total_steps
+                    if cfg.eval.num_tasks and ((cfg.eval.every and self.step % cfg.eval.every == 0) or (last and cfg.eval.after)):
+                        metrics.update(await self.evaluate(pool))
+                    self.sink.log(self.step, metrics)
+                    if cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last):
+                        self.save()
+                    self._print_step(metrics)
+                    if progress:
+                        progress.update(task, completed=self.step)
+        finally:
+            await pool.aclose()
+            self.sink.close()
+        return self._summary(time.perf_counter() - t_start)
+
+    def fit(self) -> dict[str, Any]:
+        """Resume if ``RUN_DIR`` has a checkpoint, train to ``trainer.total_steps``, return the summary."""
+        self.maybe_resume()
+        return asyncio.run(self._fit())
+
+    # ------------------------------------------------------------------ reporting
+    def _progress(self) -> Any:
+        from contextlib import nullcontext
+
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        if not self.cfg.trainer.progress:
+            return nullcontext(None)
+        return Progress(
+            "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
+        )
+
+    def _print_step(self, m: dict[str, float]) -> None:
+        parts = [f"step {self.step}/{self.cfg.trainer.total_steps}"]
+        for key, label in (
+            ("critic/score/mean", "reward"), ("response_length/mean", "len"), ("episode/tool_calls_mean", "tools"),
+            ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("actor/pg_clipfrac", "clip"),
+            ("rollout_corr/logprob_abs_diff_mean", "|Δlp|"), ("timing_s/step", "s"),
+        ):
+            if key in m:
+                parts.append(f"{label} {m[key]:.3g}")
+        self.console.print("  ".join(parts))
+        if "eval/critic/score/mean" in m:
+            self._print_eval(m)
+
+    def _print_eval(self, m: dict[str, float]) -> None:
+        self.console.print(
+            f"eval @ step {self.step}: reward {m['eval/critic/score/mean']:.3f} ± {m['eval/critic/score/sem']:.3f} "
+            f"(n={self.cfg.eval.num_tasks})"
+        )
+
+    def _summary(self, wall_s: float) -> dict[str, Any]:
+        summary: dict[str, Any] = {"run_dir": self.run_dir, "steps": self.step, "wall_s_this_process": wall_s,
+                                   "model_load_s": self.load_s}
+        if self.eval_history:
+            first, last = min(self.eval_history), max(self.eval_history)
+            summary["eval_before"] = {"step": first, "mean": self.eval_history[first][0], "sem": self.eval_history[first][1]}
+            summary["eval_after"] = {"step": last, "mean": self.eval_history[last][0], "sem": self.eval_history[last][1]}
+            summary["eval_tasks"] = self.cfg.eval.num_tasks
+        with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+        return summary
+
