@@ -1,0 +1,54 @@
+"""A deterministic scripted :class:`~agentrl.engines.base.RolloutEngine` for dry runs, tests and benchmarks.
+
+It answers with assistant messages chosen by a Python function instead of a neural network, rendered
+token-exactly by the format (``format.render_completion``, e.g. :class:`~agentrl.harmony.HarmonyFormat`).
+Served behind ``agentrl.engines.server.create_app`` it is a real OpenAI-compatible endpoint whose
+answers are known in advance, so eval metrics such as pass@k can be checked in closed form, and with
+``delay_s`` it stands in for a served model's latency.
+
+Contract: ``policy(prompt_text, sampling) -> list[Message]`` gets the decoded prompt (the whole
+conversation so far, special tokens literal) and the sampling parameters (``sampling.seed`` tells
+samples apart) and returns the assistant messages of the completion. The policy is deterministic, so
+every emitted token has probability 1: log-probs are ``0.0``. ``max_new_tokens`` truncates the
+completion (``finish_reason="length"``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+from agentrl.engines.base import Completion, SamplingParams
+from agentrl.harmony.format import ChatFormat
+from agentrl.harmony.types import Message
+
+Policy = Callable[[str, SamplingParams], list[Message]]
+
+
+class ScriptedEngine:
+    """Plays back ``policy``'s messages as token ids after ``delay_s`` seconds per request."""
+
+    def __init__(self, fmt: ChatFormat, policy: Policy, *, delay_s: float = 0.0):
+        if not hasattr(fmt, "render_completion"):
+            raise TypeError(
+                f"{type(fmt).__name__} cannot render completions; ScriptedEngine needs render_completion"
+            )
+        self.format = fmt
+        self.policy = policy
+        self.delay_s = delay_s
+        self.requests = 0
+
+    def _one(self, prompt: Sequence[int], sampling: SamplingParams) -> Completion:
+        messages = self.policy(self.format.decode(prompt), sampling)
+        ids = list(self.format.render_completion(messages))  # type: ignore[attr-defined]
+        finish = "stop"
+        if len(ids) > sampling.max_new_tokens:
+            ids, finish = ids[: sampling.max_new_tokens], "length"
+        return Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish)
+
+    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
+        """One completion per prompt, after the fixed delay (the delay overlaps across concurrent calls)."""
+        self.requests += len(prompts)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return [self._one(p, sampling) for p in prompts]
