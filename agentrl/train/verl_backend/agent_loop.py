@@ -1,0 +1,165 @@
+"""The ``agentrl`` verl agent loop: any ``AgentEnv``, token-in-token-out, through verl's rollout servers.
+
+verl's ``AgentLoopWorker`` instantiates :class:`AgentrlAgentLoop` for every dataset row whose
+``agent_name`` is ``"agentrl"`` and awaits ``run(sampling_params, **row)``. The row's ``agentrl`` column
+(written by :mod:`agentrl.train.verl_backend.dataset`) is the JSON episode spec ``{"env", "env_kwargs",
+"format", "task", "max_new_tokens"}``. The loop:
+
+1. builds the env (``agentrl.make(env, format=..., **env_kwargs)``) and resets it on the task: the prompt
+   token ids come from the env's ChatFormat, not from verl's chat template;
+2. asks ``server_manager.generate(request_id, prompt_ids=<context>, sampling_params=...)`` for one
+   assistant action (bounded by ``max_new_tokens`` and by what is left of ``rollout.response_length``,
+   stopping at the format's stop tokens) and hands the ``TokenOutput`` (ids + log-probs) to ``env.astep``;
+3. appends the env's observation tokens and repeats until the env terminates or truncates.
+
+The returned ``AgentLoopOutput`` is ``env.trajectory`` field for field: ``prompt_ids``, ``response_ids``,
+``response_mask`` (1 = sampled, 0 = env tokens), ``response_logprobs`` (the server's, 0.0 on env tokens),
+``reward_score`` (the env's reward, so verl needs no reward function), ``num_turns`` (verl's count of
+messages: the prompt, each model action, each env answer) and ``metrics``. Nothing is re-tokenised.
+The env's episode budget is set to ``len(prompt) + rollout.response_length`` tokens so the response
+always fits verl's padded width; a prompt longer than ``rollout.prompt_length`` raises.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from typing import Any
+from uuid import uuid4
+
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
+
+from agentrl.harmony.format import ChatFormat
+from agentrl.harmony.trajectory import Trajectory
+from agentrl.train.verl_backend.config_map import AGENT_NAME
+
+SPEC_COLUMN = "agentrl"
+"""The dataset column holding the JSON episode spec."""
+
+_FORMATS: dict[tuple[str, int], ChatFormat] = {}
+
+
+def resolve_format(kind: str, tokenizer: Any, hf_model_type: str | None) -> ChatFormat:
+    """The ChatFormat for ``kind`` (``harmony``, ``chat_template`` or ``auto``: Harmony for GPT-OSS
+    models, the tokenizer's chat template otherwise), built once per process and tokenizer."""
+    if kind == "auto":
+        kind = "harmony" if hf_model_type == "gpt_oss" else "chat_template"
+    key = (kind, id(tokenizer))
+    if key not in _FORMATS:
+        if kind == "harmony":
+            from agentrl.envs import default_format
+
+            _FORMATS[key] = default_format()
+        elif kind == "chat_template":
+            from agentrl.harmony import ChatTemplateFormat
+
+            _FORMATS[key] = ChatTemplateFormat(tokenizer)
+        else:
+            raise ValueError(f"unknown format {kind!r} in the agentrl episode spec; use auto, harmony or chat_template")
+    return _FORMATS[key]
+
+
+def parse_spec(raw: Any) -> dict[str, Any]:
+    """The episode spec of one dataset row (a JSON string or an already-decoded dict)."""
+    spec = json.loads(raw) if isinstance(raw, (str, bytes)) else dict(raw)
+    missing = {"env", "task"} - set(spec)
+    if missing:
+        raise ValueError(f"agentrl episode spec lacks {sorted(missing)}; rewrite the dataset with agentrl")
+    return spec
+
+
+def verl_num_turns(traj: Trajectory) -> int:
+    """verl's ``num_turns``: the prompt, plus each model action, plus each env answer."""
+    return 1 + sum(1 + (t.env_span[1] > t.env_span[0]) for t in traj.turns)
+
+
+def trajectory_to_output(traj: Trajectory, metrics: dict[str, float]) -> AgentLoopOutput:
+    """The verl ``AgentLoopOutput`` carrying ``traj`` unchanged (see module docstring)."""
+    traj.validate()
+    return AgentLoopOutput(
+        prompt_ids=list(traj.prompt_ids),
+        response_ids=list(traj.response_ids),
+        response_mask=list(traj.response_mask),
+        response_logprobs=list(traj.rollout_logprobs),
+        reward_score=float(traj.reward),
+        num_turns=verl_num_turns(traj),
+        metrics=AgentLoopMetrics(**metrics),
+        extra_fields={
+            "reward_components": dict(traj.reward_components),
+            "terminated": traj.terminated,
+            "truncated": traj.truncated,
+            "turn_scores": [],
+            "tool_rewards": [],
+        },
+    )
+
+
+class _Action:
+    """A sampled completion handed to ``env.astep`` (ids + log-probs)."""
+
+    def __init__(self, token_ids: list[int], logprobs: list[float] | None):
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+
+
+@register(AGENT_NAME)
+class AgentrlAgentLoop(AgentLoopBase):
+    """verl agent loop over an agentrl ``AgentEnv`` (see module docstring)."""
+
+    def __init__(self, *args: Any, hf_model_type: str | None = None, **kwargs: Any):
+        super().__init__(*args, hf_model_type=hf_model_type, **kwargs)
+        self.hf_model_type = hf_model_type
+        self.prompt_length = int(self.rollout_config.prompt_length)
+        self.response_length = int(self.rollout_config.response_length)
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        import agentrl
+
+        if SPEC_COLUMN not in kwargs:
+            raise ValueError(
+                f"dataset row has no {SPEC_COLUMN!r} column; write the dataset with "
+                "agentrl.train.verl_backend.dataset (agentrl train backend=verl does)"
+            )
+        spec = parse_spec(kwargs[SPEC_COLUMN])
+        fmt = resolve_format(spec.get("format", "auto"), self.tokenizer, self.hf_model_type)
+        env = agentrl.make(spec["env"], format=fmt, **spec.get("env_kwargs", {}))
+        gen_s = env_s = 0.0
+        try:
+            obs, _ = await env.areset(options={"task": spec["task"]})
+            prompt = [int(t) for t in obs["tokens"]]
+            if len(prompt) > self.prompt_length:
+                raise ValueError(
+                    f"env {spec['env']!r} rendered a prompt of {len(prompt)} tokens, over "
+                    f"rollout.prompt_length={self.prompt_length}; raise verl.max_prompt_length"
+                )
+            env.limits = replace(env.limits, max_total_tokens=len(prompt) + self.response_length)
+            context = list(prompt)
+            request_id = uuid4().hex  # one id per episode: sticky server, prefix cache
+            max_new = int(spec.get("max_new_tokens") or self.response_length)
+            params = dict(sampling_params, stop_token_ids=list(fmt.stop_token_ids))
+            done = False
+            while not done:
+                budget = self.response_length - (len(context) - len(prompt))
+                if budget < 1:
+                    raise RuntimeError(
+                        "the env left no response budget without ending the episode; "
+                        "this breaks the max_total_tokens contract of AgentEnv"
+                    )
+                t0 = time.perf_counter()
+                out = await self.server_manager.generate(
+                    request_id=request_id,
+                    prompt_ids=context,
+                    sampling_params=dict(params, max_tokens=min(max_new, budget)),
+                )
+                t1 = time.perf_counter()
+                ids = [int(t) for t in out.token_ids]
+                obs, _, terminated, truncated, _ = await env.astep(_Action(ids, out.log_probs))
+                env_s += time.perf_counter() - t1
+                gen_s += t1 - t0
+                context += ids + [int(t) for t in obs["tokens"]]
+                done = terminated or truncated
+            traj = env.trajectory
+        finally:
+            await env.aclose()
+        return trajectory_to_output(traj, {"generate_sequences": gen_s, "tool_calls": env_s})

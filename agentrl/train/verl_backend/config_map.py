@@ -1,0 +1,296 @@
+"""Map an ``agentrl train`` config onto verl's Hydra config (``verl/trainer/config/ppo_trainer.yaml``).
+
+Contract: :func:`verl_settings` takes our resolved training config (an OmegaConf ``DictConfig`` or a
+nested ``dict`` shaped like :class:`agentrl.train.config.TrainConfig`, with the :class:`VerlSection`
+under ``verl``) and the dataset paths, and returns the verl keys to set with their values, in a stable
+order; :func:`verl_overrides` renders them as the Hydra override strings ``verl.trainer.main_ppo`` takes,
+followed by the user's raw ``verl.overrides``. Only our cross-field checks run here (:func:`check_ours`);
+verl's own validation runs in :mod:`agentrl.train.verl_backend.validate`.
+
+Names follow verl where the concept is the same, so most keys map one to one (:data:`MAPPING`). The
+derived ones: ``actor.num_mini_batches`` -> ``ppo_mini_batch_size = rollout.batch_size / num_mini_batches``;
+``actor.policy_loss`` -> ``agentrl_onpolicy`` (our on-policy log-prob fix) when each rollout batch gets
+one optimizer step, else ``vanilla`` (verl's vanilla is already dual-clip); ``rollout.top_k=0`` -> ``-1``;
+``attn_implementation`` (default ``agentrl_sink`` for GPT-OSS models) -> ``override_config``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+AGENT_NAME = "agentrl"
+"""The name our agent loop registers under in verl (and the ``agent_name`` of every dataset row)."""
+
+SINK_ATTENTION = "agentrl_sink"
+"""The transformers attention implementation our plugin registers in every verl worker."""
+
+ONPOLICY_LOSS = "agentrl_onpolicy"
+"""The policy loss ``agentrl.train.algorithms.verl_registry`` registers in verl."""
+
+ROLLOUT_ENGINES = ("vllm", "sglang")
+STRATEGIES = ("fsdp", "fsdp2")
+
+
+class VerlConfigError(ValueError):
+    """A config that verl would reject (or that we know cannot work), found before launch."""
+
+
+@dataclass
+class VerlSection:
+    """Settings only ``backend=verl`` reads (``verl.*`` keys of ``agentrl train``).
+
+    ``engine``: vLLM or SGLang rollout servers, ``tensor_parallel`` GPUs each. ``max_prompt_length`` /
+    ``max_response_length``: verl's padded widths (the response is the whole multi-turn episode after
+    the prompt). ``ulysses_sp``: Ulysses sequence-parallel group size (divides the attention heads).
+    ``use_dynamic_bsz`` packs micro-batches up to ``max_tokens_per_gpu`` tokens; otherwise
+    ``micro_batch_size_per_gpu`` sequences. ``n_train_tasks`` / ``n_val_tasks``: tasks written to the
+    dataset (from ``task_path`` if set, else the env's generator). ``overrides``: raw verl Hydra
+    overrides appended last (``verl.overrides=[trainer.val_before_train=true]``).
+    """
+
+    engine: str = "vllm"
+    tensor_parallel: int = 1
+    gpu_memory_utilization: float = 0.6
+    ulysses_sp: int = 1
+    max_prompt_length: int = 2048
+    max_response_length: int = 8192
+    use_dynamic_bsz: bool = True
+    max_tokens_per_gpu: int = 16384
+    micro_batch_size_per_gpu: int = 1
+    strategy: str = "fsdp2"
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    agent_workers: int = 8
+    n_train_tasks: int = 1024
+    n_val_tasks: int = 64
+    task_path: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+
+def _top_k(value: Any) -> int:
+    return -1 if int(value) <= 0 else int(value)
+
+
+def _one_of(key: str, choices: Sequence[str]) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise VerlConfigError(f"{key}={value!r} is not valid; use one of {', '.join(choices)}")
+        return str(value)
+
+    return check
+
+
+def _floats(value: Any) -> list[float]:
+    return [float(v) for v in value]
+
+
+# (our key, verl key, transform). A value of None keeps verl's default.
+MAPPING: list[tuple[str, str, Callable[[Any], Any]]] = [
+    ("model", "actor_rollout_ref.model.path", str),
+    ("seed", "data.seed", int),
+    ("rollout.batch_size", "data.train_batch_size", int),
+    ("rollout.n", "actor_rollout_ref.rollout.n", int),
+    ("rollout.temperature", "actor_rollout_ref.rollout.temperature", float),
+    ("rollout.top_p", "actor_rollout_ref.rollout.top_p", float),
+    ("rollout.top_k", "actor_rollout_ref.rollout.top_k", _top_k),
+    ("algorithm.adv_estimator", "algorithm.adv_estimator", str),
+    ("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std_in_grpo", bool),
+    ("algorithm.gamma", "algorithm.gamma", float),
+    ("algorithm.lam", "algorithm.lam", float),
+    ("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is", str),
+    ("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold",
+     lambda v: v),
+    ("algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs", str),
+    ("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold",
+     lambda v: v),
+    ("actor.lr", "actor_rollout_ref.actor.optim.lr", float),
+    ("actor.weight_decay", "actor_rollout_ref.actor.optim.weight_decay", float),
+    ("actor.betas", "actor_rollout_ref.actor.optim.betas", _floats),
+    ("actor.grad_clip", "actor_rollout_ref.actor.grad_clip", float),
+    ("actor.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs", int),
+    ("actor.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode", str),
+    ("actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio", float),
+    ("actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_low", float),
+    ("actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_high", float),
+    ("actor.clip_ratio_c", "actor_rollout_ref.actor.clip_ratio_c", float),
+    ("actor.entropy_coeff", "actor_rollout_ref.actor.entropy_coeff", float),
+    ("actor.use_kl_loss", "actor_rollout_ref.actor.use_kl_loss", bool),
+    ("actor.kl_loss_coef", "actor_rollout_ref.actor.kl_loss_coef", float),
+    ("actor.kl_loss_type", "actor_rollout_ref.actor.kl_loss_type", str),
+    ("actor.gradient_checkpointing", "actor_rollout_ref.model.enable_gradient_checkpointing", bool),
+    ("trainer.total_steps", "trainer.total_training_steps", int),
+    ("trainer.save_every", "trainer.save_freq", int),
+    ("trainer.wandb_project", "trainer.project_name", str),
+    ("trainer.n_gpus_per_node", "trainer.n_gpus_per_node", int),
+    ("trainer.nnodes", "trainer.nnodes", int),
+    ("verl.engine", "actor_rollout_ref.rollout.name", _one_of("verl.engine", ROLLOUT_ENGINES)),
+    ("verl.tensor_parallel", "actor_rollout_ref.rollout.tensor_model_parallel_size", int),
+    ("verl.gpu_memory_utilization", "actor_rollout_ref.rollout.gpu_memory_utilization", float),
+    ("verl.agent_workers", "actor_rollout_ref.rollout.agent.num_workers", int),
+    ("verl.max_prompt_length", "data.max_prompt_length", int),
+    ("verl.max_response_length", "data.max_response_length", int),
+    ("verl.ulysses_sp", "actor_rollout_ref.actor.ulysses_sequence_parallel_size", int),
+    ("verl.ulysses_sp", "actor_rollout_ref.ref.ulysses_sequence_parallel_size", int),
+    ("verl.strategy", "actor_rollout_ref.actor.strategy", _one_of("verl.strategy", STRATEGIES)),
+    ("verl.param_offload", "actor_rollout_ref.actor.fsdp_config.param_offload", bool),
+    ("verl.optimizer_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload", bool),
+    ("verl.use_dynamic_bsz", "actor_rollout_ref.actor.use_dynamic_bsz", bool),
+    ("verl.max_tokens_per_gpu", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", int),
+    ("verl.micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", int),
+    ("verl.micro_batch_size_per_gpu", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", int),
+    ("verl.micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", int),
+]
+
+# Keys we always set, because verl's default does not fit an agentrl run.
+FIXED: dict[str, Any] = {
+    "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_NAME,
+    "actor_rollout_ref.rollout.calculate_log_probs": True,  # rollout log-probs: correction + on-policy check
+    "actor_rollout_ref.rollout.mode": "async",
+    "actor_rollout_ref.model.use_remove_padding": True,  # packed sequences (sink attention under Ulysses)
+    "data.return_raw_chat": True,
+    "data.filter_overlong_prompts": False,  # the env renders the prompt, not verl's chat template
+    "trainer.val_before_train": False,
+}
+
+
+def select(cfg: Any, key: str) -> Any:
+    """Plain value at dotted ``key`` of a DictConfig or nested dict; ``None`` when absent."""
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, Mapping) and not hasattr(node, "keys"):
+            return None
+        if part not in node:
+            return None
+        node = node[part]
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(node):
+            return OmegaConf.to_container(node, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a core dependency
+        pass
+    return node
+
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_./:@+-]+$")
+
+
+def hydra_value(value: Any) -> str:
+    """Render a Python value as a Hydra override value (strings quoted when they need it)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    text = str(value)
+    if _PLAIN.match(text) and text.lower() not in ("null", "true", "false"):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def is_gpt_oss(model: str) -> bool:
+    """True for a GPT-OSS model: a name containing ``gpt-oss`` or a local checkpoint of that type."""
+    if "gpt-oss" in model.lower() or "gpt_oss" in model.lower():
+        return True
+    config = Path(model).expanduser() / "config.json"
+    if config.is_file():
+        try:
+            return json.loads(config.read_text()).get("model_type") == "gpt_oss"
+        except (OSError, ValueError):
+            return False
+    return False
+
+
+def with_verl_defaults(cfg: Any) -> Any:
+    """``cfg`` (DictConfig or dict) as a DictConfig whose ``verl`` section is a typed :class:`VerlSection`
+    with defaults filled in; an unknown ``verl.*`` key or a badly typed value raises VerlConfigError."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    base = OmegaConf.create({"verl": OmegaConf.structured(VerlSection)})
+    try:
+        return OmegaConf.merge(base, cfg)
+    except OmegaConfBaseException as exc:
+        raise VerlConfigError(
+            f"bad verl backend setting: {str(exc).splitlines()[0]}. "
+            f"Valid verl.* keys: {', '.join(VerlSection.__dataclass_fields__)}"
+        ) from None
+
+
+def _n_gpus(cfg: Any) -> int:
+    return int(select(cfg, "trainer.n_gpus_per_node") or 8) * int(select(cfg, "trainer.nnodes") or 1)
+
+
+def check_ours(cfg: Any) -> None:
+    """Cross-field checks verl makes late (after Ray starts) or not at all. Raises VerlConfigError."""
+    model = select(cfg, "model")
+    if not model:
+        raise VerlConfigError("model is not set; pass model=<HF id or local HF checkpoint>, e.g. model=openai/gpt-oss-20b")
+    if str(model).endswith(".gguf") or str(model) == "smollm2-135m":
+        raise VerlConfigError(
+            f"model={model!r} is a GGUF checkpoint, which verl's FSDP and vLLM workers cannot load; "
+            "pass a Hugging Face model id or a local HF checkpoint directory"
+        )
+    n_gpus = _n_gpus(cfg)
+    for key in ("verl.tensor_parallel", "verl.ulysses_sp"):
+        size = select(cfg, key)
+        if size is not None and (int(size) < 1 or n_gpus % int(size)):
+            raise VerlConfigError(
+                f"{key}={size} must be >= 1 and divide the GPU count "
+                f"(trainer.n_gpus_per_node x trainer.nnodes = {n_gpus})"
+            )
+    batch = select(cfg, "rollout.batch_size")
+    minis = select(cfg, "actor.num_mini_batches")
+    if batch is not None and minis is not None and int(batch) % int(minis):
+        raise VerlConfigError(
+            f"rollout.batch_size={batch} must be divisible by actor.num_mini_batches={minis} "
+            "(verl counts mini-batches in prompts)"
+        )
+
+
+def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]) -> dict[str, Any]:
+    """The verl keys we set and their values, in a stable order (see module docstring)."""
+    cfg = with_verl_defaults(cfg)
+    check_ours(cfg)
+    out: dict[str, Any] = {"data.train_files": list(train_files), "data.val_files": list(val_files)}
+    out.update(FIXED)
+    for ours, theirs, transform in MAPPING:
+        value = select(cfg, ours)
+        if value is not None:
+            out[theirs] = transform(value)
+    batch, minis = select(cfg, "rollout.batch_size"), select(cfg, "actor.num_mini_batches")
+    if batch is not None and minis is not None:
+        out["actor_rollout_ref.actor.ppo_mini_batch_size"] = int(batch) // int(minis)
+    on_policy = int(select(cfg, "actor.ppo_epochs") or 1) == 1 and int(minis or 1) == 1
+    out["actor_rollout_ref.actor.policy_loss.loss_mode"] = ONPOLICY_LOSS if on_policy else "vanilla"
+    logger = ["console", "wandb"] if select(cfg, "trainer.wandb") else ["console"]
+    out["trainer.logger"] = logger
+    run_dir = select(cfg, "run_dir")
+    if run_dir:
+        out["trainer.default_local_dir"] = str(Path(run_dir) / "checkpoints")
+        out["trainer.experiment_name"] = Path(run_dir).name
+    attention = select(cfg, "attn_implementation")
+    if attention is None and is_gpt_oss(str(select(cfg, "model"))):
+        attention = SINK_ATTENTION
+    if attention:
+        out["+actor_rollout_ref.model.override_config.attn_implementation"] = str(attention)
+    return out
+
+
+def verl_overrides(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]) -> list[str]:
+    """Hydra override strings for ``verl.trainer.main_ppo``: ours, then the user's ``verl.overrides``."""
+    cfg = with_verl_defaults(cfg)
+    settings = verl_settings(cfg, train_files, val_files)
+    overrides = [f"{key}={hydra_value(value)}" for key, value in settings.items()]
+    extra = select(cfg, "verl.overrides") or []
+    if isinstance(extra, str):
+        extra = [extra]
+    return overrides + [str(item) for item in extra]

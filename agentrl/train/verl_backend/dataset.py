@@ -1,0 +1,100 @@
+"""The parquet files verl's dataloader reads for an agentrl run: one row per task.
+
+Columns (``RLHFDataset`` passes every column of a row to the agent loop as a keyword argument):
+
+- ``agent_name``: ``"agentrl"``, so verl runs :class:`~agentrl.train.verl_backend.agent_loop.AgentrlAgentLoop`;
+- ``agentrl``: the JSON episode spec ``{"env", "env_kwargs", "format", "task", "max_new_tokens"}``
+  (JSON text, so tasks of any shape fit one parquet column);
+- ``prompt``: the task's user message as ``[{"role": "user", "content": ...}]`` (verl requires the
+  column; the agent loop renders the real prompt through the env's ChatFormat);
+- ``data_source``: ``"agentrl/<env>"`` (verl groups validation metrics by it);
+- ``extra_info``: ``{"index": i, "split": split}`` (verl reads ``index`` from it).
+
+Tasks come from the env class: its offline generator (:meth:`~agentrl.envs.AgentEnv.tasks`, ``train`` and
+``test`` splits drawn separately) or a local task file (:meth:`~agentrl.envs.AgentEnv.load_tasks`, whose
+last ``n_val`` tasks are held out for validation).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from agentrl.train.verl_backend.config_map import AGENT_NAME
+
+
+def episode_rows(
+    env: str,
+    tasks: list[dict[str, Any]],
+    *,
+    split: str,
+    env_kwargs: dict[str, Any] | None = None,
+    format: str = "auto",
+    max_new_tokens: int | None = None,
+) -> list[dict[str, Any]]:
+    """One verl dataset row per task (see module docstring)."""
+    rows = []
+    for i, task in enumerate(tasks):
+        spec = {
+            "env": env,
+            "env_kwargs": dict(env_kwargs or {}),
+            "format": format,
+            "task": task,
+            "max_new_tokens": max_new_tokens,
+        }
+        rows.append(
+            {
+                "data_source": f"agentrl/{env}",
+                "agent_name": AGENT_NAME,
+                "prompt": [{"role": "user", "content": str(task.get("prompt", ""))}],
+                "agentrl": json.dumps(spec, ensure_ascii=False, default=str),
+                "extra_info": {"index": i, "split": split},
+            }
+        )
+    return rows
+
+
+def write_parquet(rows: list[dict[str, Any]], path: str | Path) -> str:
+    """Write ``rows`` to ``path`` (parent folders created); returns the path as a string."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not rows:
+        raise ValueError(f"no tasks to write to {path}; the env produced an empty task list")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def write_env_dataset(
+    out_dir: str | Path,
+    env: str,
+    *,
+    n_train: int,
+    n_val: int,
+    seed: int = 0,
+    task_path: str | None = None,
+    env_kwargs: dict[str, Any] | None = None,
+    format: str = "auto",
+    max_new_tokens: int | None = None,
+) -> tuple[str, str]:
+    """Write ``train.parquet`` and ``val.parquet`` for ``env`` under ``out_dir``; returns their paths."""
+    from agentrl.envs import env_class
+
+    cls = env_class(env)
+    common = dict(env_kwargs=env_kwargs, format=format, max_new_tokens=max_new_tokens)
+    if task_path is not None:  # one file: the last n_val tasks are held out
+        tasks = cls.load_tasks(task_path)
+        if len(tasks) <= n_val:
+            raise ValueError(f"{task_path} has {len(tasks)} tasks; need more than verl.n_val_tasks={n_val}")
+        train, val = tasks[: len(tasks) - n_val][:n_train], tasks[len(tasks) - n_val :]
+    else:
+        train = cls.tasks(split="train", n=n_train, seed=seed)
+        val = cls.tasks(split="test", n=n_val, seed=seed)
+    out = Path(out_dir)
+    return (
+        write_parquet(episode_rows(env, train, split="train", **common), out / "train.parquet"),
+        write_parquet(episode_rows(env, val, split="test", **common), out / "val.parquet"),
+    )

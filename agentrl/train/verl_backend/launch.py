@@ -1,0 +1,115 @@
+"""``agentrl train backend=verl ...``: write the dataset, map and validate the config, launch verl.
+
+:func:`plan` does everything short of launching: it writes ``<run_dir>/verl_data/{train,val}.parquet``
+from the env's tasks, maps our config to verl Hydra overrides, composes them with verl's own
+``ppo_trainer.yaml`` and runs verl's own validation (any failure: :class:`VerlConfigError` before
+launch), and writes the fully resolved verl config to ``<run_dir>/verl_config.yaml``.
+:func:`main` prints the plan (the exact command and the settings as verl resolved them) and, unless
+``dry_run``, runs ``python -m verl.trainer.main_ppo <overrides>`` and returns its exit code.
+
+verl starts (or, with ``RAY_ADDRESS`` set / ``ray start`` done on this node, joins) a Ray cluster; the
+agentrl plugin is loaded in every worker through the ``verl.plugins`` entry point, so agentrl must be
+installed on every node.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from agentrl.train.verl_backend.config_map import (
+    VerlConfigError,
+    select,
+    verl_overrides,
+    verl_settings,
+    with_verl_defaults,
+)
+from agentrl.train.verl_backend.dataset import write_env_dataset
+from agentrl.train.verl_backend.validate import compose_verl_config, validate_verl_config
+
+
+@dataclass
+class LaunchPlan:
+    """What :func:`main` runs: ``command`` (argv), the ``settings`` we set, verl's ``resolved`` config."""
+
+    command: list[str]
+    settings: dict[str, Any]
+    resolved: DictConfig
+    run_dir: Path
+    config_path: Path
+
+
+def _run_dir(cfg: Any) -> Path:
+    run_dir = select(cfg, "run_dir")
+    if run_dir:
+        return Path(run_dir)
+    return Path("runs") / f"verl-{select(cfg, 'env')}"
+
+
+def plan(cfg: Any) -> LaunchPlan:
+    """Dataset, overrides, composed + validated verl config; see module docstring."""
+    cfg = with_verl_defaults(cfg)
+    env = select(cfg, "env")
+    if not env:
+        raise VerlConfigError("env is not set; pass env=<name>, e.g. env=retool")
+    run_dir = _run_dir(cfg)
+    max_turns = select(cfg, "rollout.max_turns")
+    env_kwargs = dict(select(cfg, "env_kwargs") or {})
+    if max_turns is not None:
+        env_kwargs.setdefault("max_turns", int(max_turns))
+    train_file, val_file = write_env_dataset(
+        run_dir / "verl_data",
+        env,
+        n_train=int(select(cfg, "verl.n_train_tasks") or 1024),
+        n_val=int(select(cfg, "verl.n_val_tasks") or 64),
+        seed=int(select(cfg, "seed") or 0),
+        task_path=select(cfg, "verl.task_path"),
+        env_kwargs=env_kwargs,
+        format=str(select(cfg, "format") or "auto"),
+        max_new_tokens=select(cfg, "rollout.max_new_tokens"),
+    )
+    files = ([str(Path(train_file).resolve())], [str(Path(val_file).resolve())])
+    settings = verl_settings(cfg, *files)
+    overrides = verl_overrides(cfg, *files)
+    resolved = compose_verl_config(overrides)
+    validate_verl_config(resolved)
+    config_path = run_dir / "verl_config.yaml"
+    config_path.write_text(OmegaConf.to_yaml(resolved))
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    return LaunchPlan(command, settings, resolved, run_dir, config_path)
+
+
+def describe(p: LaunchPlan) -> str:
+    """Human-readable plan: the command, then each key we set as verl resolved it."""
+    lines = ["verl command:", "  " + shlex.join(p.command), "", "resolved verl settings (ours):"]
+    for key in p.settings:
+        value = OmegaConf.select(p.resolved, key.lstrip("+"))
+        shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        lines.append(f"  {key.lstrip('+')} = {shown!r}")
+    lines += [
+        "",
+        f"dataset: {p.run_dir / 'verl_data'} (train.parquet, val.parquet)",
+        f"full resolved verl config: {p.config_path}",
+    ]
+    return "\n".join(lines)
+
+
+def main(cfg: Any, dry_run: bool = False) -> int:
+    """Plan, print, and (unless ``dry_run``) launch verl; returns the exit code (2 on a config error)."""
+    try:
+        launch = plan(cfg)
+    except VerlConfigError as exc:
+        print(f"agentrl train backend=verl: {exc}", file=sys.stderr)
+        return 2
+    print(describe(launch), flush=True)
+    if dry_run:
+        print("\n--dry-run: nothing launched.")
+        return 0
+    return subprocess.run(launch.command, env=dict(os.environ)).returncode

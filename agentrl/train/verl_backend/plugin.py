@@ -1,0 +1,66 @@
+"""The agentrl verl plugin, loaded by ``import verl`` through the ``verl.plugins`` entry point.
+
+verl imports every ``verl.plugins`` entry point at the end of ``verl/__init__.py``, in the driver and in
+every Ray worker, so importing this module is what makes agentrl available inside verl:
+
+- the ``agentrl`` agent loop (:mod:`agentrl.train.verl_backend.agent_loop`) in verl's agent-loop registry;
+- agentrl's policy losses (``agentrl_onpolicy``: the on-policy log-prob fix) in verl's policy-loss registry,
+  through :func:`agentrl.train.algorithms.verl_registry.register_all`;
+- sink attention as the transformers attention implementation ``agentrl_sink``, Ulysses-aware
+  (:mod:`agentrl.train.verl_backend.ulysses`), selectable with
+  ``actor_rollout_ref.model.override_config.attn_implementation=agentrl_sink``.
+
+verl logs plugin failures only at debug level, so each part is registered separately and a failure is
+logged as a warning here and kept in :data:`FAILED` (what failed -> why); :data:`REGISTERED` maps each
+part to the names it registered. ``VERL_USE_EXTERNAL_PLUGINS=none`` turns every plugin off.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+logger = logging.getLogger("agentrl.verl")
+
+REGISTERED: dict[str, list[str]] = {}
+FAILED: dict[str, str] = {}
+
+
+def _agent_loop() -> list[str]:
+    from agentrl.train.verl_backend.agent_loop import AGENT_NAME
+
+    return [AGENT_NAME]
+
+
+def _policy_losses() -> list[str]:
+    from agentrl.train.algorithms.verl_registry import register_all
+
+    return list(register_all())
+
+
+def _attention() -> list[str]:
+    from agentrl.train.verl_backend.ulysses import register_ulysses_sink_attention
+
+    return [register_ulysses_sink_attention()]
+
+
+PARTS: dict[str, Callable[[], list[str]]] = {
+    "agent_loop": _agent_loop,
+    "policy_loss": _policy_losses,
+    "attention": _attention,
+}
+
+
+def load() -> dict[str, list[str]]:
+    """Register every part (idempotent); returns :data:`REGISTERED`."""
+    for part, register in PARTS.items():
+        try:
+            REGISTERED[part] = register()
+            FAILED.pop(part, None)
+        except Exception as exc:  # a broken part must not break `import verl` for the others
+            FAILED[part] = f"{type(exc).__name__}: {exc}"
+            logger.warning("agentrl verl plugin: registering %s failed: %s", part, FAILED[part])
+    return REGISTERED
+
+
+load()

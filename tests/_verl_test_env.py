@@ -1,0 +1,26 @@
+"""A small offline AgentEnv for the verl backend tests: add two numbers, one action, reward 1 if right."""
+
+from __future__ import annotations
+
+from agentrl.envs import AgentEnv
+
+
+class AddEnv(AgentEnv):
+    instructions = "Answer with the sum only."
+    single_turn = True
+
+    @classmethod
+    def generate_task(cls, rng, split="train"):
+        a, b = (int(x) for x in rng.integers(0, 50, size=2))
+        return {"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
+
+    def reward(self, ctx):
+        ok = ctx.final is not None and ctx.final.strip() == self.task["answer"]
+        return float(ok), {"correct": float(ok)}
+
+
+def register() -> str:
+    import agentrl
+
+    agentrl.envs.register("verl_add", "_verl_test_env:AddEnv")
+    return "verl_add"

@@ -1,0 +1,123 @@
+"""backend=verl: dataset rows, config mapping, validation by verl's own config, and the dry-run plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("verl")
+
+from _verl_test_env import register  # noqa: E402
+
+from agentrl.train.verl_backend.config_map import VerlConfigError, hydra_value, verl_overrides  # noqa: E402
+
+
+def _cfg(tmp_path, **over):
+    cfg = {
+        "env": register(),
+        "model": "openai/gpt-oss-20b",
+        "run_dir": str(tmp_path / "run"),
+        "rollout": {"batch_size": 32, "n": 8, "max_new_tokens": 512, "temperature": 1.0, "top_k": 0},
+        "actor": {"lr": 1e-6, "ppo_epochs": 1, "num_mini_batches": 1, "kl_loss_type": "low_var_kl"},
+        "algorithm": {"adv_estimator": "grpo",
+                      "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
+        "trainer": {"n_gpus_per_node": 8, "nnodes": 2, "total_steps": 50},
+        "verl": {"engine": "vllm", "tensor_parallel": 4, "ulysses_sp": 2, "n_train_tasks": 16, "n_val_tasks": 4},
+    }
+    for key, value in over.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return cfg
+
+
+def test_dry_run_plan_is_valid_for_verl(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from agentrl.train.verl_backend.launch import main, plan
+
+    assert main(_cfg(tmp_path), dry_run=True) == 0
+    printed = capsys.readouterr().out
+    assert "-m verl.trainer.main_ppo" in printed and "--dry-run: nothing launched." in printed
+
+    p = plan(_cfg(tmp_path))
+    r = p.resolved
+    assert p.command[1:3] == ["-m", "verl.trainer.main_ppo"]
+    assert r.actor_rollout_ref.model.path == "openai/gpt-oss-20b"
+    assert r.actor_rollout_ref.model.override_config.attn_implementation == "agentrl_sink"
+    assert r.actor_rollout_ref.actor.policy_loss.loss_mode == "agentrl_onpolicy"
+    assert r.actor_rollout_ref.rollout.agent.default_agent_loop == "agentrl"
+    assert (r.actor_rollout_ref.rollout.name, r.actor_rollout_ref.rollout.tensor_model_parallel_size) == ("vllm", 4)
+    assert r.actor_rollout_ref.actor.ulysses_sequence_parallel_size == 2
+    assert r.actor_rollout_ref.ref.ulysses_sequence_parallel_size == 2
+    assert r.algorithm.rollout_correction.rollout_is == "token"
+    assert r.actor_rollout_ref.rollout.top_k == -1
+    assert (r.data.train_batch_size, r.actor_rollout_ref.rollout.n) == (32, 8)
+    assert (r.trainer.n_gpus_per_node, r.trainer.nnodes) == (8, 2)
+    assert OmegaConf.load(p.config_path) == r  # the saved file is the resolved config
+
+    # verl's own dataset class reads our parquet, and each row carries what the agent loop needs
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from agentrl.train.verl_backend.agent_loop import parse_spec
+
+    class _Tok:  # RLHFDataset only stores the tokenizer when overlong filtering is off
+        pass
+
+    ds = RLHFDataset(list(r.data.train_files), _Tok(), OmegaConf.create(OmegaConf.to_container(r.data)))
+    assert len(ds) == 16
+    row = ds[3]
+    assert row["agent_name"] == "agentrl" and row["index"] == 3
+    spec = parse_spec(row["agentrl"])
+    assert spec["env"] == "verl_add" and spec["max_new_tokens"] == 512 and "answer" in spec["task"]
+    assert row["raw_prompt"][0]["content"] == spec["task"]["prompt"]
+
+
+def test_verl_rejects_unknown_key_before_launch(tmp_path):
+    from agentrl.train.verl_backend.launch import plan
+
+    with pytest.raises(VerlConfigError, match=r"actor_rollout_ref\.actor\.clip_ration") as err:
+        plan(_cfg(tmp_path, **{"verl.overrides": ["actor_rollout_ref.actor.clip_ration=0.3"]}))
+    assert "does not exist in verl's ppo_trainer config" in str(err.value)
+
+
+def test_verl_rejects_incompatible_sizes_before_launch(tmp_path):
+    from agentrl.train.verl_backend.launch import plan
+
+    with pytest.raises(VerlConfigError, match="divisible") as err:
+        plan(_cfg(tmp_path, **{"rollout.batch_size": 3, "verl.use_dynamic_bsz": False}))
+    assert "rollout.batch_size x rollout.n" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"verl.tensor_parallel": 3}, "verl.tensor_parallel=3 must be >= 1 and divide the GPU count"),
+        ({"verl.engine": "trtllm"}, "verl.engine='trtllm' is not valid"),
+        ({"model": "smollm2-135m"}, "GGUF checkpoint"),
+        ({"verl.ulysses": 2}, "Valid verl.\\* keys"),
+        ({"rollout.batch_size": 30, "actor.num_mini_batches": 4}, "divisible by actor.num_mini_batches"),
+    ],
+)
+def test_our_checks(tmp_path, over, message):
+    with pytest.raises(VerlConfigError, match=message):
+        verl_overrides(_cfg(tmp_path, **over), ["t.parquet"], ["v.parquet"])
+
+
+def test_mapping_details(tmp_path):
+    overrides = verl_overrides(
+        _cfg(tmp_path, **{"actor.num_mini_batches": 4, "model": "Qwen/Qwen3-8B", "trainer.wandb": True}),
+        ["/d/t.parquet"], ["/d/v.parquet"],
+    )
+    kv = dict(o.split("=", 1) for o in overrides)
+    assert kv["actor_rollout_ref.actor.ppo_mini_batch_size"] == "8"
+    assert kv["actor_rollout_ref.actor.policy_loss.loss_mode"] == "vanilla"  # 4 mini-batches: off-policy
+    assert "+actor_rollout_ref.model.override_config.attn_implementation" not in kv  # not GPT-OSS
+    assert kv["trainer.logger"] == "[console,wandb]"
+    assert kv["data.train_files"] == "[/d/t.parquet]"
+    assert [hydra_value(v) for v in (None, True, 3, "a b", "it's", "x/y-1.5")] == [
+        "null", "true", "3", "'a b'", "'it\\'s'", "x/y-1.5"]
+    assert json.loads(json.dumps(kv))  # plain strings only
