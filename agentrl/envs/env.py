@@ -1,0 +1,450 @@
+"""``AgentEnv``: a ``gymnasium.Env`` whose actions are model completions and whose observations are the
+tokens the env appends (tool results, error notes, the next assistant header) plus their parsed messages.
+
+Contract (see ARCHITECTURE.md):
+
+- ``reset(seed=None, options=None) -> (obs, info)``: ``obs["tokens"]`` is the full prompt (ending with the
+  assistant header), ``obs["messages"]`` the prompt messages. ``options={"task": {...}}`` picks the task;
+  otherwise one is drawn with ``self.np_random`` from the env's task list or its offline generator.
+  ``info["task"]`` is the task.
+- ``step(action) -> (obs, reward, terminated, truncated, info)``. An action is one assistant completion:
+  a sequence of token ids, a ``str`` (encoded by the format, special tokens allowed), or any object with
+  ``.token_ids`` and ``.logprobs`` (an engine ``Completion``; the log-probs go into the trajectory).
+  ``obs["tokens"]`` are the ids to append before sampling the next completion (empty once the episode is
+  over). ``reward`` is 0 until the last step, which carries the episode reward.
+- The episode ends with ``terminated`` when the model gives a final answer (or, for single-turn envs,
+  after its one action) and with ``truncated`` when a limit is hit (turns, tool calls, total tokens).
+- Bad model actions never raise: unparseable output, unknown tools, bad arguments, tool timeouts and tool
+  exceptions become observations the model can read and are recorded in the trajectory with an error
+  kind (``parse_error``, ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``,
+  ``truncation``). Only API misuse raises (stepping a finished episode, mismatched log-probs).
+- ``env.trajectory`` is the token-exact :class:`~agentrl.harmony.trajectory.Trajectory`; the final step
+  also puts it in ``info["trajectory"]`` together with ``info["reward_components"]``.
+- ``areset``/``astep`` are the async twins (tool calls of one action run concurrently); the sync methods
+  drive them on a private event loop. Use one style per env instance. ``close()``/``aclose()`` are
+  idempotent.
+
+Subclasses declare ``tools``, ``instructions``, a task generator (:meth:`generate_task`), optionally a
+prompt builder (:meth:`prompt_messages`), and the reward (``rubric`` or :meth:`reward`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import gymnasium
+import numpy as np
+
+from agentrl.envs.rewards.base import RewardContext, Rubric
+from agentrl.envs.spaces import as_token_array, observation_space, token_ids_space
+from agentrl.envs.tasks import load_task_file
+from agentrl.envs.tools.base import Tool
+from agentrl.envs.tools.dispatch import Sessions, ToolBox
+from agentrl.harmony.format import ChatFormat
+from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
+from agentrl.harmony.types import Message, ParsedTurn, ParseErrorKind
+
+_DEFAULT_FORMAT: ChatFormat | None = None
+#: Parse-error kinds that map to a more specific entry of the error taxonomy (the rest are ``parse_error``).
+_PARSE_ERROR_KINDS = {
+    ParseErrorKind.TRUNCATED: "truncation",
+    ParseErrorKind.BAD_JSON: "bad_arguments",
+    ParseErrorKind.UNKNOWN_RECIPIENT: "unknown_tool",
+}
+
+
+def default_format() -> ChatFormat:
+    """The shared default :class:`~agentrl.harmony.HarmonyFormat` (built once per process)."""
+    global _DEFAULT_FORMAT
+    if _DEFAULT_FORMAT is None:
+        from agentrl.harmony import HarmonyFormat
+
+        _DEFAULT_FORMAT = HarmonyFormat()
+    return _DEFAULT_FORMAT
+
+
+@dataclass(frozen=True)
+class EnvLimits:
+    """Episode limits. Hitting ``max_turns`` (model actions), ``max_tool_calls`` or ``max_total_tokens``
+    (prompt + response) ends the episode with ``truncated=True``. ``tool_timeout_s`` is the default
+    per-call limit; results longer than ``max_tool_result_chars`` are cut with a marker."""
+
+    max_turns: int = 8
+    max_tool_calls: int = 16
+    max_total_tokens: int = 32768
+    tool_timeout_s: float = 30.0
+    max_tool_result_chars: int = 8000
+
+
+class AgentEnv(gymnasium.Env):
+    """Base class of every agentrl env; see the module docstring for the contract."""
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    #: Developer instructions shown to the model (Harmony developer message / system prompt).
+    instructions: ClassVar[str | None] = None
+    #: If True, the first action always ends the episode (``terminated``), answered or not.
+    single_turn: ClassVar[bool] = False
+    #: Default limits; override per env class or per instance (``limits=`` or keyword overrides).
+    default_limits: ClassVar[EnvLimits] = EnvLimits()
+    #: Default reward; subclasses set a :class:`~agentrl.envs.rewards.Rubric` or override :meth:`reward`.
+    rubric: Rubric | None = None
+
+    def __init__(
+        self,
+        *,
+        format: ChatFormat | None = None,
+        tools: Iterable[Tool] | None = None,
+        tasks: Iterable[dict[str, Any]] | str | None = None,
+        limits: EnvLimits | None = None,
+        rubric: Rubric | None = None,
+        render_mode: str | None = None,
+        **limit_overrides: Any,
+    ) -> None:
+        """
+        Args:
+            format: the ChatFormat (default: the shared HarmonyFormat); pass a ``ChatTemplateFormat`` for
+                dense chat models.
+            tools: the env's tools (default: :meth:`make_tools`).
+            tasks: a list of task dicts or a path to a JSONL/parquet file in this env's task format; default:
+                the offline generator.
+            limits: an :class:`EnvLimits`; keyword arguments named like its fields override single limits.
+            rubric: replaces the env's default rubric.
+            render_mode: ``None`` or ``"ansi"`` (``render()`` returns the decoded token stream).
+        """
+        bad = set(limit_overrides) - set(EnvLimits.__dataclass_fields__)
+        if bad:
+            raise TypeError(
+                f"{type(self).__name__} got unknown keyword arguments {sorted(bad)}; limit fields are "
+                f"{sorted(EnvLimits.__dataclass_fields__)}"
+            )
+        if render_mode not in (None, "ansi"):
+            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        self.format = format if format is not None else default_format()
+        self.limits = replace(limits or self.default_limits, **limit_overrides)
+        if rubric is not None:
+            self.rubric = rubric
+        self.render_mode = render_mode
+        self.toolbox = ToolBox(
+            list(tools) if tools is not None else self.make_tools(),
+            timeout_s=self.limits.tool_timeout_s,
+            max_result_chars=self.limits.max_tool_result_chars,
+        )
+        if isinstance(tasks, str):
+            tasks = self.load_tasks(tasks)
+        self._task_list = list(tasks) if tasks is not None else None
+        if self._task_list is not None and not self._task_list:
+            raise ValueError("tasks is empty; pass at least one task or None for the offline generator")
+        self.action_space = token_ids_space(self.format.vocab_size)
+        self.observation_space = observation_space(self.format.vocab_size)
+        self._sessions = Sessions()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self.trajectory: Trajectory | None = None
+        self.task: dict[str, Any] | None = None
+        self._done = True
+        self._tool_calls = 0
+
+    # ----------------------------------------------------------------- hooks for subclasses
+    def make_tools(self) -> list[Tool]:
+        """The env's tools when none are passed to the constructor (default: none)."""
+        return []
+
+    @classmethod
+    def generate_task(cls, rng: np.random.Generator, split: str = "train") -> dict[str, Any]:
+        """One offline task drawn with ``rng``: a dict with at least ``prompt`` (and ``answer`` etc.)."""
+        raise NotImplementedError(
+            f"{cls.__name__} has no offline task generator; pass tasks=[...] or a task file"
+        )
+
+    @classmethod
+    def load_tasks(cls, path: str) -> list[dict[str, Any]]:
+        """Tasks from a local JSONL/parquet file in this env's native format (default: already task dicts)."""
+        return load_task_file(path)
+
+    @classmethod
+    def tasks(
+        cls, split: str = "train", n: int = 100, seed: int = 0, path: str | None = None
+    ) -> list[dict[str, Any]]:
+        """A task list for training/evaluation: the first ``n`` rows of ``path`` (a local file in the env's
+        native format) if given, else ``n`` offline-generated tasks (deterministic in ``seed`` and
+        ``split``). Feed an item to ``reset(options={"task": task})``."""
+        if path is not None:
+            return cls.load_tasks(path)[:n]
+        rng = np.random.default_rng([seed, 0 if split == "train" else 1])
+        return [cls.generate_task(rng, split) for _ in range(n)]
+
+    def prompt_messages(self, task: dict[str, Any]) -> list[Message]:
+        """The conversation shown to the model for ``task`` (default: one user message, ``task["prompt"]``)."""
+        return [Message(role="user", content=str(task["prompt"]))]
+
+    def reward(self, ctx: RewardContext) -> tuple[float, dict[str, float]]:
+        """Score a finished episode: ``(total, components)``. Default: the env's ``rubric``."""
+        if self.rubric is None:
+            return 0.0, {}
+        return self.rubric(ctx)
+
+    # ----------------------------------------------------------------- async API
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Async :meth:`reset`."""
+        self._check_open()
+        super().reset(seed=seed)
+        await self._sessions.release_all()
+        options = options or {}
+        if options.get("task") is not None:
+            task = dict(options["task"])
+        elif self._task_list is not None:
+            task = dict(self._task_list[int(self.np_random.integers(len(self._task_list)))])
+        else:
+            task = self.generate_task(self.np_random)
+        self.task = task
+        messages = self.prompt_messages(task)
+        prompt = self.format.render_prompt(messages, self.toolbox.specs, instructions=self.instructions)
+        self.trajectory = Trajectory(
+            prompt_ids=list(prompt), metadata={"env": type(self).__name__, "task": task}
+        )
+        self._done = False
+        self._tool_calls = 0
+        self._errors: Counter[str] = Counter()
+        obs = {"tokens": as_token_array(prompt), "messages": tuple(replace(m) for m in messages)}
+        return obs, {"task": dict(task)}
+
+    async def astep(self, action: Any) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
+        """Async :meth:`step`."""
+        self._check_open()
+        if self._done or self.trajectory is None:
+            raise RuntimeError("the episode is over (or was never started); call reset()/areset() first")
+        ids, logprobs = self._action_ids(action)
+        traj = self.trajectory
+        start = len(traj.response_ids)
+        traj.response_ids.extend(ids)
+        traj.response_mask.extend([1] * len(ids))
+        traj.rollout_logprobs.extend(logprobs)
+        parsed = self._parse(ids)
+        turn = TurnRecord(
+            model_span=(start, len(traj.response_ids)), env_span=(start + len(ids),) * 2, parsed=parsed
+        )
+        traj.turns.append(turn)
+        errors = [_PARSE_ERROR_KINDS.get(e.kind, "parse_error") for e in parsed.errors]
+
+        terminated = truncated = False
+        obs_messages: list[Message] = []
+        calls = parsed.tool_calls
+        if self.single_turn:
+            terminated = True
+        elif calls:
+            if self._tool_calls + len(calls) > self.limits.max_tool_calls:
+                truncated = True
+            else:
+                self._tool_calls += len(calls)
+                records = await self.toolbox.call_many(calls, self._sessions)
+                turn.tools.extend(records)
+                errors.extend(r.error for r in records if r.error)
+                obs_messages = [
+                    self._tool_message(c.recipient, r) for c, r in zip(calls, records, strict=True)
+                ]
+        elif parsed.final is not None:
+            terminated = True
+        else:
+            obs_messages = [self._no_action_message(parsed)]
+            if not errors:
+                errors.append("parse_error")
+
+        obs_ids: list[int] = []
+        if not (terminated or truncated):
+            if len(traj.turns) >= self.limits.max_turns:
+                truncated = True
+            else:
+                obs_ids = self.format.render_observation(obs_messages, completion_ids=ids)
+                if (
+                    len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids)
+                    >= self.limits.max_total_tokens
+                ):
+                    truncated, obs_ids = True, []
+                else:
+                    traj.response_ids.extend(obs_ids)
+                    traj.response_mask.extend([0] * len(obs_ids))
+                    traj.rollout_logprobs.extend([0.0] * len(obs_ids))
+                    turn.env_span = (turn.model_span[1], len(traj.response_ids))
+        self._errors.update(errors)
+        info: dict[str, Any] = {"turn": len(traj.turns), "errors": errors, "tool_calls": self._tool_calls}
+        reward = 0.0
+        if terminated or truncated:
+            reward = await self._finish(terminated, truncated)
+            info["trajectory"] = traj
+            info["reward_components"] = dict(traj.reward_components)
+        obs = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
+        return obs, reward, terminated, truncated, info
+
+    async def aclose(self) -> None:
+        """Release sessions and the tools' resources. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._sessions.release_all()
+        await self.toolbox.aclose()
+        await self.aclose_resources()
+
+    async def aclose_resources(self) -> None:  # noqa: B027 - optional hook
+        """Subclass hook: free env-owned resources (services, indexes). Called once by :meth:`aclose`."""
+
+    # ----------------------------------------------------------------- sync API
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[override]
+        """Start an episode; see the module docstring."""
+        return self._run(self.areset(seed=seed, options=options))
+
+    def step(self, action: Any):  # type: ignore[override]
+        """Apply one model action; see the module docstring."""
+        return self._run(self.astep(action))
+
+    def close(self) -> None:
+        """Release everything. Idempotent; safe to call on a closed env."""
+        if self._closed:
+            return
+        if _running_loop() is not None:
+            if self._loop is None:  # async user: schedule cleanup on their loop
+                asyncio.get_running_loop().create_task(self.aclose())
+                return
+        loop = self._loop or asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(self.aclose())
+        finally:
+            loop.close()
+            self._loop = None
+        super().close()
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi" or self.trajectory is None:
+            return None
+        return self.format.decode(self.trajectory.prompt_ids + self.trajectory.response_ids)
+
+    # ----------------------------------------------------------------- internals
+    def _run(self, coro: Any) -> Any:
+        if _running_loop() is not None:
+            coro.close()
+            raise RuntimeError(
+                f"{type(self).__name__}.reset()/step() were called inside a running event loop; "
+                "use `await env.areset(...)` / `await env.astep(...)` there"
+            )
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} is closed; create a new env")
+
+    def _action_ids(self, action: Any) -> tuple[list[int], list[float]]:
+        logprobs = None
+        if isinstance(action, str):
+            ids = encode_action_text(self.format, action)
+        elif hasattr(action, "token_ids"):
+            ids = [int(t) for t in action.token_ids]
+            logprobs = getattr(action, "logprobs", None)
+        elif isinstance(action, np.ndarray):
+            ids = action.astype(np.int64).reshape(-1).tolist()
+        elif isinstance(action, Sequence):
+            ids = [int(t) for t in action]
+        else:
+            raise TypeError(
+                f"an action must be token ids, a str, or an object with .token_ids/.logprobs; got {type(action).__name__}"
+            )
+        if logprobs is None:
+            return ids, [0.0] * len(ids)
+        logprobs = [float(x) for x in logprobs]
+        if len(logprobs) != len(ids):
+            raise ValueError(
+                f"action has {len(ids)} token ids but {len(logprobs)} log-probs; they must match"
+            )
+        return ids, logprobs
+
+    def _parse(self, ids: list[int]) -> ParsedTurn:
+        try:
+            return self.format.parse(ids)
+        except Exception as e:  # noqa: BLE001 - the format promises not to raise; be safe anyway
+            from agentrl.harmony.types import ParseError
+
+            return ParsedTurn(errors=[ParseError(ParseErrorKind.MALFORMED, f"{type(e).__name__}: {e}")])
+
+    @staticmethod
+    def _tool_message(recipient: str, rec: ToolRecord) -> Message:
+        return Message(
+            role="tool", content=rec.result, name=recipient, recipient="assistant", channel="commentary"
+        )
+
+    def _no_action_message(self, parsed: ParsedTurn) -> Message:
+        """The error observation for an action with neither a usable tool call nor a final answer. A rejected
+        call (bad JSON, wrong channel) is answered by the addressed tool; anything else by a user note."""
+        why = (
+            "; ".join(e.message for e in parsed.errors)
+            or "it contained neither a tool call nor a final answer"
+        )
+        last = parsed.messages[-1] if parsed.messages else None
+        if last is not None and last.recipient and parsed.errors:
+            return Message(
+                role="tool",
+                content=f"Error: {why}",
+                name=last.recipient,
+                recipient="assistant",
+                channel="commentary",
+            )
+        tools = ", ".join(s.recipient for s in self.toolbox.specs)
+        hint = f"call a tool ({tools}) or give your final answer" if tools else "give your final answer"
+        return Message(
+            role="user", content=f"[env] Your last message could not be used: {why}. Please {hint}."
+        )
+
+    async def _finish(self, terminated: bool, truncated: bool) -> float:
+        traj = self.trajectory
+        assert traj is not None and self.task is not None
+        self._done = True
+        traj.terminated, traj.truncated = terminated, truncated
+        traj.metadata["errors"] = dict(self._errors)
+        traj.metadata["tool_calls"] = self._tool_calls
+        final = next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)
+        ctx = RewardContext(
+            task=self.task,
+            final=final,
+            messages=[m for t in traj.turns for m in t.parsed.messages],
+            trajectory=traj,
+            truncated=truncated,
+        )
+        try:
+            total, components = self.reward(ctx)
+        finally:
+            await self._sessions.release_all()
+        traj.reward = float(total)
+        traj.reward_components = {k: float(v) for k, v in components.items()}
+        return traj.reward
+
+
+def encode_action_text(fmt: ChatFormat, text: str) -> list[int]:
+    """Encode a text action, turning special-token text (``<|call|>``, ``<|im_end|>``...) into the special ids.
+
+    Uses ``fmt.encode(text, allow_special=True)`` when the format supports it, else the openai-harmony
+    encoding of a HarmonyFormat (``allowed_special="all"``), else a HF tokenizer's default (which already
+    maps added special tokens), else plain ``fmt.encode``.
+    """
+    try:
+        return list(fmt.encode(text, allow_special=True))  # type: ignore[call-arg]
+    except TypeError:
+        pass
+    encoding = getattr(fmt, "encoding", None)
+    if encoding is not None and hasattr(encoding, "special_tokens_set"):
+        return list(encoding.encode(text, allowed_special="all"))
+    tokenizer = getattr(fmt, "tokenizer", None)
+    if tokenizer is not None:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(fmt.encode(text))
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -1,0 +1,57 @@
+"""General verifiers: exact match, per-channel penalties, error and format penalties."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from agentrl.envs.rewards.math import final_answer_text
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, strip surrounding punctuation/quotes/markdown and collapse whitespace."""
+    t = final_answer_text(text).strip().lower()
+    t = re.sub(r"\s+", " ", t)
+    return t.strip(" \t\n.'\"`*")
+
+
+class ExactMatch:
+    """Verifier: 1.0 if the normalised final answer equals the normalised ``task[key]``.
+
+    ``normalize`` defaults to :func:`normalize_answer` (the last ``\\boxed{}`` counts when present).
+    """
+
+    name = "exact_match"
+
+    def __init__(self, key: str = "answer", normalize: Callable[[str], str] = normalize_answer) -> None:
+        self.key, self.normalize = key, normalize
+
+    def __call__(self, ctx: Any) -> float:
+        if ctx.final is None:
+            return 0.0
+        return float(self.normalize(ctx.final) == self.normalize(str(ctx.task[self.key])))
+
+
+class ChannelToolCallCount:
+    """Verifier: the number of tool calls made from ``channel`` (e.g. ``"analysis"``, where Harmony says
+    function calls do not belong). Give it a negative weight in a rubric to penalise them."""
+
+    def __init__(self, channel: str = "analysis") -> None:
+        self.channel = channel
+        self.name = f"tool_calls_in_{channel}"
+
+    def __call__(self, ctx: Any) -> float:
+        return float(sum(1 for c in ctx.tool_calls if c.channel == self.channel))
+
+
+class ErrorCount:
+    """Verifier: how many errors of the given kinds (default: all) the episode recorded (parse errors,
+    unknown tools, bad arguments, timeouts, exceptions, truncated actions). Use with a negative weight."""
+
+    def __init__(self, kinds: tuple[str, ...] | None = None, name: str = "errors") -> None:
+        self.kinds, self.name = kinds, name
+
+    def __call__(self, ctx: Any) -> float:
+        errors = ctx.trajectory.metadata.get("errors", {})
+        return float(sum(n for k, n in errors.items() if self.kinds is None or k in self.kinds))

@@ -1,0 +1,158 @@
+"""Dispatch parsed tool calls to tools: validation, per-episode sessions, timeouts, bounded results.
+
+Every failure becomes a :class:`~agentrl.harmony.trajectory.ToolRecord` whose ``error`` is one of
+``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception`` and whose ``result`` is a message
+the model can read. :meth:`ToolBox.call` never raises (except ``asyncio.CancelledError``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jsonschema
+
+from agentrl.envs.tools.base import StatefulTool, Tool, ToolError, ToolOutput
+from agentrl.harmony.trajectory import ToolRecord
+from agentrl.harmony.types import ToolCall, ToolSpec
+
+
+def truncate_text(text: str, max_chars: int) -> str:
+    """Cut ``text`` to ``max_chars`` characters plus a marker saying how much was dropped."""
+    if len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}\n[... truncated {len(text) - max_chars} characters]"
+
+
+class Sessions:
+    """The per-episode sessions of stateful tools, created lazily on first use."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, tuple[StatefulTool, Any]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, tool: StatefulTool) -> Any:
+        if tool.name in self._sessions:
+            return self._sessions[tool.name][1]
+        lock = self._locks.setdefault(tool.name, asyncio.Lock())
+        async with lock:
+            if tool.name not in self._sessions:
+                self._sessions[tool.name] = (tool, await tool.create_session())
+        return self._sessions[tool.name][1]
+
+    async def release_all(self) -> None:
+        """Release every session (errors while releasing are swallowed: the episode is over)."""
+        items, self._sessions, self._locks = list(self._sessions.values()), {}, {}
+        for tool, session in items:
+            try:
+                await tool.release_session(session)
+            except Exception:  # noqa: BLE001 - releasing must not fail an episode
+                pass
+
+
+class ToolBox:
+    """The tools of one env, indexed by name, with the dispatch policy.
+
+    Args:
+        tools: the tools (names must be unique).
+        timeout_s: default per-call wall-clock limit (a tool's own ``timeout_s`` overrides it).
+        max_result_chars: results longer than this are cut with a ``[... truncated N characters]`` marker.
+    """
+
+    def __init__(self, tools: Iterable[Tool], *, timeout_s: float = 30.0, max_result_chars: int = 8000) -> None:
+        self.tools: dict[str, Tool] = {}
+        for t in tools:
+            if t.name in self.tools:
+                raise ValueError(f"two tools are named {t.name!r}; tool names must be unique within an env")
+            self.tools[t.name] = t
+        self.timeout_s = timeout_s
+        self.max_result_chars = max_result_chars
+        self._validators = {
+            name: jsonschema.Draft202012Validator(t.parameters) for name, t in self.tools.items()
+        }
+
+    @property
+    def specs(self) -> list[ToolSpec]:
+        return [t.spec() for t in self.tools.values()]
+
+    def resolve(self, call: ToolCall) -> Tool | None:
+        """The tool a call addresses, by name or by full recipient (``functions.x``, ``python``)."""
+        t = self.tools.get(call.name)
+        if t is None and call.recipient:
+            t = self.tools.get(call.recipient.rsplit(".", 1)[-1])
+        return t
+
+    async def call(self, call: ToolCall, sessions: Sessions) -> ToolRecord:
+        """Validate and run one call; always returns a record (``error`` set on failure)."""
+        start = time.perf_counter()
+        name = call.name or call.recipient
+        args: Any = call.arguments
+
+        def record(result: str, error: str | None) -> ToolRecord:
+            return ToolRecord(
+                name=name,
+                arguments=args,
+                result=truncate_text(result, self.max_result_chars),
+                latency_s=time.perf_counter() - start,
+                error=error,
+            )
+
+        tool = self.resolve(call)
+        if tool is None:
+            avail = ", ".join(sorted(t.spec().recipient for t in self.tools.values())) or "none"
+            return record(f"Error: there is no tool named {call.recipient or name!r}. Available tools: {avail}.", "unknown_tool")
+        name = tool.name
+        if not isinstance(args, dict):
+            try:
+                args = json.loads(call.raw_arguments) if call.raw_arguments.strip() else {}
+            except (json.JSONDecodeError, AttributeError):
+                args = call.raw_arguments
+            if not isinstance(args, dict):
+                return record(
+                    f"Error: the arguments of {tool.name} must be a JSON object, got {str(call.raw_arguments)[:200]!r}.",
+                    "bad_arguments",
+                )
+        problems = sorted(self._validators[tool.name].iter_errors(args), key=lambda e: list(e.path))
+        if problems:
+            detail = "; ".join(_describe(e) for e in problems[:5])
+            return record(f"Error: invalid arguments for {tool.name}: {detail}.", "bad_arguments")
+        timeout = tool.timeout_s if tool.timeout_s is not None else self.timeout_s
+
+        async def run() -> str | ToolOutput:
+            session = await sessions.get(tool) if isinstance(tool, StatefulTool) else None
+            return await tool.call(args, session)
+
+        try:
+            out = await asyncio.wait_for(run(), timeout)
+        except (TimeoutError, asyncio.TimeoutError):
+            return record(f"Error: {tool.name} did not finish within {timeout:g} s and was stopped.", "tool_timeout")
+        except ToolError as e:
+            return record(f"Error: {e}", e.kind)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - tool bugs become observations, never trainer crashes
+            return record(f"Error: {tool.name} failed: {type(e).__name__}: {e}", "tool_exception")
+        if isinstance(out, ToolOutput):
+            return record(out.content, out.error)
+        return record(str(out), None)
+
+    async def call_many(self, calls: Sequence[ToolCall], sessions: Sessions) -> list[ToolRecord]:
+        """Run calls concurrently; results come back in call order."""
+        if len(calls) == 1:
+            return [await self.call(calls[0], sessions)]
+        return list(await asyncio.gather(*(self.call(c, sessions) for c in calls)))
+
+    async def aclose(self) -> None:
+        for t in self.tools.values():
+            try:
+                await t.aclose()
+            except Exception:  # noqa: BLE001 - closing is best effort and idempotent
+                pass
+
+
+def _describe(err: jsonschema.ValidationError) -> str:
+    where = ".".join(str(p) for p in err.absolute_path)
+    return f"{where}: {err.message}" if where else err.message

@@ -1,0 +1,82 @@
+"""The stateful ``python`` code-interpreter tool over a :class:`~agentrl.envs.sandbox.SandboxBackend`.
+
+Each episode gets its own notebook-like session (globals persist between calls, the value of a trailing
+expression is shown). In Harmony it is the built-in ``python`` tool (recipient ``python``, free-text code);
+with chat templates it is a function ``python(code: str)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from agentrl.envs.sandbox.base import SandboxBackend, make_backend
+from agentrl.envs.tools.base import StatefulTool, ToolError, ToolOutput
+
+DESCRIPTION = (
+    "Execute Python code in a stateful Jupyter-like session: variables persist between calls, printed output "
+    "and the value of the last expression are returned. No internet access."
+)
+
+
+class PythonTool(StatefulTool):
+    """Runs model-written code in a sandbox session, one session per episode.
+
+    Args:
+        sandbox: a backend instance (shared across envs; this tool does not close it) or a backend name for
+            :func:`~agentrl.envs.sandbox.make_backend` (the tool creates it on first use and owns it).
+        exec_timeout_s: wall-clock limit of one run inside the sandbox; the dispatcher's per-call timeout
+            (``timeout_s``) is set a little above it so the sandbox reports the timeout itself.
+        backend_kwargs: passed to ``make_backend`` when ``sandbox`` is a name.
+
+    Results: the run's rendered output (stdout, display value, stderr, and a status note on failure). A run
+    that times out is recorded as ``tool_timeout``; a sandbox failure as ``tool_exception``; an exception in the
+    code is an ordinary result the model reads (recorded without an error kind).
+    """
+
+    name = "python"
+    namespace = "python"
+    description = DESCRIPTION
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "Python source to run"}},
+        "required": ["code"],
+    }
+
+    def __init__(self, sandbox: SandboxBackend | str = "local", *, exec_timeout_s: float = 10.0, **backend_kwargs: Any):
+        self._backend: SandboxBackend | None = None if isinstance(sandbox, str) else sandbox
+        self._backend_name = sandbox if isinstance(sandbox, str) else None
+        self._backend_kwargs = backend_kwargs
+        self._owns_backend = isinstance(sandbox, str)
+        self._lock: asyncio.Lock | None = None
+        self.exec_timeout_s = exec_timeout_s
+        self.timeout_s = exec_timeout_s + 5.0
+
+    async def backend(self) -> SandboxBackend:
+        """The sandbox backend, created on first use when given by name."""
+        if self._backend is None:
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                if self._backend is None:
+                    self._backend = make_backend(self._backend_name or "local", **self._backend_kwargs)
+        return self._backend
+
+    async def create_session(self) -> str:
+        return await (await self.backend()).create_session()
+
+    async def release_session(self, session: Any) -> None:
+        if self._backend is not None:
+            await self._backend.release_session(session)
+
+    async def call(self, arguments: dict[str, Any], session: Any = None) -> ToolOutput:
+        backend = await self.backend()
+        result = await backend.run(arguments["code"], session=session, timeout_s=self.exec_timeout_s)
+        if result.status == "sandbox_error":
+            raise ToolError(f"the code sandbox failed: {result.message or 'unknown error'}", "tool_exception")
+        return ToolOutput(result.render(), "tool_timeout" if result.status == "timeout" else None)
+
+    async def aclose(self) -> None:
+        if self._owns_backend and self._backend is not None:
+            backend, self._backend = self._backend, None
+            await backend.aclose()
