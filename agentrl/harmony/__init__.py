@@ -3,6 +3,7 @@
 Imports neither torch nor transformers; the HF pieces import transformers lazily when used.
 """
 
+from agentrl.harmony.builder import TrajectoryBuilder
 from agentrl.harmony.encoding import load_harmony_encoding_offline
 from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.harmony_format import HarmonyFormat
@@ -21,6 +22,7 @@ __all__ = [
     "ToolCall",
     "ToolRecord",
     "ToolSpec",
+    "TrajectoryBuilder",
     "Trajectory",
     "TurnRecord",
     "load_harmony_encoding_offline",
