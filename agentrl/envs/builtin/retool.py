@@ -70,7 +70,7 @@ def make_problem(rng: np.random.Generator) -> tuple[str, int]:
         return (f"How many integers from 1 to {n} inclusive are divisible by {a} or by {b} but not by {c}?", count)
     if kind == 2:
         a, b = r(2, 99), r(100, 5_000)
-        return f"What are the last four digits of {a}^{b}? Answer with the number they form.", pow(a, b, 10_000)
+        return f"What is the remainder when {a}^{b} is divided by 10000?", pow(a, b, 10_000)
     if kind == 3:
         n = r(30, 150)
         return f"What is the sum of the digits of {n}! (the factorial of {n})?", sum(map(int, str(math.factorial(n))))

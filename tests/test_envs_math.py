@@ -1,0 +1,134 @@
+"""gsm8k and retool envs: real data files, real Harmony tokens, the real local code sandbox."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from agentrl.envs import default_format
+from agentrl.envs.builtin.gsm8k import GSM8KEnv
+from agentrl.envs.builtin.retool import ReToolEnv, make_problem
+from agentrl.envs.rewards import extract_boxed, math_equal, numeric_equal
+from agentrl.envs.sandbox import SandboxError, make_backend
+from agentrl.harmony.types import Message
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
+
+
+@pytest.fixture(scope="module")
+def fmt():
+    return default_format()
+
+
+def final(fmt, text, analysis=None):
+    msgs = [Message("assistant", analysis, channel="analysis")] if analysis else []
+    return fmt.render_completion([*msgs, Message("assistant", text, channel="final")])
+
+
+def py(fmt, code):
+    return fmt.render_completion([Message("assistant", code, channel="analysis", recipient="python")])
+
+
+def test_math_verifiers():
+    assert extract_boxed(r"so \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert extract_boxed("none") is None
+    assert numeric_equal("The total is $1,234.", "1234") and not numeric_equal("1235", "1234")
+    assert math_equal(r"\boxed{0.5}", r"\frac{1}{2}")
+    assert math_equal(r"the answer is \boxed{\sqrt{2}/2}", r"\frac{\sqrt{2}}{2}")
+    assert not math_equal(r"\boxed{3}", "4") and not math_equal(None, "4") and not math_equal("", "4")
+
+
+@needs_data
+def test_gsm8k_real_data_correct_wrong_and_malformed(fmt):
+    tasks = GSM8KEnv.tasks(path=str(DATA / "gsm8k" / "test.jsonl"), n=3)
+    assert tasks[0]["answer"] == "18" and tasks[0]["prompt"].startswith("Janet")
+    env = GSM8KEnv(tasks=tasks)
+    for text, want in [(r"She makes \boxed{18} dollars.", 1.0), ("18", 1.0), (r"\boxed{20}", 0.0)]:
+        env.reset(options={"task": tasks[0]})
+        obs, r, term, trunc, info = env.step(final(fmt, text, analysis="16-3-4=9, 9*2=18"))
+        assert (r, term, trunc) == (want, True, False)
+        assert len(obs["tokens"]) == 0
+    for bad in (fmt.encode("18"), [], py(fmt, "print(18)")):  # truncated, empty, a call in a tool-less env
+        env.reset(options={"task": tasks[0]})
+        obs, r, term, trunc, info = env.step(bad)
+        assert (r, term) == (0.0, True) and info["trajectory"].terminated
+
+
+def test_gsm8k_generator_and_check_env():
+    tasks = GSM8KEnv.tasks(n=20, seed=0)
+    assert all(t["answer"].lstrip("-").isdigit() for t in tasks)
+    check_env(GSM8KEnv(), skip_render_check=True)
+
+
+def test_retool_generator_answers_are_computed():
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    for _ in range(12):
+        prompt, answer = make_problem(rng)
+        assert isinstance(answer, int) and prompt.endswith("?")
+    assert ReToolEnv.tasks(n=3, seed=1) == ReToolEnv.tasks(n=3, seed=1)
+
+
+@needs_data
+def test_retool_loads_aime():
+    tasks = ReToolEnv.tasks(path=str(DATA / "aime" / "aime_2024.jsonl"), n=30)
+    assert len(tasks) == 30 and tasks[0]["answer"] == "204" and "Aya" in tasks[0]["prompt"]
+
+
+@pytest.fixture
+async def sandbox():
+    try:
+        sb = make_backend("local", workers=1)
+        await sb.run("1", timeout_s=10)
+    except SandboxError as e:
+        pytest.skip(f"local sandbox unavailable: {e}")
+    yield sb
+    await sb.aclose()
+
+
+async def test_retool_episode_with_real_sandbox(fmt, sandbox):
+    env = ReToolEnv(sandbox=sandbox, exec_timeout_s=2.0)
+    task = {"id": "t", "prompt": "What is the sum of all primes below 100?", "answer": "1060"}
+    obs, info = await env.areset(options={"task": task})
+    assert "python" in fmt.decode(obs["tokens"])
+    obs, r, term, trunc, info = await env.astep(py(fmt, "p = [n for n in range(2, 100) if all(n % d for d in range(2, n))]"))
+    assert not term and info["errors"] == []
+    obs, r, term, trunc, info = await env.astep(py(fmt, "sum(p)"))  # state persists within the episode
+    assert obs["messages"][0].content == "1060" and obs["messages"][0].name == "python"
+    obs, r, term, trunc, info = await env.astep(py(fmt, "1/0"))
+    assert "ZeroDivisionError" in obs["messages"][0].content and info["errors"] == []
+    obs, r, term, trunc, info = await env.astep(py(fmt, "while True: pass"))
+    assert info["errors"] == ["tool_timeout"] and "timeout" in obs["messages"][0].content
+    obs, r, term, trunc, info = await env.astep(final(fmt, r"The sum is \boxed{1060}."))
+    assert (r, term) == (1.0, True)
+    assert info["trajectory"].reward_components == {"correct": 1.0}
+    # A new episode gets a fresh session: `p` is gone.
+    await env.areset(options={"task": task})
+    obs, *_ = await env.astep(py(fmt, "p"))
+    assert "NameError" in obs["messages"][0].content
+    obs, r, term, trunc, info = await env.astep(final(fmt, r"\boxed{1061}"))
+    assert (r, term) == (0.0, True)
+    await env.aclose()
+    await env.aclose()
+
+
+async def test_retool_malformed_actions(fmt, sandbox):
+    env = ReToolEnv(sandbox=sandbox)
+    await env.areset(seed=0)
+    for ids, kind in [
+        (fmt.encode("cut off"), "truncation"),
+        (fmt.render_completion([Message("assistant", "{}", channel="commentary", recipient="functions.nope")]), "unknown_tool"),
+        (fmt.encode("plain text") + [fmt.stop_token_ids[0]], "parse_error"),
+    ]:
+        obs, r, term, trunc, info = await env.astep(ids)
+        assert not (term or trunc) and kind in info["errors"]
+    await env.aclose()
+
+
+def test_retool_check_env():
+    # The backend is created on the first python call, in the env's own loop (random actions make none).
+    check_env(ReToolEnv(sandbox="local"), skip_render_check=True)
