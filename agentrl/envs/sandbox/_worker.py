@@ -22,6 +22,7 @@ Containment done here (the host adds the namespaces, read-only filesystem and th
 import ast
 import base64
 import errno
+import gc
 import io
 import json
 import linecache
@@ -39,6 +40,14 @@ import traceback
 FILENAME = "<cell>"
 _HEADER = struct.Struct(">I")
 _WORKER_FILE = os.path.abspath(__file__)
+#: The environment the code sees (HOME and TMPDIR are set per run to its private directory).
+CODE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MPLBACKEND": "Agg",
+}
 
 
 def read_frame(fd, limit):
@@ -93,15 +102,18 @@ def execute(code, namespace, want_display, cap, files=None, fetch=()):
                 os.makedirs(parent, exist_ok=True)
             with open(path, "wb") as f:
                 f.write(base64.b64decode(b64 or ""))
-        tree = ast.parse(code, FILENAME, "exec")
-        last = None
-        if want_display and tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        exec(compile(tree, FILENAME, "exec"), namespace)
-        if last is not None:
-            value = eval(compile(last, FILENAME, "eval"), namespace)
-            if value is not None:
-                display = repr(value)[:cap]
+        if want_display:
+            tree = ast.parse(code, FILENAME, "exec")
+            last = None
+            if tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = ast.Expression(tree.body.pop().value)
+            exec(compile(tree, FILENAME, "exec"), namespace)
+            if last is not None:
+                value = eval(compile(last, FILENAME, "eval"), namespace)
+                if value is not None:
+                    display = repr(value)[:cap]
+        else:
+            exec(compile(code, FILENAME, "exec"), namespace)
         exit_code, kind = 0, "ok"
     except SystemExit as exc:
         exit_code = _system_exit_code(exc)
@@ -202,16 +214,7 @@ def setup_child(cfg, slot, fds, cpu_s, workdir):
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
     os.chdir(workdir)
-    os.environ.clear()
-    os.environ.update(
-        HOME=workdir,
-        TMPDIR=workdir,
-        PATH="/usr/local/bin:/usr/bin:/bin",
-        LANG="C.UTF-8",
-        OMP_NUM_THREADS="1",
-        OPENBLAS_NUM_THREADS="1",
-        MPLBACKEND="Agg",
-    )
+    os.environ["HOME"] = os.environ["TMPDIR"] = workdir  # the rest of the code's env is set once in main()
     _fresh_std_streams()
 
 
@@ -646,6 +649,9 @@ def _reap(pid):
 
 
 def _stdin_fd(text):
+    """A readable fd holding ``text`` (then EOF); the caller closes it."""
+    if not text:
+        return os.open("/dev/null", os.O_RDONLY)
     data = text.encode("utf-8")
     fd = os.memfd_create("stdin", 0)
     while data:
@@ -727,6 +733,8 @@ def main():
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     os.close(devnull)
+    os.environ.clear()
+    os.environ.update(CODE_ENV)
     ready = {"ready": True, "pid": os.getpid(), "uid": os.getuid(), "seccomp": False, "error": None}
     try:
         if cfg["drop_uid"]:
@@ -742,6 +750,7 @@ def main():
     if ready["error"]:
         return 2
     worker = Worker(cfg)
+    gc.freeze()  # keep the collector from touching (and so copying) the worker's pages in every child
     while True:
         req = read_frame(ctl_in, 1 << 30)
         if req is None:

@@ -1,0 +1,196 @@
+"""Sandbox throughput: the isolated fork-server pool against a fresh bubblewrap sandbox per execution.
+
+Runs in one process, side by side, on this machine's cores (2 on the reference machine):
+
+1. pool, stateless: ``LocalSandbox(workers=cores)``, trivial snippets with ``4 * cores`` in flight -> exec/s;
+2. pool, stateful: sequential runs in one session -> p50 latency, ms;
+3. baseline: a fresh ``bwrap ... python3 -I -c CODE`` per execution (same namespaces, binds and interpreter as
+   the pool), ``cores`` at a time -> exec/s;
+4. ``agentrl serve sandbox`` in a subprocess, driven over loopback HTTP by 16 concurrent clients -> req/s.
+
+Phases 1 and 3 alternate in ``--rounds`` rounds and are summed, so that load from other processes on a shared
+machine falls on both alike.
+
+Every output is checked for correctness. The last line is the summary:
+``sandbox: pool_exec_per_s=<n> stateful_p50_ms=<n> fresh_exec_per_s=<n> ratio=<pool/fresh>``.
+
+Usage: ``python benchmarks/sandbox_bench.py [--seconds 5] [--skip-http]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from agentrl.envs.sandbox import isolation as iso
+from agentrl.envs.sandbox.local import LocalSandbox
+
+SNIPPET = "print(1 + 1)"
+
+
+async def bench_pool_stateless(sb: LocalSandbox, seconds: float, in_flight: int) -> float:
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            r = await sb.run(SNIPPET, timeout_s=5)
+            assert r.ok and r.stdout == "2\n", r
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(in_flight)))
+    return done / (time.perf_counter() - start)
+
+
+async def bench_pool_stateful(sb: LocalSandbox, n: int) -> float:
+    sid = await sb.create_session()
+    assert (await sb.run("x = 0", session=sid)).ok
+    latencies = []
+    for i in range(n):
+        t = time.perf_counter()
+        r = await sb.run("x += 1\nx", session=sid, timeout_s=5)
+        latencies.append(time.perf_counter() - t)
+        assert r.display == str(i + 1), r
+    await sb.release_session(sid)
+    return statistics.median(latencies) * 1000
+
+
+async def bench_fresh_bwrap(seconds: float, concurrency: int) -> float:
+    cfg = iso.worker_config(
+        drop_uid=False,
+        uid_base=0,
+        limits={},
+        output_cap=0,
+        seccomp=False,
+        tmp_root="/tmp",
+        own_pid_namespace=True,
+    )
+    argv = iso.bwrap_command(
+        "/usr/bin/python3", cfg, as_root=os.geteuid() == 0, tmpfs_bytes=256 << 20, ro_binds=()
+    )
+    argv = argv[: argv.index("/usr/bin/python3")] + ["/usr/bin/python3", "-I", "-c", SNIPPET]
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+            out, _ = await proc.communicate()
+            assert proc.returncode == 0 and out == b"2\n", (proc.returncode, out)
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return done / (time.perf_counter() - start)
+
+
+async def bench_http(workers: int, seconds: float, clients: int) -> float:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agentrl.cli",
+            "serve",
+            "sandbox",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--log-level",
+            "warning",
+        ],
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=clients)) as client:
+            for _ in range(300):
+                try:
+                    if (await client.get("/v1/ping")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.1)
+            done = 0
+            deadline = time.perf_counter() + seconds
+
+            async def one() -> None:
+                nonlocal done
+                while time.perf_counter() < deadline:
+                    r = await client.post(
+                        "/run_code", json={"code": SNIPPET, "language": "python"}, timeout=30
+                    )
+                    body = r.json()
+                    assert body["status"] == "Success" and body["run_result"]["stdout"] == "2\n", body
+                    done += 1
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one() for _ in range(clients)))
+            return done / (time.perf_counter() - start)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+async def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seconds", type=float, default=2.0, help="duration of each throughput phase per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--skip-http", action="store_true")
+    args = p.parse_args(argv)
+
+    pool_rates, fresh_rates = [], []
+    async with LocalSandbox(workers=args.cores) as sb:
+        await bench_pool_stateless(sb, 1.0, 4 * args.cores)  # warm-up
+        for _ in range(args.rounds):
+            pool_rates.append(await bench_pool_stateless(sb, args.seconds, 4 * args.cores))
+            fresh_rates.append(await bench_fresh_bwrap(args.seconds, args.cores))
+        stateful = await bench_pool_stateful(sb, 500)
+    pool, fresh = statistics.mean(pool_rates), statistics.mean(fresh_rates)
+    print(
+        f"pool stateless: {pool:.0f} exec/s ({args.cores} workers, {4 * args.cores} in flight); rounds: "
+        + ", ".join(f"{r:.0f}" for r in pool_rates),
+        flush=True,
+    )
+    print(f"pool stateful: p50 {stateful:.2f} ms per run (500 sequential runs in one session)", flush=True)
+    print(
+        f"fresh bwrap per execution: {fresh:.0f} exec/s ({args.cores} at a time); rounds: "
+        + ", ".join(f"{r:.0f}" for r in fresh_rates),
+        flush=True,
+    )
+    if not args.skip_http:
+        http = await bench_http(args.cores, args.seconds, 16)
+        print(f"agentrl serve sandbox over loopback HTTP: {http:.0f} req/s (16 clients)", flush=True)
+    print(
+        json.dumps(
+            {
+                "cores": args.cores,
+                "seconds": args.seconds,
+                "rounds": args.rounds,
+                "loadavg_1min": os.getloadavg()[0],
+            }
+        )
+    )
+    print(
+        f"sandbox: pool_exec_per_s={pool:.0f} stateful_p50_ms={stateful:.2f} "
+        f"fresh_exec_per_s={fresh:.0f} ratio={pool / fresh:.1f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main(sys.argv[1:])))
