@@ -78,6 +78,26 @@ def test_dense_causal_matches_reference(b, hq, hkv, n, d, window, sigma):
     _compare(*_dense(b, hq, hkv, n, n, d, sigma, torch.float32), FP32_TOL, causal=True, window=window)
 
 
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("hkv,window", [(1, None), (2, 6)])
+def test_gqa_head_packed_tiles_match_reference(monkeypatch, pack, hkv, window):
+    """Both tile layouts (one head per tile, or a GQA group's heads packed into the tile rows)."""
+    from agentrl.kernels.sink_attention import CONFIG_OVERRIDES, KernelConfig
+
+    cfg = KernelConfig(16, 16, 4, 1, pack)
+    for kind in ("fwd", "dkdv", "dq"):
+        monkeypatch.setitem(CONFIG_OVERRIDES, kind, cfg)
+    torch.manual_seed(11)
+    _compare(*_dense(1, 8, hkv, 27, 27, 16, 4.0, torch.float32), FP32_TOL, causal=True, window=window)
+    lens = [5, 0, 1, 19]
+    cu = torch.tensor([0, 5, 5, 6, 25], dtype=torch.int32, device=DEV)
+    q = torch.randn(25, 8, 16, device=DEV)
+    k = torch.randn(25, hkv, 16, device=DEV)
+    v = torch.randn(25, hkv, 16, device=DEV)
+    _compare(q, k, v, torch.randn(8, device=DEV) * 4, FP32_TOL, causal=True, window=window, cu_seqlens=cu,
+             max_seqlen=max(lens))
+
+
 def test_non_causal_matches_reference():
     torch.manual_seed(1)
     _compare(*_dense(1, 4, 2, 21, 21, 16, 3.0, torch.float32), FP32_TOL, causal=False)
@@ -92,7 +112,7 @@ def test_fp16_within_tolerance():
 @pytest.mark.parametrize("n_k,window", [(45, None), (45, 7), (3, None)])
 def test_decode_single_query_against_cache(n_k, window):
     torch.manual_seed(n_k)
-    _compare(*_dense(2, 4, 2, 1, n_k, 16, 2.0, torch.float32), FP32_TOL, causal=True, window=window)
+    _compare(*_dense(2, 8, 1, 1, n_k, 16, 2.0, torch.float32), FP32_TOL, causal=True, window=window)
 
 
 def test_chunk_of_queries_against_longer_cache():

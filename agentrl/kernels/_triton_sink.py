@@ -97,6 +97,17 @@ def _visible(rows_pos, cols, n_k, window, CAUSAL: tl.constexpr, WINDOW: tl.const
 
 
 @triton.jit
+def _row_map(p0, h0, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
+    """Rows of a tile: ``PACK`` query heads (from ``h0``) times ``BLOCK_M // PACK`` positions (from
+    ``p0``), head-major. PACK > 1 packs the query heads of a GQA group into one tile: they share the
+    K/V tiles and, having the same positions, the same causal/window range."""
+    r = tl.arange(0, BLOCK_M)
+    heads = h0 + r // (BLOCK_M // PACK)
+    pos = p0 + r % (BLOCK_M // PACK)
+    return heads, pos
+
+
+@triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, start, end, n_k,
                qk_scale2, window, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, MASKED: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
@@ -112,12 +123,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, s
         else:
             kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
-        s = tl.dot(q, kt) * qk_scale2
+        s = tl.dot(q, kt)
         if MASKED:
             s = tl.where(_visible(rows_pos, cols, n_k, window, CAUSAL, WINDOW), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # scale folded into the exponent: one FMA per score
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale2)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale2 - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
@@ -131,41 +143,42 @@ def sink_fwd_kernel(Q, K, V, SINK, Out, LSE, CU_Q, CU_K,
                     sl_b, sl_h, n_q_dense, n_k_dense, H, GROUP, qk_scale2, window,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-                    HAS_SINK: tl.constexpr):
+                    HAS_SINK: tl.constexpr, PACK: tl.constexpr):
+    """Grid: (position blocks of BLOCK_M // PACK, B * H // PACK)."""
+    BLOCK_P: tl.constexpr = BLOCK_M // PACK
     # Longest blocks first: under causal masking the last query blocks do the most work.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP
+    b = pid_bh // (H // PACK)
+    h0 = (pid_bh % (H // PACK)) * PACK
+    hk = h0 // GROUP
     q_start, n_q, k_start, n_k = _seq_bounds(CU_Q, CU_K, b, n_q_dense, n_k_dense, VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= n_q:
+    p0 = pid_m * BLOCK_P
+    if p0 >= n_q:
         return
     off = n_k - n_q
     b64 = b.to(tl.int64)
-    q_ptr = Q + b64 * sq_b + h.to(tl.int64) * sq_h + q_start.to(tl.int64) * sq_n
+    heads, pos = _row_map(p0, h0, BLOCK_M, PACK)
+    heads64 = heads.to(tl.int64)
+    tok64 = (q_start + pos).to(tl.int64)
     k_ptr = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_n
     v_ptr = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_n
-    o_ptr = Out + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_n
-    lse_ptr = LSE + b64 * sl_b + h.to(tl.int64) * sl_h + q_start
-
-    rows = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
-    row_ok = rows < n_q
-    q = tl.load(q_ptr + rows[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    rows_pos = rows + off
+    row_ok = pos < n_q
+    q_rows = Q + b64 * sq_b + heads64 * sq_h + tok64 * sq_n
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    rows_pos = pos + off
 
     # Running max starts at the sink, so fully masked tiles never produce exp(-inf - -inf).
     if HAS_SINK:
-        sink2 = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
+        sink2 = tl.load(SINK + heads).to(tl.float32) * 1.4426950408889634
     else:
         sink2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     m_i = tl.maximum(sink2, -1.0e30)
     l_i = tl.exp2(sink2 - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = _kv_ranges(m0, n_k, off, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    lo, full_lo, full_hi, hi = _kv_ranges(p0, n_k, off, window, BLOCK_P, BLOCK_N, CAUSAL, WINDOW)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, lo, full_lo, n_k,
                                qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_lo, full_hi,
@@ -176,8 +189,9 @@ def sink_fwd_kernel(Q, K, V, SINK, Out, LSE, CU_Q, CU_K,
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only without a sink and with no visible key
     out = acc / l_i[:, None]
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
-    tl.store(o_ptr + rows[:, None] * so_n + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    o_rows = Out + b64 * so_b + heads64 * so_h + tok64 * so_n
+    tl.store(o_rows[:, None] + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + b64 * sl_b + heads64 * sl_h + tok64, lse, mask=row_ok)
 
 
 @triton.jit
@@ -216,30 +230,34 @@ def sink_bwd_preprocess_kernel(Out, DO, LSE, DLSE, SINK, DELTA, SINKTERM, CU_Q, 
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sq_n, sdo_n, cols, start, end,
+def _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, start, end, sq_n, sdo_n, cols,
                     n_q, n_k, off, qk_scale2, window, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    offs_m = tl.arange(0, BLOCK_M)
+                    PACK: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                    LSE, DELTA):
+    """Accumulate dK, dV of one KV tile over query position blocks [start, end). ``q_rows`` etc. are
+    per-row base pointers (head offsets), positions are added here."""
+    BLOCK_P: tl.constexpr = BLOCK_M // PACK
     offs_d = tl.arange(0, HEAD_D)
-    for start_m in range(start, end, BLOCK_M):
-        rows = start_m + offs_m
-        q_ptrs = q_ptr + rows[:, None] * sq_n + offs_d[None, :]
-        do_ptrs = do_ptr + rows[:, None] * sdo_n + offs_d[None, :]
+    rpos = tl.arange(0, BLOCK_M) % BLOCK_P
+    for start_m in range(start, end, BLOCK_P):
+        pos = start_m + rpos
+        q_ptrs = q_rows[:, None] + pos[:, None].to(tl.int64) * sq_n + offs_d[None, :]
+        do_ptrs = do_rows[:, None] + pos[:, None].to(tl.int64) * sdo_n + offs_d[None, :]
         if MASKED:
-            row_ok = rows < n_q
+            row_ok = pos < n_q
             q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-            delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+            lse = tl.load(LSE + l_rows + pos, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + l_rows + pos, mask=row_ok, other=0.0)
         else:
             q = tl.load(q_ptrs)
             do = tl.load(do_ptrs)
-            lse = tl.load(lse_ptr + rows)
-            delta = tl.load(delta_ptr + rows)
-        s_t = tl.dot(k, tl.trans(q)) * qk_scale2  # [BLOCK_N, BLOCK_M]
-        p_t = tl.exp2(s_t - (lse * 1.4426950408889634)[None, :])
+            lse = tl.load(LSE + l_rows + pos)
+            delta = tl.load(DELTA + l_rows + pos)
+        s_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
+        p_t = tl.exp2(s_t * qk_scale2 - (lse * 1.4426950408889634)[None, :])
         if MASKED:
-            ok = tl.trans(_visible(rows + off, cols, n_k, window, CAUSAL, WINDOW)) & row_ok[None, :]
+            ok = tl.trans(_visible(pos + off, cols, n_k, window, CAUSAL, WINDOW)) & row_ok[None, :]
             p_t = tl.where(ok, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
@@ -254,9 +272,11 @@ def sink_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
                          sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sl_b, sl_h,
                          n_q_dense, n_k_dense, HKV, GROUP, qk_scale2, sm_scale, window,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr):
-    """One program per (KV block, batch, KV head); it loops over the GROUP query heads that share
-    the KV head, so dK and dV are summed over the group without atomics."""
+                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                         PACK: tl.constexpr):
+    """One program per (KV block, batch, KV head); it covers the GROUP query heads that share the KV
+    head (PACK of them per tile), so dK and dV are summed over the group without atomics."""
+    BLOCK_P: tl.constexpr = BLOCK_M // PACK
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HKV
@@ -276,22 +296,25 @@ def sink_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     v = tl.load(v_ptr + cols[:, None] * sv_n + offs_d[None, :], mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _q_ranges(n0, n_q, n_k, off, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
-    for g in range(GROUP):
-        h = (hk * GROUP + g).to(tl.int64)
-        q_ptr = Q + b64 * sq_b + h * sq_h + q_start.to(tl.int64) * sq_n
-        do_ptr = DO + b64 * sdo_b + h * sdo_h + q_start.to(tl.int64) * sdo_n
-        lse_ptr = LSE + b64 * sl_b + h * sl_h + q_start
-        delta_ptr = DELTA + b64 * sl_b + h * sl_h + q_start
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sq_n, sdo_n, cols, lo,
-                                 full_lo, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, True,
-                                 CAUSAL, WINDOW)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sq_n, sdo_n, cols,
-                                 full_lo, full_hi, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D,
-                                 False, CAUSAL, WINDOW)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, sq_n, sdo_n, cols,
-                                 full_hi, hi, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, True,
-                                 CAUSAL, WINDOW)
+    lo, full_lo, full_hi, hi = _q_ranges(n0, n_q, n_k, off, window, BLOCK_P, BLOCK_N, CAUSAL, WINDOW)
+    q_base = Q + b64 * sq_b + q_start.to(tl.int64) * sq_n
+    do_base = DO + b64 * sdo_b + q_start.to(tl.int64) * sdo_n
+    l_base = b64 * sl_b + q_start
+    for hg in range(GROUP // PACK):
+        heads, _ = _row_map(0, hk * GROUP + hg * PACK, BLOCK_M, PACK)
+        heads64 = heads.to(tl.int64)
+        q_rows = q_base + heads64 * sq_h
+        do_rows = do_base + heads64 * sdo_h
+        l_rows = l_base + heads64 * sl_h
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, lo, full_lo, sq_n, sdo_n,
+                                 cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK, True,
+                                 CAUSAL, WINDOW, LSE, DELTA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, full_lo, full_hi, sq_n, sdo_n,
+                                 cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK,
+                                 False, CAUSAL, WINDOW, LSE, DELTA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, full_hi, hi, sq_n, sdo_n,
+                                 cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK, True,
+                                 CAUSAL, WINDOW, LSE, DELTA)
     dk = dk * sm_scale
     dk_ptr = DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_n
     dv_ptr = DV + b64 * sdv_b + hk.to(tl.int64) * sdv_h + k_start.to(tl.int64) * sdv_n
@@ -315,8 +338,8 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_vn, ro
         else:
             kt = tl.load(kt_ptrs)
             vt = tl.load(vt_ptrs)
-        s = tl.dot(q, kt) * qk_scale2
-        p = tl.exp2(s - lse2[:, None])
+        s = tl.dot(q, kt)
+        p = tl.exp2(s * qk_scale2 - lse2[:, None])
         if MASKED:
             p = tl.where(_visible(rows_pos, cols, n_k, window, CAUSAL, WINDOW), p, 0.0)
         dp = tl.dot(do, vt)
@@ -331,33 +354,38 @@ def sink_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
                        sdq_b, sdq_h, sdq_n, sl_b, sl_h, n_q_dense, n_k_dense, H, GROUP,
                        qk_scale2, sm_scale, window,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr):
+                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                       PACK: tl.constexpr):
+    """Grid: (position blocks of BLOCK_M // PACK, B * H // PACK)."""
+    BLOCK_P: tl.constexpr = BLOCK_M // PACK
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    hk = h // GROUP
+    b = pid_bh // (H // PACK)
+    h0 = (pid_bh % (H // PACK)) * PACK
+    hk = h0 // GROUP
     q_start, n_q, k_start, n_k = _seq_bounds(CU_Q, CU_K, b, n_q_dense, n_k_dense, VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= n_q:
+    p0 = pid_m * BLOCK_P
+    if p0 >= n_q:
         return
     off = n_k - n_q
     b64 = b.to(tl.int64)
-    rows = m0 + tl.arange(0, BLOCK_M)
+    heads, pos = _row_map(p0, h0, BLOCK_M, PACK)
+    heads64 = heads.to(tl.int64)
+    tok64 = (q_start + pos).to(tl.int64)
     offs_d = tl.arange(0, HEAD_D)
-    row_ok = rows < n_q
-    q_ptr = Q + b64 * sq_b + h.to(tl.int64) * sq_h + q_start.to(tl.int64) * sq_n
-    do_ptr = DO + b64 * sdo_b + h.to(tl.int64) * sdo_h + q_start.to(tl.int64) * sdo_n
-    k_ptr = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_n
-    v_ptr = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_n
-    l_off = b64 * sl_b + h.to(tl.int64) * sl_h + q_start + rows
-    q = tl.load(q_ptr + rows[:, None] * sq_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + rows[:, None] * sdo_n + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    row_ok = pos < n_q
+    q = tl.load((Q + b64 * sq_b + heads64 * sq_h + tok64 * sq_n)[:, None] + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load((DO + b64 * sdo_b + heads64 * sdo_h + tok64 * sdo_n)[:, None] + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    l_off = b64 * sl_b + heads64 * sl_h + tok64
     lse2 = tl.load(LSE + l_off, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
-    rows_pos = rows + off
+    k_ptr = K + b64 * sk_b + hk.to(tl.int64) * sk_h + k_start.to(tl.int64) * sk_n
+    v_ptr = V + b64 * sv_b + hk.to(tl.int64) * sv_h + k_start.to(tl.int64) * sv_n
+    rows_pos = pos + off
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _kv_ranges(m0, n_k, off, window, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    lo, full_lo, full_hi, hi = _kv_ranges(p0, n_k, off, window, BLOCK_P, BLOCK_N, CAUSAL, WINDOW)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, lo, full_lo, n_k,
                        qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_lo, full_hi, n_k,
@@ -365,5 +393,5 @@ def sink_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_hi, hi, n_k,
                        qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
     dq = dq * sm_scale
-    dq_ptr = DQ + b64 * sdq_b + h.to(tl.int64) * sdq_h + q_start.to(tl.int64) * sdq_n
-    tl.store(dq_ptr + rows[:, None] * sdq_n + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dq_rows = DQ + b64 * sdq_b + heads64 * sdq_h + tok64 * sdq_n
+    tl.store(dq_rows[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])

@@ -19,12 +19,18 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile shape and launch parameters of one kernel (``num_stages`` is ignored by the interpreter)."""
+    """Tile shape and launch parameters of one kernel (``num_stages`` is ignored by the interpreter).
+
+    ``pack``: put the query heads of a GQA group into one tile's rows (``block_m // group``
+    positions each), so that they share K/V tiles and one causal/window range; pays off for
+    sliding windows and decoding. Ignored when the group is larger than ``block_m``.
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    pack: bool = False
 
 
 # Benchmarks may override the heuristic per kernel ("fwd", "dkdv", "dq"); None means the heuristic.
@@ -43,9 +49,6 @@ def _kernels():
             "agentrl.kernels.sink_attention needs Triton (pip install 'agentrl-sdk[kernels]'); "
             f"importing it failed: {exc}"
         ) from exc
-    if _interpreting() and not type(_triton_sink.sink_fwd_kernel).__name__ == "InterpretedFunction":
-        raise RuntimeError("TRITON_INTERPRET=1 was set after triton (or agentrl.kernels' kernels) had been "
-                           "imported; set it in the environment before the process imports triton")
     if _interpreting():
         import triton.language.standard as std
 
@@ -56,21 +59,35 @@ def _kernels():
     return _triton_sink
 
 
-def _pick(kind: str, head_dim: int, max_q: int) -> KernelConfig:
+def _pick(kind: str, head_dim: int, max_q: int, group: int, window: int | None) -> KernelConfig:
+    """Tile configuration per kernel; the GPU choices come from sweeps on an H200 (see
+    benchmarks/RESULTS.md)."""
     override = CONFIG_OVERRIDES.get(kind)
     if override is not None:
         return override
+    decode = max_q * group <= 64
+    pack = group > 1 and (window is not None or decode)
     if _interpreting():
-        return KernelConfig(16, 16, 4, 1)
-    small_q = max(16, triton_next_pow2(max_q))
+        return KernelConfig(16, 16, 4, 1, pack)
+    wide = head_dim > 64
+    if decode:
+        return KernelConfig(max(16, triton_next_pow2(max_q * group if pack else max_q)), 64, 4, 2, pack)
     if kind == "fwd":
-        bm = min(128, small_q)
-        return KernelConfig(bm, 64, 4 if head_dim <= 64 else 8, 3)
+        if window is not None:
+            return KernelConfig(128, 32, 4, 3, pack)
+        return KernelConfig(128, 64, 8, 3) if wide else KernelConfig(128, 128, 4, 3)
     if kind == "dq":
-        bm = min(64, small_q)
-        return KernelConfig(bm, 64, 4 if head_dim <= 64 else 8, 3)
-    # dkdv: the q-block loop is the inner loop
-    return KernelConfig(min(64, small_q), 64, 4 if head_dim <= 64 else 8, 3)
+        if window is not None:
+            return KernelConfig(128, 32, 4, 3, pack)
+        return KernelConfig(64, 64, 8 if wide else 4, 3)
+    # dkdv: the query-block loop is the inner loop
+    if window is not None:
+        return KernelConfig(64, 64, 4, 3, pack)
+    return KernelConfig(64, 64, 8 if wide else 4, 3)
+
+
+def _pack(cfg: KernelConfig, group: int) -> int:
+    return group if cfg.pack and 1 < group <= cfg.block_m else 1
 
 
 def triton_next_pow2(n: int) -> int:
@@ -111,8 +128,10 @@ def _launch_fwd(q, k, v, sinks, cu_q, cu_k, lay: _Layout, causal, window, scale)
     out = torch.empty_like(q)
     total_q = q.shape[0]
     lse = torch.empty(lay.lse_shape(total_q), device=q.device, dtype=torch.float32)
-    cfg = _pick("fwd", lay.head_dim, lay.n_q)
-    grid = (triton_cdiv(lay.n_q, cfg.block_m), lay.batch * lay.hq)
+    group = lay.hq // lay.hkv
+    cfg = _pick("fwd", lay.head_dim, lay.n_q, group, window)
+    pack = _pack(cfg, group)
+    grid = (triton_cdiv(lay.n_q, cfg.block_m // pack), lay.batch * lay.hq // pack)
     dummy = lse  # any tensor: pointer arguments behind a false constexpr are never read
     kern.sink_fwd_kernel[grid](
         q, k, v, sinks if sinks is not None else dummy, out, lse,
@@ -120,7 +139,7 @@ def _launch_fwd(q, k, v, sinks, cu_q, cu_k, lay: _Layout, causal, window, scale)
         *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out), *lay.lse_strides(lse),
         lay.n_q, lay.n_k, lay.hq, lay.hq // lay.hkv, scale * kern.LOG2E, window or 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_D=lay.head_dim, CAUSAL=causal,
-        WINDOW=window is not None, VARLEN=lay.varlen, HAS_SINK=sinks is not None,
+        WINDOW=window is not None, VARLEN=lay.varlen, HAS_SINK=sinks is not None, PACK=pack,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
@@ -147,22 +166,23 @@ def _launch_bwd(do, q, k, v, sinks, out, lse, dlse, cu_q, cu_k, lay: _Layout, ca
     dv = torch.empty_like(v)
     group = lay.hq // lay.hkv
     common = dict(HEAD_D=lay.head_dim, CAUSAL=causal, WINDOW=window is not None, VARLEN=lay.varlen)
-    cfg = _pick("dkdv", lay.head_dim, lay.n_q)
+    cfg = _pick("dkdv", lay.head_dim, lay.n_q, group, window)
     kern.sink_bwd_dkdv_kernel[(triton_cdiv(lay.n_k, cfg.block_n), lay.batch * lay.hkv)](
         q, k, v, do, lse, delta, dk, dv, cu_q_arg, cu_k_arg,
         *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dk),
         *lay.strides(dv), *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hkv, group,
         scale * kern.LOG2E, scale, window or 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **common,
+        PACK=_pack(cfg, group), **common,
     )
-    cfg = _pick("dq", lay.head_dim, lay.n_q)
-    kern.sink_bwd_dq_kernel[(triton_cdiv(lay.n_q, cfg.block_m), lay.batch * lay.hq)](
+    cfg = _pick("dq", lay.head_dim, lay.n_q, group, window)
+    pack = _pack(cfg, group)
+    kern.sink_bwd_dq_kernel[(triton_cdiv(lay.n_q, cfg.block_m // pack), lay.batch * lay.hq // pack)](
         q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg,
         *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dq),
         *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hq, group, scale * kern.LOG2E, scale, window or 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **common,
+        PACK=pack, **common,
     )
     dsink = None
     if sinks is not None:
