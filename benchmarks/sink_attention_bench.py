@@ -132,12 +132,18 @@ def eager(window, n):
     return f
 
 
-def sdpa(window):
+def sdpa(window, expand_kv=False):
+    """SDPA flash without sinks. ``expand_kv``: K/V repeated to 64 heads (MHA) in the timed region
+    too, like a model that repeats them itself; otherwise ``enable_gqa=True``."""
     if window is not None:
         return None
 
     def f(q, k, v, s):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            if expand_kv:
+                k = k.repeat_interleave(HQ // HKV, dim=1)
+                v = v.repeat_interleave(HQ // HKV, dim=1)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return f
 
@@ -232,50 +238,49 @@ def check(log):
     return ok
 
 
-SWEEP_FWD = [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3),
-             (128, 64, 4, 4), (128, 128, 4, 3), (64, 32, 4, 3), (64, 64, 4, 4)]
-SWEEP_DKDV = [(64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 4, 3),
-              (16, 64, 4, 3), (64, 64, 8, 2), (128, 128, 8, 2)]
-SWEEP_DQ = [(64, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 128, 4, 3), (64, 32, 4, 3),
-            (128, 64, 4, 3), (128, 128, 8, 2)]
+# (block_m, block_n, num_warps, num_stages, pack) per kernel, per case ("full" / "win")
+SWEEP = {
+    ("fwd", "full"): [(128, 128, 4, 3), (128, 64, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3), (128, 64, 4, 2)],
+    ("fwd", "win"): [(64, 32, 4, 3), (128, 32, 4, 3, True), (128, 64, 4, 3, True), (64, 32, 4, 3, True),
+                     (128, 16, 4, 3, True), (64, 16, 4, 3, True), (128, 32, 8, 3, True)],
+    ("dkdv", "full"): [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (32, 64, 4, 3)],
+    ("dkdv", "win"): [(32, 64, 4, 3), (64, 64, 4, 3, True), (128, 64, 4, 3, True), (128, 64, 8, 3, True),
+                      (64, 32, 4, 3, True), (128, 32, 4, 3, True), (128, 128, 8, 3, True)],
+    ("dq", "full"): [(64, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4)],
+    ("dq", "win"): [(64, 32, 4, 3), (128, 32, 4, 3, True), (64, 32, 4, 3, True), (128, 64, 4, 3, True),
+                    (128, 16, 4, 3, True)],
+}
 
 
 def sweep(log, deadline):
+    """Time each kernel config at N=16384 (backward: total of the three backward kernels, varying one)."""
     from agentrl.kernels.sink_attention import _launch_bwd, _Layout
 
     results = []
     n = 16384
-    for window in (None, WINDOW):
+    for window in (WINDOW, None):
+        case = "full" if window is None else "win"
         q, k, v, s = _inputs(n, requires_grad=False)
-        for cfg in SWEEP_FWD:
-            if time.time() > deadline:
-                return results
-            CONFIG_OVERRIDES["fwd"] = KernelConfig(*cfg)
-            try:
-                ms = _do_bench(lambda q=q, k=k, v=v, s=s, w=window: sink_attention(q, k, v, s, window=w), rep=100)
-            except Exception as exc:  # a config can exceed shared memory or registers
-                ms = float("nan")
-                log(f"  fwd {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}")
-            results.append(("fwd", window, cfg, ms))
-            log(f"sweep fwd window={window} cfg={cfg}: {ms:.3f} ms")
-        CONFIG_OVERRIDES["fwd"] = None
         out, lse = sink_attention(q, k, v, s, window=window, return_lse=True)
         do = torch.randn_like(out)
         lay = _Layout(False, 1, n, n, HQ, HKV, D)
-        scale = 1 / math.sqrt(D)
-        for kind, cfgs in (("dkdv", SWEEP_DKDV), ("dq", SWEEP_DQ)):
-            for cfg in cfgs:
+        bwd_args = (do, q, k, v, s, out, lse, None, None, None, lay, True, window, 1 / math.sqrt(D))
+        for kind in ("fwd", "dkdv", "dq"):
+            for cfg in SWEEP[(kind, case)]:
                 if time.time() > deadline:
                     return results
                 CONFIG_OVERRIDES[kind] = KernelConfig(*cfg)
+                if kind == "fwd":
+                    fn = lambda q=q, k=k, v=v, s=s, w=window: sink_attention(q, k, v, s, window=w)  # noqa: E731
+                else:
+                    fn = lambda a=bwd_args: _launch_bwd(*a)  # noqa: E731
                 try:
-                    args = (do, q, k, v, s, out, lse, None, None, None, lay, True, window, scale)
-                    ms = _do_bench(lambda args=args: _launch_bwd(*args), rep=100)
-                except Exception as exc:
+                    ms = _do_bench(fn, rep=100)
+                except Exception as exc:  # a config can exceed shared memory or registers
                     ms = float("nan")
                     log(f"  {kind} {cfg} failed: {type(exc).__name__}: {str(exc)[:120]}")
-                results.append((kind, window, cfg, ms))
-                log(f"sweep bwd(total, varying {kind}) window={window} cfg={cfg}: {ms:.3f} ms")
+                results.append((kind, case, cfg, ms))
+                log(f"sweep {kind:4s} {case:4s} cfg={cfg}: {ms:.3f} ms{'' if kind == 'fwd' else ' (whole bwd)'}")
             CONFIG_OVERRIDES[kind] = None
     return results
 
@@ -305,12 +310,17 @@ def main():
     t0 = time.time()
     if args.check:
         log(f"check: {'ALL OK' if check(log) else 'FAILURES'} ({time.time() - t0:.0f}s)")
+    if args.sweep:
+        sw = sweep(log, time.time() + args.sweep_seconds)
+        if out_dir:
+            (out_dir / "sweep.json").write_text(json.dumps(sw))
     skip = set(filter(None, args.skip.split(",")))
     rows = []
     for n in sorted((int(x) for x in args.ns.split(",")), reverse=True):
         for window in (None, WINDOW):
             case = "full" if window is None else f"win{WINDOW}"
-            impls = [("ours", ours(window)), ("flex", None), ("eager", None), ("sdpa", sdpa(window))]
+            impls = [("ours", ours(window)), ("flex", None), ("eager", None), ("sdpa", sdpa(window)),
+                     ("sdpa_x", sdpa(window, expand_kv=True))]
             for name, fn in impls:
                 if name in skip:
                     continue
@@ -333,10 +343,6 @@ def main():
                 r.update(impl=name, case=case, n=n)
                 rows.append(r)
                 log(f"{name:6s} {case:7s} N={n:6d} {json.dumps({a: (round(b, 4) if isinstance(b, float) else b) for a, b in r.items() if a not in ('impl', 'case', 'n')})} ({time.time() - t1:.0f}s)")
-    if args.sweep:
-        sw = sweep(log, time.time() + args.sweep_seconds)
-        if out_dir:
-            (out_dir / "sweep.json").write_text(json.dumps(sw))
     if out_dir:
         (out_dir / "bench.json").write_text(json.dumps(rows, indent=1))
 
