@@ -487,6 +487,36 @@ class BackgroundServer:
         self._sock.close()
 
 
+def load_local_engine(
+    model: str,
+    *,
+    format: str = "auto",
+    device: str | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    max_batch_size: int = 64,
+) -> tuple[RolloutEngine, ChatFormat, str]:
+    """Load a local model (a built-in name such as ``tiny-gpt-oss`` / ``smollm2-135m``, a directory
+    with ``config.json``, or a hub id) into the transformers engine, with the ChatFormat that fits it
+    (``format="auto"``: Harmony for GPT-OSS, the HF chat template otherwise). Imports torch.
+    Returns ``(engine, format, model name)``."""
+    from agentrl.engines.transformers_engine import TransformersEngine
+    from agentrl.train.model_loading import load_model
+    from agentrl.train.trainer import make_format
+
+    loaded = load_model(model, device=device or "cpu", dtype=dtype, seed=seed)
+    loaded.model.eval()
+    fmt = make_format(format, loaded)
+    pad = getattr(loaded.tokenizer, "pad_token_id", None) if loaded.tokenizer is not None else None
+    engine = TransformersEngine(
+        loaded.model,
+        pad_token_id=int(pad if pad is not None else 0),
+        max_batch_size=max_batch_size,
+        seed=seed,
+    )
+    return engine, fmt, model.rstrip("/").rsplit("/", 1)[-1]
+
+
 def _parse_kv(argv: Sequence[str]) -> dict[str, str]:
     opts = {}
     for arg in argv:
@@ -498,9 +528,9 @@ def _parse_kv(argv: Sequence[str]) -> dict[str, str]:
 
 
 USAGE = """usage: agentrl serve model model=PATH [format=auto|harmony|chat_template] [host=127.0.0.1] [port=8000]
-                           [served_model_name=NAME] [api_key=KEY] [max_tokens=1024] [device=cpu|cuda] [dtype=auto]
+                           [served_model_name=NAME] [api_key=KEY] [max_tokens=1024] [device=cpu|cuda] [dtype=float32|bfloat16]
 
-Serves a local transformers model (a directory or a GGUF file) over an OpenAI-compatible API:
+Serves a local transformers model (tiny-gpt-oss, smollm2-135m, a directory with config.json, or a hub id) over an OpenAI-compatible API:
 /v1/completions with token ids in and token ids + log-probs out, and /v1/chat/completions with tools."""
 
 
@@ -516,13 +546,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    from agentrl.engines.local import load_local_engine
-
     engine, fmt, name = load_local_engine(
         opts.pop("model"),
         format=opts.pop("format", "auto"),
         device=opts.pop("device", None),
-        dtype=opts.pop("dtype", "auto"),
+        dtype=opts.pop("dtype", "float32"),
     )
     host, port = opts.pop("host", "127.0.0.1"), int(opts.pop("port", "8000"))
     app = create_app(

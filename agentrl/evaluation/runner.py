@@ -1,0 +1,412 @@
+"""Run an env's evaluation tasks against a model and write every trajectory as it finishes.
+
+Models:
+
+- an OpenAI-compatible endpoint (``model="http://host:port/v1"``):
+  - ``api="completions"``: token-in-token-out through :class:`~agentrl.engines.openai_engine.OpenAIEngine`
+    (vLLM, SGLang, ``agentrl serve model``); the format must match the served model's tokenizer.
+    Trajectories hold the sampled token ids and their log-probs.
+  - ``api="chat"``: chat completions with tools (any server or hosted API) through the product
+    :class:`~agentrl.runtime.Agent`; trajectories hold the replies rendered in the env's format.
+- a local model (a built-in name, a directory, a hub id): the transformers engine (imports torch).
+
+Both token paths use the trainer's own episode loop (:func:`agentrl.train.rollout.run_episode`), so an
+evaluation episode is exactly a training rollout.
+
+Samples: sample ``j`` of every task is drawn with ``seed + j``.
+
+Output directory (``out``): ``trajectories.jsonl`` (one finished episode per line, appended and flushed
+as it finishes; ``metadata`` carries ``item_id``, ``sample``, ``correct``, ``answer``, ``latency_s``),
+``errors.jsonl`` (episodes that failed, e.g. an endpoint down after retries; they are retried on the
+next run), ``config.json`` and ``metrics.json``. Rerunning with the same ``out`` skips finished
+``(item, sample)`` pairs; a config that changes what is measured (env, model, api, format, sampling)
+is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.engines.base import SamplingParams
+from agentrl.evaluation.metrics import summarize
+from agentrl.harmony.trajectory import Trajectory
+
+#: Config fields that must match when resuming into an existing run directory.
+RESUME_KEYS = (
+    "env",
+    "model",
+    "api",
+    "format",
+    "temperature",
+    "top_p",
+    "max_new_tokens",
+    "seed",
+    "split",
+    "tasks",
+)
+
+
+@dataclass
+class EvalConfig:
+    """What to evaluate and how. See the module docstring for ``model``/``api``."""
+
+    env: str
+    model: str
+    n: int = 1
+    ks: list[int] | None = None
+    limit: int = 100
+    tasks: str | None = None
+    split: str = "test"
+    api: str = "completions"
+    format: str = "auto"
+    concurrency: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 1024
+    seed: int = 0
+    out: str | None = None
+    api_key: str | None = None
+    served_model: str | None = None
+    retries: int = 4
+    timeout_s: float = 300.0
+    sandbox: str = "local"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.limit < 1 or self.concurrency < 1:
+            raise ValueError(
+                f"n, limit and concurrency must be >= 1 (got {self.n}, {self.limit}, {self.concurrency})"
+            )
+        if self.api not in ("completions", "chat"):
+            raise ValueError(f"api must be 'completions' or 'chat', got {self.api!r}")
+        if self.api == "chat" and not self.is_endpoint:
+            raise ValueError("api=chat needs an endpoint URL as model (http://...)")
+        if self.ks and max(self.ks) > self.n:
+            raise ValueError(f"every k must be <= n={self.n}, got ks={self.ks}")
+
+    @property
+    def is_endpoint(self) -> bool:
+        return self.model.startswith(("http://", "https://"))
+
+    def out_dir(self) -> Path:
+        if self.out:
+            return Path(self.out)
+        name = self.model.rstrip("/").rsplit("/", 1)[-1].replace(":", "_") or "model"
+        return Path("runs") / "eval" / f"{self.env}-{name}"
+
+
+def comparable_answer(env: Any, final: str | None) -> str | None:
+    """A normalised answer for majority voting, for envs graded on a math/number answer (a rubric
+    verifier of type NumericAnswer or MathAnswer); ``None`` otherwise or without a final answer.
+    Numbers are normalised exactly (``"1,000"``, ``"1000.0"`` -> ``"1000"``); other answers by whitespace."""
+    from agentrl.envs.rewards.math import MathAnswer, NumericAnswer, final_answer_text, last_number, to_number
+
+    verifiers = [fn for _, fn, _ in getattr(getattr(env, "rubric", None), "items", [])]
+    if final is None or not any(isinstance(v, (MathAnswer, NumericAnswer)) for v in verifiers):
+        return None
+    text = final_answer_text(final).strip()
+    number = to_number(text)
+    if number is None and any(isinstance(v, NumericAnswer) for v in verifiers):
+        number = last_number(text)
+    return str(number) if number is not None else " ".join(text.split())
+
+
+class ResultStore:
+    """The run directory: finished episodes (``trajectories.jsonl``), failures (``errors.jsonl``), config."""
+
+    def __init__(self, out: Path, config: EvalConfig):
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.traj_path = out / "trajectories.jsonl"
+        self.error_path = out / "errors.jsonl"
+        cfg_path = out / "config.json"
+        current = asdict(config)
+        if cfg_path.exists():
+            previous = json.loads(cfg_path.read_text())
+            diff = {k: (previous.get(k), current[k]) for k in RESUME_KEYS if previous.get(k) != current[k]}
+            if diff:
+                raise ValueError(
+                    f"{out} holds a run with a different config ({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in diff.items())}); "
+                    "use another out=..."
+                )
+        cfg_path.write_text(json.dumps({k: v for k, v in current.items() if k != "api_key"}, indent=1))
+        self.unreadable = 0
+        self._ensure_newline(self.traj_path)
+        self._ensure_newline(self.error_path)
+        self._fh = self.traj_path.open("a", encoding="utf-8")
+        self._err = self.error_path.open("a", encoding="utf-8")
+
+    @staticmethod
+    def _ensure_newline(path: Path) -> None:
+        """A line torn by a crash is kept; new lines start after it."""
+        if path.exists() and path.stat().st_size:
+            with path.open("rb+") as fh:
+                fh.seek(-1, 2)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+
+    def load(self) -> list[Trajectory]:
+        """Every readable finished trajectory (torn or foreign lines are counted in ``unreadable``)."""
+        out, self.unreadable = [], 0
+        if self.traj_path.exists():
+            for line in self.traj_path.read_text(encoding="utf-8").splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    out.append(Trajectory.from_json(line))
+                except (ValueError, KeyError, TypeError):
+                    self.unreadable += 1
+        return out
+
+    def write(self, traj: Trajectory) -> None:
+        self._fh.write(traj.to_json() + "\n")
+        self._fh.flush()
+
+    def write_error(self, item_id: str, sample: int, exc: BaseException) -> None:
+        record = {
+            "item_id": item_id,
+            "sample": sample,
+            "error": f"{type(exc).__name__}: {exc}",
+            "time": time.time(),
+        }
+        self._err.write(json.dumps(record) + "\n")
+        self._err.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+        self._err.close()
+
+
+def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:
+    """``(item_id, task)`` for the first ``limit`` tasks of the env's evaluation split (or ``tasks`` file)."""
+    from agentrl.envs.registry import env_class
+
+    cls = env_class(config.env)
+    tasks = cls.tasks(split=config.split, n=config.limit, seed=config.seed, path=config.tasks)
+    ids = [str(t.get("id", i)) for i, t in enumerate(tasks)]
+    if len(set(ids)) != len(ids):
+        ids = [str(i) for i in range(len(tasks))]
+    return list(zip(ids, tasks, strict=True))
+
+
+def _make_format(name: str) -> Any:
+    """``auto``/``harmony``: HarmonyFormat; anything else: an HF tokenizer path for ChatTemplateFormat."""
+    if name in ("auto", "harmony"):
+        from agentrl.harmony import HarmonyFormat
+
+        return HarmonyFormat()
+    from agentrl.harmony import ChatTemplateFormat  # type: ignore[attr-defined]
+
+    return ChatTemplateFormat.from_pretrained(name)
+
+
+class Evaluation:
+    """One ``agentrl eval`` invocation. ``await run()`` returns the metrics dict (also in ``metrics.json``).
+
+    ``on_progress(done, total, failed)`` is called after each episode.
+    """
+
+    def __init__(self, config: EvalConfig, *, on_progress: Callable[[int, int, int], Any] | None = None):
+        self.config = config
+        self.on_progress = on_progress
+        self.store = ResultStore(config.out_dir(), config)
+
+    async def run(self) -> dict[str, Any]:
+        cfg = self.config
+        items = load_tasks(cfg)
+        done = {(t.metadata.get("item_id"), t.metadata.get("sample")) for t in self.store.load()}
+        todo = [
+            (item_id, task, j) for item_id, task in items for j in range(cfg.n) if (item_id, j) not in done
+        ]
+        t0 = time.perf_counter()
+        finished, failed = await self._run_all(todo)
+        wall = time.perf_counter() - t0
+        self.store.close()
+        metrics = self.summary(items)
+        metrics["run"] = {
+            "episodes_run": finished,
+            "episodes_failed": failed,
+            "episodes_skipped": len(items) * cfg.n - len(todo),
+            "wall_s": wall,
+            "episodes_per_s": finished / wall if wall > 0 and finished else 0.0,
+            "unreadable_lines": self.store.unreadable,
+        }
+        (self.store.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        return metrics
+
+    def summary(self, items: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+        """Metrics over the finished samples ``0..n-1`` of the configured items."""
+        wanted = {item_id for item_id, _ in items}
+        grouped: dict[str, dict[int, Trajectory]] = defaultdict(dict)
+        for t in self.store.load():
+            item, sample = t.metadata.get("item_id"), t.metadata.get("sample")
+            if item in wanted and isinstance(sample, int) and sample < self.config.n:
+                grouped[item][sample] = t
+        metrics = summarize({k: list(v.values()) for k, v in grouped.items()}, self.config.ks)
+        metrics["env"], metrics["model"], metrics["api"] = self.config.env, self.config.model, self.config.api
+        metrics["incomplete_items"] = len(wanted) - sum(
+            1 for v in grouped.values() if len(v) == self.config.n
+        )
+        return metrics
+
+    async def _run_all(self, todo: list[tuple[str, dict[str, Any], int]]) -> tuple[int, int]:
+        cfg = self.config
+        if not todo:
+            return 0, 0
+        queue: asyncio.Queue = asyncio.Queue()
+        for entry in todo:
+            queue.put_nowait(entry)
+        counts = {"done": 0, "failed": 0, "streak": 0}
+        abort_after = (
+            2 * cfg.concurrency + 2
+        )  # consecutive failures with no success: the model is unreachable
+        async with contextlib.AsyncExitStack() as stack:
+            runner = await self._episode_runner(stack)
+
+            async def worker() -> None:
+                env = await runner.make_env()
+                try:
+                    while not queue.empty():
+                        if counts["streak"] >= abort_after and counts["done"] == 0:
+                            return
+                        item_id, task, j = queue.get_nowait()
+                        try:
+                            traj = await runner.episode(env, task, j)
+                        except Exception as exc:  # noqa: BLE001 - recorded, retried on the next run
+                            self.store.write_error(item_id, j, exc)
+                            counts["failed"] += 1
+                            counts["streak"] += 1
+                        else:
+                            traj.metadata.update(
+                                item_id=item_id,
+                                sample=j,
+                                env_name=cfg.env,
+                                model=cfg.model,
+                                correct=bool(traj.reward_components.get("correct", traj.reward >= 1.0)),
+                                answer=comparable_answer(env, _final(traj)),
+                            )
+                            self.store.write(traj)
+                            counts["done"] += 1
+                            counts["streak"] = 0
+                        if self.on_progress:
+                            self.on_progress(counts["done"] + counts["failed"], len(todo), counts["failed"])
+                finally:
+                    await env.aclose()
+
+            await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, len(todo)))))
+        if counts["done"] == 0 and counts["failed"]:
+            last = self.store.error_path.read_text().strip().splitlines()[-1]
+            raise RuntimeError(
+                f"every episode failed ({counts['failed']}); last error: {json.loads(last)['error']}"
+            )
+        return counts["done"], counts["failed"]
+
+    async def _episode_runner(self, stack: contextlib.AsyncExitStack) -> _EpisodeRunner:
+        cfg = self.config
+        from agentrl.envs.registry import env_class
+
+        cls = env_class(cfg.env)
+        env_kwargs = dict(cfg.env_kwargs)
+        if "sandbox" in inspect.signature(cls.__init__).parameters and "sandbox" not in env_kwargs:
+            from agentrl.envs.sandbox import make_backend
+
+            env_kwargs["sandbox"] = await stack.enter_async_context(
+                make_backend(cfg.sandbox)
+            )  # shared by all envs
+        if cfg.api == "chat":
+            from agentrl.engines.openai_engine import ChatClient, Endpoint
+
+            client = await stack.enter_async_context(ChatClient(self._endpoint(Endpoint)))
+            return _ChatRunner(cls, env_kwargs, cfg, client)
+        if cfg.is_endpoint:
+            from agentrl.engines.openai_engine import Endpoint, OpenAIEngine
+
+            engine = await stack.enter_async_context(OpenAIEngine(self._endpoint(Endpoint)))
+            fmt = _make_format(cfg.format)
+        else:
+            from agentrl.engines.server import load_local_engine
+
+            engine, fmt, _ = load_local_engine(cfg.model, format=cfg.format, seed=cfg.seed)
+        return _TokenRunner(cls, {**env_kwargs, "format": fmt}, cfg, engine)
+
+    def _endpoint(self, endpoint_cls: Any) -> Any:
+        cfg = self.config
+        return endpoint_cls(
+            cfg.model,
+            api_key=cfg.api_key,
+            model=cfg.served_model,
+            timeout_s=cfg.timeout_s,
+            max_retries=cfg.retries,
+            max_concurrency=cfg.concurrency,
+        )
+
+
+def _final(traj: Trajectory) -> str | None:
+    return next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)
+
+
+class _EpisodeRunner:
+    def __init__(self, cls: type, env_kwargs: dict[str, Any], cfg: EvalConfig, backend: Any):
+        self.cls, self.env_kwargs, self.cfg, self.backend = cls, env_kwargs, cfg, backend
+
+    async def make_env(self) -> Any:
+        return self.cls(**self.env_kwargs)
+
+    async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
+        raise NotImplementedError
+
+
+class _TokenRunner(_EpisodeRunner):
+    """Token-in-token-out episodes with the trainer's rollout loop."""
+
+    async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
+        from agentrl.train.rollout import run_episode
+
+        cfg = self.cfg
+        sampling = SamplingParams(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            stop_token_ids=env.format.stop_token_ids,
+            seed=cfg.seed + sample,
+        )
+        t0 = time.perf_counter()
+        traj, env_s = await run_episode(env, self.backend, sampling, task, cfg.seed + sample)
+        traj.metadata.update(
+            api="completions", latency_s=time.perf_counter() - t0, env_s=env_s, requests=traj.num_turns
+        )
+        return traj
+
+
+class _ChatRunner(_EpisodeRunner):
+    """Chat-completions episodes through the product Agent (one Agent per worker env)."""
+
+    async def make_env(self) -> Any:
+        from agentrl.runtime import Agent
+
+        env = self.cls(**self.env_kwargs)
+        self._agents = getattr(self, "_agents", {})
+        self._agents[id(env)] = Agent(env, self.backend, time_limit_s=None)
+        return env
+
+    async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
+        cfg = self.cfg
+        agent = self._agents[id(env)]
+        agent.sampling = {
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "max_tokens": cfg.max_new_tokens,
+            "seed": cfg.seed + sample,
+        }
+        result = await agent.run_task(task)
+        assert result.trajectory is not None
+        return result.trajectory

@@ -1,0 +1,106 @@
+"""Product runtime: an Agent drives the retool env's real python tool (local sandbox) against a real
+OpenAI-compatible chat endpoint (our server over uvicorn, scripted model behind it)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import agentrl.envs as envs
+from agentrl.engines.base import SamplingParams
+from agentrl.engines.server import BackgroundServer, create_app
+from agentrl.evaluation.scripted import ScriptedEngine
+from agentrl.harmony import HarmonyFormat, Message
+from agentrl.runtime import Agent, Done, TextDelta, ToolEvent
+
+FMT = HarmonyFormat()
+TOOL_RESULT = re.compile(
+    r"<\|start\|>functions\.(\w+) to=assistant<\|channel\|>commentary<\|message\|>(.*?)<\|end\|>", re.S
+)
+
+
+def calculator_policy(prompt: str, sampling: SamplingParams) -> list[Message]:
+    """Run the product of the two numbers in the request with python, then box the printed result.
+    Requests mentioning 'loop' call python forever; 'ghost' calls a tool that does not exist."""
+    results = TOOL_RESULT.findall(prompt)
+    request = prompt.rsplit("<|start|>user<|message|>", 1)[1]
+    if "ghost" in request and not results:
+        return [
+            Message("assistant", "{}", channel="commentary", recipient="functions.ghost", content_type="json")
+        ]
+    if results and "loop" not in request:
+        return [Message("assistant", f"The result is \\boxed{{{results[-1][1].strip()}}}.", channel="final")]
+    a, b = re.findall(r"\d+", request)[:2]
+    code = json.dumps({"code": f"print({a} * {b})"})
+    return [
+        Message("assistant", "I will compute it.", channel="analysis"),
+        Message("assistant", code, channel="commentary", recipient="functions.python", content_type="json"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    with BackgroundServer(create_app(ScriptedEngine(FMT, calculator_policy), FMT, model_name="calc")) as srv:
+        yield srv.base_url
+
+
+async def test_agent_answers_with_the_real_python_tool(endpoint):
+    async with Agent(envs.make("retool"), base_url=endpoint) as agent:
+        streamed: list[str] = []
+        result = await agent.run("What is 123 times 456?", on_text=streamed.append)
+    assert result.stop_reason == "answer"
+    assert result.answer == "The result is \\boxed{56088}."
+    assert [(r.name, r.arguments, r.result, r.error) for r in result.tool_calls] == [
+        ("python", {"code": "print(123 * 456)"}, "56088", None)
+    ]
+    assert [m["role"] for m in result.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert result.messages[2]["tool_calls"][0]["function"]["name"] == "python"
+    assert result.messages[3]["content"] == "56088"
+    assert "".join(streamed) == result.answer and len(streamed) > 3
+    assert result.requests == 2 and result.usage["completion_tokens"] > 0
+    traj = result.trajectory
+    traj.validate()
+    assert traj.terminated and traj.metadata["api"] == "chat" and result.reward is None
+
+
+async def test_agent_stream_events_and_scored_task(endpoint):
+    async with Agent(envs.make("retool"), base_url=endpoint) as agent:
+        events = [e async for e in agent.stream("Compute 7 times 6 please")]
+        assert isinstance(events[0], ToolEvent) and events[0].record.result == "42"
+        assert isinstance(events[-1], Done) and events[-1].result.answer.endswith("\\boxed{42}.")
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == events[-1].result.answer
+        scored = await agent.run_task({"id": 1, "prompt": "What is 7 times 6?", "answer": "42"})
+        wrong = await agent.run_task({"id": 2, "prompt": "What is 7 times 6?", "answer": "41"})
+    assert (scored.reward, wrong.reward) == (1.0, 0.0)
+
+
+async def test_agent_limits_and_error_taxonomy(endpoint):
+    async with Agent(envs.make("retool"), base_url=endpoint, max_tool_calls=2) as agent:
+        looped = await agent.run("Keep going in a loop: 2 times 3")
+        ghost = await agent.run("Ask the ghost about 1 and 2")
+    assert looped.stop_reason == "tool_limit" and len(looped.tool_calls) == 2
+    assert looped.answer is None
+    assert ghost.tool_calls[0].error == "unknown_tool" and "no tool named" in ghost.tool_calls[0].result
+    assert ghost.messages[3]["role"] == "tool"  # the rejected call is still answered
+
+
+async def test_agent_time_limit():
+    slow = ScriptedEngine(FMT, calculator_policy, delay_s=2.0)
+    with BackgroundServer(create_app(slow, FMT)) as srv:
+        async with Agent(envs.make("retool"), base_url=srv.base_url, time_limit_s=0.3) as agent:
+            result = await agent.run("What is 3 times 3?")
+    assert result.stop_reason == "time_limit" and result.answer is None and result.requests == 0
+
+
+def test_runtime_eval_viewer_import_without_torch():
+    code = (
+        "import sys, agentrl.runtime, agentrl.evaluation, agentrl.evaluation.cli, agentrl.viewer, "
+        "agentrl.engines.openai_engine, agentrl.engines.server; "
+        "assert 'torch' not in sys.modules, 'torch was imported'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
