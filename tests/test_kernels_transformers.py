@@ -20,6 +20,9 @@ transformers = pytest.importorskip("transformers")
 from agentrl.kernels import register_transformers_attention  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
+# On a GPU the kernels' fp32 dots run as TF32, eager's as fp32; on the CPU both are exact fp32.
+TOL = 5e-3 if CUDA else 1e-5
+GRAD_TOL = 2e-2 if CUDA else 1e-4
 NAME = register_transformers_attention("agentrl_sink")
 
 
@@ -63,9 +66,9 @@ def test_logits_and_gradients_match_eager(models):
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((out.logits.detach(), grads))
     (le, ge), (lo, go) = results
-    assert _rel(lo, le) < 1e-5
+    assert _rel(lo, le) < TOL
     assert ge.keys() == go.keys() and any("sinks" in n for n in go)
-    bad = {n: _rel(go[n], ge[n]) for n in ge if _rel(go[n], ge[n]) > 1e-4}
+    bad = {n: _rel(go[n], ge[n]) for n in ge if _rel(go[n], ge[n]) > GRAD_TOL}
     assert not bad, bad
 
 
@@ -77,7 +80,7 @@ def test_left_padding_matches_eager_on_real_tokens(models):
     le = eager(input_ids=ids, attention_mask=mask).logits
     lo = ours(input_ids=ids, attention_mask=mask).logits
     keep = mask.bool()
-    assert _rel(lo[keep], le[keep]) < 1e-5
+    assert _rel(lo[keep], le[keep]) < TOL
 
 
 def test_generation_with_kv_cache_matches_eager(models):
@@ -90,7 +93,7 @@ def test_generation_with_kv_cache_matches_eager(models):
     ge = eager.generate(**kw)
     go = ours.generate(**kw)
     assert torch.equal(ge.sequences, go.sequences)
-    assert _rel(torch.stack(go.scores), torch.stack(ge.scores)) < 1e-5
+    assert _rel(torch.stack(go.scores), torch.stack(ge.scores)) < TOL
 
 
 def test_packed_position_ids_match_separate_sequences(models):
@@ -102,7 +105,7 @@ def test_packed_position_ids_match_separate_sequences(models):
     lo = ours(input_ids=packed, position_ids=pos).logits
     la = eager(input_ids=a).logits
     lb = eager(input_ids=b).logits
-    assert _rel(lo, torch.cat([la, lb], dim=1)) < 1e-5
+    assert _rel(lo, torch.cat([la, lb], dim=1)) < TOL
 
 
 def test_from_pretrained_selects_the_implementation(models, tmp_path):
@@ -112,7 +115,7 @@ def test_from_pretrained_selects_the_implementation(models, tmp_path):
     assert loaded.config._attn_implementation == NAME
     ids = torch.randint(0, 128, (1, 9))
     with torch.no_grad():
-        assert _rel(loaded.to(DEV)(input_ids=ids.to(DEV)).logits, eager(input_ids=ids.to(DEV)).logits) < 1e-5
+        assert _rel(loaded.to(DEV)(input_ids=ids.to(DEV)).logits, eager(input_ids=ids.to(DEV)).logits) < TOL
 
 
 def test_custom_4d_mask_is_refused_with_a_clear_error(models):
