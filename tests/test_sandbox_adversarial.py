@@ -49,7 +49,7 @@ def sb():
 
 
 def code_uid_processes() -> list[int]:
-    """Host pids running as one of the pool's code uids (root mode only)."""
+    """Host pids (zombies included: they must be reaped) of the pool's code uids (root mode only)."""
     lo, hi = DEFAULT_UID_BASE, DEFAULT_UID_BASE + WORKERS * _UIDS_PER_WORKER
     found = []
     for name in os.listdir("/proc"):
@@ -60,8 +60,7 @@ def code_uid_processes() -> list[int]:
         except OSError:
             continue
         uid = int(status.split("Uid:")[1].split()[0])
-        state = status.split("State:")[1].split()[0]
-        if lo <= uid < hi and state not in ("Z", "X"):
+        if lo <= uid < hi:
             found.append(int(name))
     return found
 
@@ -73,7 +72,7 @@ def pool_still_healthy(sb):
         deadline = time.monotonic() + 2.0
         while code_uid_processes() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert code_uid_processes() == [], "processes of the code outlived the call"
+        assert code_uid_processes() == [], "processes of the code outlived the call, or were not reaped"
     for i in range(2 * WORKERS):
         r = sb.run(f"print(sum(range({i + 10})))", timeout_s=5)
         assert r.status == "ok", r
@@ -390,6 +389,21 @@ def test_os_exit_in_session_then_reuse(sb):
         r = sb.run("x", session=sid)
         assert r.status == "error" and "NameError" in r.stderr, r
         assert sb.run("x = 1\nx + 1", session=sid).display == "2"
+    finally:
+        sb.release_session(sid)
+
+
+def test_background_thread_in_session_is_frozen_between_calls(sb):
+    sid = sb.create_session()
+    try:
+        code = "import threading, time\nticks = []\ndef spin():\n    while True:\n        ticks.append(time.monotonic())\n        time.sleep(0.005)\nthreading.Thread(target=spin, daemon=True).start()\ntime.sleep(0.05)\nt_end = time.monotonic()"
+        assert sb.run(code, session=sid).ok
+        time.sleep(0.5)
+        r = sb.run(
+            "t_start = time.monotonic()\n(len(ticks) > 3, [t for t in ticks if t_end + 0.05 < t < t_start - 0.05])",
+            session=sid,
+        )
+        assert r.display == "(True, [])", r  # it ran during calls, never in between
     finally:
         sb.release_session(sid)
 

@@ -10,6 +10,7 @@ k >= 1 is a stateful kernel (a long-lived child keeping globals, started on firs
 Each run answers {stdout, stderr, exit_code, status, duration_s, truncated, display, message, error, reset}.
 
 Containment done here (the host adds the namespaces, read-only filesystem and the worker's capabilities):
+- a session's kernel is SIGSTOPped between calls, so nothing it left running (threads) runs unbounded;
 - code runs as a non-root uid (``uid_base + slot``) with no capabilities, in its own session/process group,
   with rlimits on address space, processes, file size, open files and CPU time;
 - a seccomp filter (loaded once here, inherited by every child) denies non-AF_UNIX sockets, ptrace, and
@@ -403,6 +404,8 @@ class Worker:
         kernel = self.kernels.get(slot)
         if kernel is None:
             kernel = self.start_kernel(slot)
+        else:
+            _signal(kernel.pid, signal.SIGCONT)  # frozen since its last call, background threads included
         _drain_nonblocking(kernel.out_r)
         _drain_nonblocking(kernel.err_r)
         try:
@@ -421,6 +424,10 @@ class Worker:
         if col["reset"]:
             self.kernels.pop(slot, None)
             kernel.close_fds()
+        else:
+            # Between calls the kernel must not run: a thread it left behind would otherwise burn CPU or
+            # print into later calls, outside any time limit.
+            _signal(kernel.pid, signal.SIGSTOP)
         return self.finish(col, start, req["timeout"], session=True)
 
     def collect(self, pid, pidfd, out_r, err_r, res_r, deadline, one_shot):
@@ -635,8 +642,12 @@ def _is_zombie(pid_name):
 
 
 def _kill(pid):
+    _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid, sig):
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except OSError:
         pass
 
