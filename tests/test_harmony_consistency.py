@@ -229,7 +229,9 @@ def test_parse_render_round_trip(fmt, seed):
 
 def _assert_same(fmt: HarmonyFormat, got: list[int], want: list[int]) -> None:
     if got != want:
-        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        k = next(
+            (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want))
+        )
         raise AssertionError(
             f"token streams differ at {k} (len {len(got)} vs {len(want)}):\n"
             f"ours:     {fmt.decode(got[max(0, k - 20) : k + 30])!r}\nofficial: {fmt.decode(want[max(0, k - 20) : k + 30])!r}"

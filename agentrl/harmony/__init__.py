@@ -4,15 +4,18 @@ Imports neither torch nor transformers; the HF pieces import transformers lazily
 """
 
 from agentrl.harmony.builder import TrajectoryBuilder
+from agentrl.harmony.chat_template import ChatTemplateFormat
 from agentrl.harmony.encoding import load_harmony_encoding_offline
 from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.harmony_format import HarmonyFormat
 from agentrl.harmony.harmony_parser import StreamingParser
+from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
 from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
 from agentrl.harmony.types import Message, ParsedTurn, ParseError, ParseErrorKind, ToolCall, ToolSpec
 
 __all__ = [
     "ChatFormat",
+    "ChatTemplateFormat",
     "HarmonyFormat",
     "Message",
     "ParseError",
@@ -25,5 +28,6 @@ __all__ = [
     "TrajectoryBuilder",
     "Trajectory",
     "TurnRecord",
+    "harmony_hf_tokenizer",
     "load_harmony_encoding_offline",
 ]

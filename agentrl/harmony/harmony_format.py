@@ -280,8 +280,11 @@ class HarmonyFormat(ChatFormat):
         analysis message the model goes on with ``<|start|>assistant``)."""
         return list(self.encoding.stop_tokens_for_assistant_actions())
 
-    def encode(self, text: str) -> list[int]:
-        """Plain text to ids; special-token text is encoded as ordinary text."""
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Text to ids. By default special-token text (``<|call|>``) is encoded as ordinary text; with
+        ``allow_special=True`` it becomes the special id (for text actions written by hand)."""
+        if allow_special:
+            return self.encoding.encode(text, allowed_special="all")
         return self.encoding.encode(text, disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:
