@@ -160,6 +160,11 @@ class AgentEnv(gymnasium.Env):
             f"{cls.__name__} has no offline task generator; pass tasks=[...] or a task file"
         )
 
+    def sample_task(self, rng: np.random.Generator) -> dict[str, Any]:
+        """The task of an episode when none is given and no task list was passed (default:
+        :meth:`generate_task`); override when generation depends on instance state."""
+        return self.generate_task(rng)
+
     @classmethod
     def load_tasks(cls, path: str) -> list[dict[str, Any]]:
         """Tasks from a local JSONL/parquet file in this env's native format (default: already task dicts)."""
@@ -201,7 +206,7 @@ class AgentEnv(gymnasium.Env):
         elif self._task_list is not None:
             task = dict(self._task_list[int(self.np_random.integers(len(self._task_list)))])
         else:
-            task = self.generate_task(self.np_random)
+            task = self.sample_task(self.np_random)
         self.task = task
         messages = self.prompt_messages(task)
         prompt = self.format.render_prompt(messages, self.toolbox.specs, instructions=self.instructions)

@@ -34,15 +34,25 @@ class ExactMatch:
 
 
 class ChannelToolCallCount:
-    """Verifier: the number of tool calls made from ``channel`` (e.g. ``"analysis"``, where Harmony says
-    function calls do not belong). Give it a negative weight in a rubric to penalise them."""
+    """Verifier: the number of tool calls the model addressed from ``channel`` (e.g. function calls written in
+    Harmony's ``analysis`` channel, which the format forbids; the parser rejects them, so they are counted from
+    the messages, dispatched or not). ``functions_only`` ignores built-in tools (``python``, ``browser``),
+    which do belong in analysis. Give it a negative weight in a rubric to penalise such calls."""
 
-    def __init__(self, channel: str = "analysis") -> None:
-        self.channel = channel
+    def __init__(self, channel: str = "analysis", *, functions_only: bool = True) -> None:
+        self.channel, self.functions_only = channel, functions_only
         self.name = f"tool_calls_in_{channel}"
 
     def __call__(self, ctx: Any) -> float:
-        return float(sum(1 for c in ctx.tool_calls if c.channel == self.channel))
+        return float(
+            sum(
+                1
+                for m in ctx.messages
+                if m.recipient
+                and m.channel == self.channel
+                and (not self.functions_only or m.recipient.startswith("functions."))
+            )
+        )
 
 
 class ErrorCount:

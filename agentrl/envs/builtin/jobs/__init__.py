@@ -1,0 +1,1 @@
+"""``jobs``: a professional-network workflow env over a real local HTTP service (FastAPI on uvicorn)."""
