@@ -86,7 +86,7 @@ class HarmonyFormat(ChatFormat):
         for name, value in ids.items():
             if len(value) != 1:
                 raise RuntimeError(f"encoding {self.encoding.name} has no single token for {name}: {value}")
-        tokens = HarmonyTokens(**{k: v[0] for k, v in ids.items()})
+        tokens = HarmonyTokens(**{k: v[0] for k, v in ids.items()}, max_id=max(self._special_ids))
         # o200k_harmony defines specials 199998..201088; GPT-OSS's embedding has 201,088 rows, so the last
         # reserved id (201088) exists in the encoding but never in model output.
         if max(self._special_ids) != self.vocab_size or min(self._special_ids) != tokens.first_special:

@@ -38,6 +38,7 @@ class HarmonyTokens:
     return_: int = 200002
     call: int = 200012
     first_special: int = 199998  # every id >= this is a special token in o200k_harmony
+    max_id: int = 201088  # the encoding's largest id
 
     @property
     def terminators(self) -> frozenset[int]:
@@ -83,8 +84,11 @@ class _Machine:
     def feed(self, tok: int) -> None:
         i = self.n
         self.n += 1
-        self.last_token = tok
         t = self.t
+        if tok < 0 or tok > t.max_id:
+            self._err(ParseErrorKind.MALFORMED, f"token id {tok} is outside the vocabulary (ignored)", i)
+            return
+        self.last_token = tok
         state = self.state
         if state is ParserState.CONTENT:
             if tok == t.end or tok == t.call or tok == t.return_:
