@@ -342,3 +342,13 @@ def test_envs_import_without_torch():
         "assert 'transformers' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("gym_id", ["agentrl/GSM8K-v0", "agentrl/ReTool-v0", "agentrl/VerifyIF-v0", "agentrl/Jobs-v0"])
+def test_check_env_passes_for_every_builtin(gym_id):
+    """Full check_env, including the render and close checks that need ``env.spec`` (set by gymnasium.make)."""
+    env = gymnasium.make(gym_id)
+    try:
+        check_env(env.unwrapped)
+    finally:
+        env.close()

@@ -126,7 +126,7 @@ class ToolBox:
             return await tool.call(args, session)
 
         try:
-            out = await asyncio.wait_for(run(), timeout)
+            out = await _with_timeout(run(), timeout)
         except (TimeoutError, asyncio.TimeoutError):
             return record(f"Error: {tool.name} did not finish within {timeout:g} s and was stopped.", "tool_timeout")
         except ToolError as e:
@@ -151,6 +151,15 @@ class ToolBox:
                 await t.aclose()
             except Exception:  # noqa: BLE001 - closing is best effort and idempotent
                 pass
+
+
+async def _with_timeout(coro: Any, timeout: float) -> Any:
+    """``asyncio.timeout`` where available (no extra task, so an instant tool does not yield to the loop),
+    else ``asyncio.wait_for``."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout):
+            return await coro
+    return await asyncio.wait_for(coro, timeout)
 
 
 def _describe(err: jsonschema.ValidationError) -> str:
