@@ -1,5 +1,9 @@
 """``agentrl train env=NAME [key=value ...]``: build the config, run the trainer, print the summary.
 
+``backend=verl`` hands the config to :mod:`agentrl.train.verl_backend.launch` (``--dry-run`` prints the
+verl command and resolved config without launching); ``trainer.n_gpus=N`` (N > 1) re-launches under
+torchrun with FSDP2 (:mod:`agentrl.train.distributed`).
+
 ``resume=RUN_DIR`` continues a run from its latest checkpoint with the run's saved ``config.yaml``
 (further overrides, e.g. a larger ``trainer.total_steps``, apply on top). Exit codes: 0 done,
 2 bad config or arguments, 1 training failed.
@@ -34,11 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help", "help") for a in argv):
         print(help_text())
         return 0
+    dry_run = "--dry-run" in argv
+    argv = [a for a in argv if a != "--dry-run"]
     try:
         cfg = load_run_config(argv)
     except ConfigError as exc:
         print(f"agentrl train: {exc}", file=sys.stderr)
         return 2
+    if cfg.backend == "verl":
+        from agentrl.train.verl_backend.launch import main as verl_main
+
+        return verl_main(cfg, dry_run=dry_run)
+    if dry_run:
+        print("agentrl train: --dry-run applies to backend=verl only", file=sys.stderr)
+        return 2
+    if cfg.trainer.n_gpus > 1:
+        from agentrl.train.distributed import run
+
+        return run(cfg, argv)
     from agentrl.train.trainer import Trainer
 
     trainer = Trainer(cfg)

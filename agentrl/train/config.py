@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+from agentrl.train.verl_backend.config_map import VerlSection
 
 # critic-free estimators only: this trainer has no value model (gae needs one)
 ADV_ESTIMATORS = tuple(sorted(name for name in ADVANTAGE_ESTIMATORS if name != "gae"))
@@ -27,6 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 FORMATS = ("auto", "chat_template", "harmony")
 FREEZE_GROUPS = ("embeddings", "attention", "mlp", "experts", "router", "norm", "lm_head")
 ROLLOUT_IS = ("token", "sequence")
+BACKENDS = ("embedded", "verl")
 
 
 class ConfigError(ValueError):
@@ -124,6 +126,11 @@ class TrainerConfig:
     wandb_project: str = "agentrl"
     progress: bool = True
     save_trajectories: bool = True
+    # scale-out: n_gpus > 1 runs the embedded trainer under torchrun with FSDP2 (agentrl.train.distributed);
+    # n_gpus_per_node x nnodes is the cluster size for backend=verl
+    n_gpus: int = 1
+    n_gpus_per_node: int = 8
+    nnodes: int = 1
 
 
 @dataclass
@@ -145,6 +152,8 @@ class TrainConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    backend: str = "embedded"  # "verl": agentrl.train.verl_backend.launch
+    verl: VerlSection = field(default_factory=VerlSection)
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -155,6 +164,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "device": DEVICES,
     "dtype": DTYPES,
     "format": FORMATS,
+    "backend": BACKENDS,
 }
 
 
@@ -239,6 +249,7 @@ def validate(cfg: DictConfig) -> None:
         "actor.logprob_chunk_size": cfg.actor.logprob_chunk_size,
         "trainer.total_steps": cfg.trainer.total_steps,
         "trainer.keep_checkpoints": cfg.trainer.keep_checkpoints,
+        "trainer.n_gpus": cfg.trainer.n_gpus,
     }
     for key, value in positive.items():
         if value < 1:

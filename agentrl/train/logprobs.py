@@ -117,7 +117,16 @@ def chunked_logprobs(
     return logprobs, (entropy if compute_entropy else None)
 
 
-def model_token_logprobs(
+def model_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+    """:func:`backbone_token_logprobs`, run through the FSDP2 root's forward hooks when the model is
+    sharded by :func:`agentrl.train.distributed.shard` (which sets ``model.fsdp_token_logprobs``)."""
+    fsdp_forward = getattr(model, "fsdp_token_logprobs", None)
+    if fsdp_forward is not None:
+        return fsdp_forward(input_ids, attention_mask, **kwargs)
+    return backbone_token_logprobs(model, input_ids, attention_mask, **kwargs)
+
+
+def backbone_token_logprobs(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,

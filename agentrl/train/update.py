@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from agentrl.train import distributed
 from agentrl.train.algorithms import (
     agg_loss,
     compute_advantages,
@@ -159,13 +160,14 @@ def update_policy(
         for mini in order.chunk(actor.num_mini_batches):
             optimizer.zero_grad(set_to_none=True)
             mini_mask = train_mask[mini.to(train_mask.device)]
-            num_tokens = mini_mask.sum().clamp(min=1)
-            num_rows = (mini_mask.sum(-1) > 0).sum().clamp(min=1)
+            # global counts (this rank's share of them under torchrun), so the step is the full batch's
+            num_tokens = distributed.global_share(mini_mask.sum()).clamp(min=1)
+            num_rows = distributed.global_share((mini_mask.sum(-1) > 0).sum()).clamp(min=1)
             for mb in _micro_batches(mini, micro):
                 rows = mb.to(mask.device)
                 sub = batch.select(mb)
                 sub_mask = train_mask[rows]
-                if not sub_mask.any():
+                if not sub_mask.any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
                     continue
                 log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature, compute_entropy=True)
                 sub_weights = None if is_weights is None else is_weights[rows]
@@ -220,7 +222,7 @@ def update_policy(
                 optimizer.step()
             else:
                 collected["actor/nonfinite_grad_steps"].append(1.0)
-            collected["actor/grad_norm"].append(float(grad_norm))
+            collected["actor/grad_norm"].append(distributed.full_value(grad_norm))
     timing["timing_s/update_actor"] = time.perf_counter() - t0
     n_steps = actor.ppo_epochs * actor.num_mini_batches
     pg_total = collected.pop("_pg_loss", [])
