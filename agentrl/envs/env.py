@@ -31,6 +31,7 @@ prompt builder (:meth:`prompt_messages`), and the reward (``rubric`` or :meth:`r
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -138,6 +139,7 @@ class AgentEnv(gymnasium.Env):
         self._task_list = list(tasks) if tasks is not None else None
         if self._task_list is not None and not self._task_list:
             raise ValueError("tasks is empty; pass at least one task or None for the offline generator")
+        self._obs_takes_history = "history" in inspect.signature(self.format.render_observation).parameters
         self.action_space = token_ids_space(self.format.vocab_size)
         self.observation_space = observation_space(self.format.vocab_size)
         self._sessions = Sessions()
@@ -216,6 +218,7 @@ class AgentEnv(gymnasium.Env):
         self._done = False
         self._tool_calls = 0
         self._errors: Counter[str] = Counter()
+        self._history: list[Message] = list(messages)  # the conversation so far, for history-aware formats
         obs = {"tokens": as_token_array(prompt), "messages": tuple(replace(m) for m in messages)}
         return obs, {"task": dict(task)}
 
@@ -265,7 +268,13 @@ class AgentEnv(gymnasium.Env):
             if len(traj.turns) >= self.limits.max_turns:
                 truncated = True
             else:
-                obs_ids = self.format.render_observation(obs_messages, completion_ids=ids)
+                if self._obs_takes_history:
+                    obs_ids = self.format.render_observation(
+                        obs_messages, completion_ids=ids, history=self._history
+                    )
+                    self._history.extend([*parsed.messages, *obs_messages])
+                else:
+                    obs_ids = self.format.render_observation(obs_messages, completion_ids=ids)
                 if (
                     len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids)
                     >= self.limits.max_total_tokens
