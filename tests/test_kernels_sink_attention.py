@@ -61,7 +61,8 @@ def _dense(b, hq, hkv, n_q, n_k, d, sigma, dtype):
     return q, k, v, sinks
 
 
-FP32_TOL = 2e-5
+# fp32 is exact on the CPU interpreter; on GPUs the kernels' fp32 dots run as TF32.
+FP32_TOL = 5e-3 if CUDA else 2e-5
 
 
 @pytest.mark.parametrize(

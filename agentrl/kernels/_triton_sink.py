@@ -234,15 +234,23 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, start, end, sq_n, sdo
                     n_q, n_k, off, qk_scale2, window, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
                     PACK: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                     LSE, DELTA):
-    """Accumulate dK, dV of one KV tile over query position blocks [start, end). ``q_rows`` etc. are
-    per-row base pointers (head offsets), positions are added here."""
+    """Accumulate dK, dV of one KV tile over query position blocks [start, end). ``q_rows``,
+    ``do_rows``, ``l_rows``: base pointers/offsets of the head(s), a scalar for PACK == 1 and one per
+    row otherwise; positions are added here."""
     BLOCK_P: tl.constexpr = BLOCK_M // PACK
     offs_d = tl.arange(0, HEAD_D)
-    rpos = tl.arange(0, BLOCK_M) % BLOCK_P
+    if PACK == 1:
+        rpos = tl.arange(0, BLOCK_M)
+    else:
+        rpos = tl.arange(0, BLOCK_M) % BLOCK_P
     for start_m in range(start, end, BLOCK_P):
         pos = start_m + rpos
-        q_ptrs = q_rows[:, None] + pos[:, None].to(tl.int64) * sq_n + offs_d[None, :]
-        do_ptrs = do_rows[:, None] + pos[:, None].to(tl.int64) * sdo_n + offs_d[None, :]
+        if PACK == 1:
+            q_ptrs = q_rows + pos[:, None] * sq_n + offs_d[None, :]
+            do_ptrs = do_rows + pos[:, None] * sdo_n + offs_d[None, :]
+        else:
+            q_ptrs = q_rows[:, None] + pos[:, None].to(tl.int64) * sq_n + offs_d[None, :]
+            do_ptrs = do_rows[:, None] + pos[:, None].to(tl.int64) * sdo_n + offs_d[None, :]
         if MASKED:
             row_ok = pos < n_q
             q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
@@ -301,11 +309,17 @@ def sink_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     do_base = DO + b64 * sdo_b + q_start.to(tl.int64) * sdo_n
     l_base = b64 * sl_b + q_start
     for hg in range(GROUP // PACK):
-        heads, _ = _row_map(0, hk * GROUP + hg * PACK, BLOCK_M, PACK)
-        heads64 = heads.to(tl.int64)
-        q_rows = q_base + heads64 * sq_h
-        do_rows = do_base + heads64 * sdo_h
-        l_rows = l_base + heads64 * sl_h
+        if PACK == 1:  # one head: scalar bases keep the address arithmetic of a plain tile
+            h64 = (hk * GROUP + hg).to(tl.int64)
+            q_rows = q_base + h64 * sq_h
+            do_rows = do_base + h64 * sdo_h
+            l_rows = l_base + h64 * sl_h
+        else:
+            heads, _ = _row_map(0, hk * GROUP + hg * PACK, BLOCK_M, PACK)
+            heads64 = heads.to(tl.int64)
+            q_rows = q_base + heads64 * sq_h
+            do_rows = do_base + heads64 * sdo_h
+            l_rows = l_base + heads64 * sl_h
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, lo, full_lo, sq_n, sdo_n,
                                  cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK, True,
                                  CAUSAL, WINDOW, LSE, DELTA)

@@ -74,11 +74,11 @@ def _pick(kind: str, head_dim: int, max_q: int, group: int, window: int | None) 
         return KernelConfig(max(16, triton_next_pow2(max_q * group if pack else max_q)), 64, 4, 2, pack)
     if kind == "fwd":
         if window is not None:
-            return KernelConfig(128, 32, 4, 3, pack)
+            return KernelConfig(64, 32, 4, 3, pack)
         return KernelConfig(128, 64, 8, 3) if wide else KernelConfig(128, 128, 4, 3)
     if kind == "dq":
         if window is not None:
-            return KernelConfig(128, 32, 4, 3, pack)
+            return KernelConfig(64, 32, 4, 3, pack)
         return KernelConfig(64, 64, 8 if wide else 4, 3)
     # dkdv: the query-block loop is the inner loop
     if window is not None:
