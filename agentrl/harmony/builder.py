@@ -137,7 +137,7 @@ class TrajectoryBuilder:
                 "two completions in a row: append the env's observation first (fmt.render_observation([...]) "
                 "adds the next assistant header)"
             )
-        if self._header and self.context_ids[-len(self._header) :] != self._header:
+        if self._header and self._full[-len(self._header) :] != self._header:
             raise ValueError(
                 "the context does not end with the assistant header; append an observation first"
             )
