@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from agentrl.envs.sandbox import SyncSandbox
-from agentrl.envs.sandbox.local import _UIDS_PER_WORKER, DEFAULT_UID_BASE
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = 2
@@ -48,9 +47,8 @@ def sb():
     os.environ.pop("AGENTRL_TEST_SECRET", None)
 
 
-def code_uid_processes() -> list[int]:
-    """Host pids (zombies included: they must be reaped) of the pool's code uids (root mode only)."""
-    lo, hi = DEFAULT_UID_BASE, DEFAULT_UID_BASE + WORKERS * _UIDS_PER_WORKER
+def code_uid_processes(uids: range) -> list[int]:
+    """Host pids (zombies included: they must be reaped) running as one of ``uids`` (root mode only)."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -60,7 +58,7 @@ def code_uid_processes() -> list[int]:
         except OSError:
             continue
         uid = int(status.split("Uid:")[1].split()[0])
-        if lo <= uid < hi:
+        if uid in uids:
             found.append(int(name))
     return found
 
@@ -69,10 +67,12 @@ def code_uid_processes() -> list[int]:
 def pool_still_healthy(sb):
     yield
     if AS_ROOT:
+        uids = sb._backend.code_uids
         deadline = time.monotonic() + 2.0
-        while code_uid_processes() and time.monotonic() < deadline:
+        while code_uid_processes(uids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert code_uid_processes() == [], "processes of the code outlived the call, or were not reaped"
+        left = code_uid_processes(uids)
+        assert left == [], [Path(f"/proc/{p}/status").read_text()[:400] for p in left]
     for i in range(2 * WORKERS):
         r = sb.run(f"print(sum(range({i + 10})))", timeout_s=5)
         assert r.status == "ok", r

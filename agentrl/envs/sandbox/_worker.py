@@ -423,6 +423,14 @@ class Worker:
         )
         if col["reset"]:
             self.kernels.pop(slot, None)
+            if col["wait_status"] is None:  # it answered, but with a corrupt frame: end it
+                try:
+                    os.killpg(kernel.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+                _kill(kernel.pid)
+                col["wait_status"] = _reap(kernel.pid)
+                self.kill_strays()
             kernel.close_fds()
         else:
             # Between calls the kernel must not run: a thread it left behind would otherwise burn CPU or

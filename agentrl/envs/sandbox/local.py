@@ -14,6 +14,7 @@ import base64
 import json
 import logging
 import os
+import secrets
 import struct
 import tempfile
 import time
@@ -31,8 +32,10 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
 #: Extra seconds the host waits beyond a run's timeout before it declares the worker hung.
 _GRACE_S = 10.0
-#: Default first uid of the code (each worker gets a block of ``_UIDS_PER_WORKER``); an unused high range.
+#: Start of the uid range for code (an unused high range). Each pool takes a random block of it, each worker a
+#: sub-block of ``_UIDS_PER_WORKER`` uids, so pools on one host (e.g. several trainers) do not share uids.
 DEFAULT_UID_BASE = 0x7E000000
+_UID_RANGE = 0x01FFFFFF
 _UIDS_PER_WORKER = 4096
 MAX_TIMEOUT_S = 3600.0
 
@@ -166,7 +169,7 @@ class LocalSandbox:
         output_limit_bytes: bytes kept per stream (stdout, stderr); the rest is dropped and a marker added.
         seccomp: load the seccomp filter (needs libseccomp's Python binding for ``python``,
             Debian ``python3-seccomp``).
-        uid_base: first uid used for code when running as root.
+        uid_base: first uid used for code when running as root (default: a random block of a high range).
         ro_binds: extra host paths to mount read-only at the same place (e.g. a Python prefix).
         start_timeout_s: how long a worker may take to start.
 
@@ -188,7 +191,7 @@ class LocalSandbox:
         tmpfs_mb: int = 256,
         output_limit_bytes: int = 64 * 1024,
         seccomp: bool = True,
-        uid_base: int = DEFAULT_UID_BASE,
+        uid_base: int | None = None,
         ro_binds: tuple[str, ...] = (),
         start_timeout_s: float = 30.0,
     ) -> None:
@@ -204,6 +207,11 @@ class LocalSandbox:
             "fsize_bytes": max_file_mb << 20,
             "nofile": max_open_files,
         }
+        span = n * _UIDS_PER_WORKER
+        if uid_base is None:
+            uid_base = DEFAULT_UID_BASE + secrets.randbelow(_UID_RANGE // span) * span
+        #: The uids code may run as (root mode): one per worker and slot.
+        self.code_uids = range(uid_base, uid_base + span)
         self.isolated = isolation == "bubblewrap"
         self._tmp_dirs: list[tempfile.TemporaryDirectory] = []
         argvs = []
