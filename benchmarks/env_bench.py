@@ -33,7 +33,9 @@ class InstantSandbox:
         self.tool_s = 0.0
         self._n = 0
 
-    async def run(self, code: str, *, session: str | None = None, timeout_s: float = 10.0, stdin: str = "") -> ExecResult:
+    async def run(
+        self, code: str, *, session: str | None = None, timeout_s: float = 10.0, stdin: str = ""
+    ) -> ExecResult:
         t = time.perf_counter()
         res = ExecResult(stdout="42\n", stderr="", exit_code=0, status="ok", duration_s=0.0)
         self.tool_s += time.perf_counter() - t
@@ -63,10 +65,16 @@ async def main(episodes: int, rounds: int) -> None:
     tasks = ReToolEnv.tasks(n=episodes, seed=0)
     scripts = [
         [
-            fmt.render_completion([Message("assistant", "x = 6 * 7", channel="analysis", recipient="python")]),
+            fmt.render_completion(
+                [Message("assistant", "x = 6 * 7", channel="analysis", recipient="python")]
+            ),
             fmt.render_completion([Message("assistant", "print(x)", channel="analysis", recipient="python")]),
-            fmt.render_completion([Message("assistant", "Done.", channel="analysis"),
-                                   Message("assistant", f"\\boxed{{{t['answer']}}}", channel="final")]),
+            fmt.render_completion(
+                [
+                    Message("assistant", "Done.", channel="analysis"),
+                    Message("assistant", f"\\boxed{{{t['answer']}}}", channel="final"),
+                ]
+            ),
         ]
         for t in tasks
     ]
@@ -86,12 +94,16 @@ async def main(episodes: int, rounds: int) -> None:
                 rewards.append(r)
                 break
 
-    await asyncio.gather(*(episode(e, t, s) for e, t, s in zip(envs, tasks, scripts)))  # warm-up round
-    step_s.clear(), reset_s.clear(), rewards.clear()
+    async def one_round() -> None:
+        await asyncio.gather(*(episode(e, t, s) for e, t, s in zip(envs, tasks, scripts, strict=True)))
+
+    await one_round()  # warm-up
+    for samples in (step_s, reset_s, rewards):
+        samples.clear()
     sandbox.tool_s = 0.0
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(rounds):
-        await asyncio.gather(*(episode(e, t, s) for e, t, s in zip(envs, tasks, scripts)))
+        await one_round()
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     for e in envs:
         await e.aclose()
@@ -102,8 +114,10 @@ async def main(episodes: int, rounds: int) -> None:
     # timers would also count other episodes' work whenever a step yields to the loop.
     overhead_us = (cpu - sum(reset_s) - sandbox.tool_s) / len(step_s) * 1e6
     print(f"episodes={n_eps} concurrent={episodes} steps={len(step_s)} wall_s={wall:.3f} cpu_s={cpu:.3f}")
-    print(f"reset_cpu_us median={statistics.median(reset_s) * 1e6:.0f}  step_wall_us median={statistics.median(step_s) * 1e6:.0f} "
-          f"p99={np.percentile(step_s, 99) * 1e6:.0f}  tool_s_total={sandbox.tool_s:.4f}")
+    print(
+        f"reset_cpu_us median={statistics.median(reset_s) * 1e6:.0f}  step_wall_us median={statistics.median(step_s) * 1e6:.0f} "
+        f"p99={np.percentile(step_s, 99) * 1e6:.0f}  tool_s_total={sandbox.tool_s:.4f}"
+    )
     print(f"env: step_overhead_us={overhead_us:.0f} episodes_per_s={n_eps / wall:.0f}")
 
 

@@ -31,7 +31,9 @@ def fmt():
 
 def call(fmt, name: str, args: str, channel: str = "commentary") -> list[int]:
     """Harmony ids of a function call, as a model would sample them after ``<|start|>assistant``."""
-    return fmt.render_completion([Message("assistant", args, channel=channel, recipient=f"functions.{name}", content_type="json")])
+    return fmt.render_completion(
+        [Message("assistant", args, channel=channel, recipient=f"functions.{name}", content_type="json")]
+    )
 
 
 def final(fmt, text: str, analysis: str | None = None) -> list[int]:
@@ -130,7 +132,9 @@ async def test_toolbox_error_taxonomy():
     s = Sessions()
 
     def c(name, args):
-        return ToolCall(recipient=f"functions.{name}", name=name, arguments=args, raw_arguments=json.dumps(args))
+        return ToolCall(
+            recipient=f"functions.{name}", name=name, arguments=args, raw_arguments=json.dumps(args)
+        )
 
     assert (await box.call(c("add", {"a": 1, "b": 2}), s)).result == "3"
     r = await box.call(c("nope", {}), s)
@@ -193,7 +197,9 @@ def test_correct_episode_with_tool_and_logprobs(fmt):
     assert traj.reward_components == {"exact_match": 1.0, "tool_calls_in_analysis": 0.0, "errors": 0.0}
     assert traj.rollout_logprobs[: len(ids)] == [-0.5] * len(ids)
     t0 = traj.turns[0]
-    assert traj.response_ids[slice(*t0.model_span)] == ids and set(traj.response_mask[slice(*t0.model_span)]) == {1}
+    assert traj.response_ids[slice(*t0.model_span)] == ids and set(
+        traj.response_mask[slice(*t0.model_span)]
+    ) == {1}
     assert set(traj.response_mask[slice(*t0.env_span)]) == {0}
     assert t0.tools[0].name == "add" and t0.tools[0].error is None
     # The token stream is exact: prompt + response decodes to a well-formed Harmony conversation.
@@ -233,8 +239,17 @@ def test_every_malformed_action_becomes_an_observation(fmt):
     obs, r, term, trunc, info = env.step(final(fmt, env.task["answer"]))
     assert term and r < 1.0  # right answer minus the error penalty
     counts = info["trajectory"].metadata["errors"]
-    assert {"parse_error", "truncation", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception"} <= set(counts)
-    assert info["reward_components"]["exact_match"] == 1.0 and info["reward_components"]["errors"] == sum(counts.values())
+    assert {
+        "parse_error",
+        "truncation",
+        "unknown_tool",
+        "bad_arguments",
+        "tool_timeout",
+        "tool_exception",
+    } <= set(counts)
+    assert info["reward_components"]["exact_match"] == 1.0 and info["reward_components"]["errors"] == sum(
+        counts.values()
+    )
     records = [t for turn in info["trajectory"].turns for t in turn.tools]
     assert {t.error for t in records} >= {"unknown_tool", "tool_timeout", "tool_exception", "bad_arguments"}
     env.close()
@@ -253,7 +268,13 @@ def test_limits_truncate(fmt):
     env.reset(seed=0)
     assert env.step(call(fmt, "add", '{"a": 1}'))[2:4] == (False, False)
     obs, r, term, trunc, info = env.step(call(fmt, "add", '{"a": 1}'))
-    assert trunc and not term and len(obs["tokens"]) == 0 and "trajectory" in info and info["trajectory"].truncated
+    assert (
+        trunc
+        and not term
+        and len(obs["tokens"]) == 0
+        and "trajectory" in info
+        and info["trajectory"].truncated
+    )
 
     env = AddEnv(max_tool_calls=1)
     env.reset(seed=0)
@@ -318,7 +339,9 @@ def test_tasks_api_is_deterministic():
 
 def test_registry_make_and_entry_points(monkeypatch):
     assert {"gsm8k", "retool", "verifyif", "jobs"} <= set(reg.registered())
-    assert {"agentrl/GSM8K-v0", "agentrl/ReTool-v0", "agentrl/VerifyIF-v0", "agentrl/Jobs-v0"} <= set(gymnasium.registry)
+    assert {"agentrl/GSM8K-v0", "agentrl/ReTool-v0", "agentrl/VerifyIF-v0", "agentrl/Jobs-v0"} <= set(
+        gymnasium.registry
+    )
     env = agentrl.make("gsm8k", max_total_tokens=4096)
     assert type(env).__name__ == "GSM8KEnv" and env.limits.max_total_tokens == 4096
     env.close()
@@ -344,7 +367,9 @@ def test_envs_import_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("gym_id", ["agentrl/GSM8K-v0", "agentrl/ReTool-v0", "agentrl/VerifyIF-v0", "agentrl/Jobs-v0"])
+@pytest.mark.parametrize(
+    "gym_id", ["agentrl/GSM8K-v0", "agentrl/ReTool-v0", "agentrl/VerifyIF-v0", "agentrl/Jobs-v0"]
+)
 def test_check_env_passes_for_every_builtin(gym_id):
     """Full check_env, including the render and close checks that need ``env.spec`` (set by gymnasium.make)."""
     env = gymnasium.make(gym_id)

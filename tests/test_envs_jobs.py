@@ -32,7 +32,15 @@ def spec(service):
 
 def call(name, args, channel="commentary"):
     return default_format().render_completion(
-        [Message("assistant", json.dumps(args), channel=channel, recipient=f"functions.{name}", content_type="json")]
+        [
+            Message(
+                "assistant",
+                json.dumps(args),
+                channel=channel,
+                recipient=f"functions.{name}",
+                content_type="json",
+            )
+        ]
     )
 
 
@@ -81,7 +89,11 @@ async def test_http_search_tool_against_real_service(service):
 
 # ----------------------------------------------------------------------------- OpenAPI adapter
 def test_schema_helpers():
-    spec = {"components": {"schemas": {"N": {"type": "object", "properties": {"next": {"$ref": "#/components/schemas/N"}}}}}}
+    spec = {
+        "components": {
+            "schemas": {"N": {"type": "object", "properties": {"next": {"$ref": "#/components/schemas/N"}}}}
+        }
+    }
     node = resolve_refs({"$ref": "#/components/schemas/N"}, spec)
     assert node["type"] == "object" and node["properties"]["next"] == {"type": "object"}  # cycle cut
     assert to_json_schema({"type": "string", "nullable": True, "title": "X"}) == {"type": ["string", "null"]}
@@ -90,13 +102,24 @@ def test_schema_helpers():
 async def test_openapi_tools_from_jobs_spec(service, spec):
     ts = OpenAPIToolset(spec, base_url=service.url, retries=2, backoff_s=0.01, timeout_s=1.0)
     tools = {t.name: t for t in ts.tools}
-    assert {"list_companies", "get_company", "list_postings", "get_posting", "list_people", "search", "flaky", "slow"} <= set(tools)
+    assert {
+        "list_companies",
+        "get_company",
+        "list_postings",
+        "get_posting",
+        "list_people",
+        "search",
+        "flaky",
+        "slow",
+    } <= set(tools)
     lp = tools["list_postings"].parameters
     assert lp["properties"]["skill"]["type"] == "string" and lp["properties"]["page_size"]["maximum"] == 20
     assert tools["get_posting"].parameters["required"] == ["posting_id"]
     box = ToolBox(ts.tools, max_result_chars=100_000)
     s = Sessions()
-    rec = await box.call(tc("list_postings", {"skill": "Rust", "remote": True, "sort": "salary_desc", "page_size": 3}), s)
+    rec = await box.call(
+        tc("list_postings", {"skill": "Rust", "remote": True, "sort": "salary_desc", "page_size": 3}), s
+    )
     body = json.loads(rec.result)
     assert rec.error is None and len(body["items"]) == 3 and all(i["remote"] for i in body["items"])
     rec = await box.call(tc("get_posting", {"posting_id": "j9999"}), s)  # 404 -> observation
@@ -124,8 +147,14 @@ async def test_openapi_bounds_retries_connection_errors_and_secrets(service, spe
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     monkeypatch.setenv("JOBS_URL", dead)
     monkeypatch.setenv("JOBS_TOKEN", "Bearer top-secret")
-    ts = OpenAPIToolset(spec, base_url_env="JOBS_URL", headers_env={"Authorization": "JOBS_TOKEN"}, retries=1, backoff_s=0.01,
-                        include=["get_company"])
+    ts = OpenAPIToolset(
+        spec,
+        base_url_env="JOBS_URL",
+        headers_env={"Authorization": "JOBS_TOKEN"},
+        retries=1,
+        backoff_s=0.01,
+        include=["get_company"],
+    )
     assert "top-secret" not in repr(ts) and "Authorization" in repr(ts)
     with pytest.raises(ToolError, match="after 2 attempts: connection error") as e:
         await ts.tools[0].call({"company_id": "c001"})
@@ -143,13 +172,21 @@ async def test_openapi_bounds_retries_connection_errors_and_secrets(service, spe
 def test_jobs_tasks_are_computed_from_data():
     data = make_dataset(0)
     tasks = JobsEnv.tasks(n=60, seed=0)
-    assert {t["kind"] for t in tasks} == {"top_paid", "company_postings", "person_company", "newest_in_city", "colleagues"}
+    assert {t["kind"] for t in tasks} == {
+        "top_paid",
+        "company_postings",
+        "person_company",
+        "newest_in_city",
+        "colleagues",
+    }
     for t in tasks:
         if t["kind"] == "person_company":
             name = t["prompt"].split("does ")[1].split(" work")[0]
             assert next(p for p in data.people if p["name"] == name)["company_id"] == t["answer"]
     assert JobsEnv.tasks(n=5, seed=3) == JobsEnv.tasks(n=5, seed=3)
-    assert not {t["prompt"] for t in JobsEnv.tasks("test", n=50)} & {t["prompt"] for t in tasks if t["kind"] != "top_paid"}
+    assert not {t["prompt"] for t in JobsEnv.tasks("test", n=50)} & {
+        t["prompt"] for t in tasks if t["kind"] != "top_paid"
+    }
 
 
 async def test_jobs_episode_over_real_http(service):
@@ -162,11 +199,17 @@ async def test_jobs_episode_over_real_http(service):
     limit = int(task["prompt"].split("fewer than ")[1].split(" ")[0])
     obs, info = await env.areset(options={"task": task})
     assert "list_postings" in default_format().decode(obs["tokens"])
-    args = {"skill": skill, "remote": True, "max_company_employees": limit - 1, "sort": "salary_desc", "page_size": 1}
+    args = {
+        "skill": skill,
+        "remote": True,
+        "max_company_employees": limit - 1,
+        "sort": "salary_desc",
+        "page_size": 1,
+    }
     obs, r, term, trunc, info = await env.astep(call("list_postings", args))
     best = json.loads(obs["messages"][0].content)["items"][0]["id"]
     assert not term and info["errors"] == [] and best == task["answer"]
-    obs, *_ , info = await env.astep(call("get_posting", {"posting_id": "j9999"}))
+    obs, *_, info = await env.astep(call("get_posting", {"posting_id": "j9999"}))
     assert obs["messages"][0].content.startswith("HTTP 404") and info["errors"] == []
     obs, *_, info = await env.astep(call("list_postings", {"page_size": 500}))
     assert info["errors"] == ["bad_arguments"]

@@ -95,7 +95,9 @@ async def test_retool_episode_with_real_sandbox(fmt, sandbox):
     task = {"id": "t", "prompt": "What is the sum of all primes below 100?", "answer": "1060"}
     obs, info = await env.areset(options={"task": task})
     assert "python" in fmt.decode(obs["tokens"])
-    obs, r, term, trunc, info = await env.astep(py(fmt, "p = [n for n in range(2, 100) if all(n % d for d in range(2, n))]"))
+    obs, r, term, trunc, info = await env.astep(
+        py(fmt, "p = [n for n in range(2, 100) if all(n % d for d in range(2, n))]")
+    )
     assert not term and info["errors"] == []
     obs, r, term, trunc, info = await env.astep(py(fmt, "sum(p)"))  # state persists within the episode
     assert obs["messages"][0].content == "1060" and obs["messages"][0].name == "python"
@@ -121,7 +123,12 @@ async def test_retool_malformed_actions(fmt, sandbox):
     await env.areset(seed=0)
     for ids, kind in [
         (fmt.encode("cut off"), "truncation"),
-        (fmt.render_completion([Message("assistant", "{}", channel="commentary", recipient="functions.nope")]), "unknown_tool"),
+        (
+            fmt.render_completion(
+                [Message("assistant", "{}", channel="commentary", recipient="functions.nope")]
+            ),
+            "unknown_tool",
+        ),
         (fmt.encode("plain text") + [fmt.stop_token_ids[0]], "parse_error"),
     ]:
         obs, r, term, trunc, info = await env.astep(ids)

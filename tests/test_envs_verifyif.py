@@ -29,25 +29,90 @@ def final(text: str) -> list[int]:
         ("punctuation:no_comma", {}, "No commas here.", "One, two."),
         ("change_case:english_lowercase", {}, "this is all lowercase english text.", "This is Not."),
         ("change_case:english_capital", {}, "THIS IS ALL CAPITAL ENGLISH TEXT.", "THIS is not."),
-        ("change_case:capital_word_frequency", {"capital_relation": "at least", "capital_frequency": 2}, "THE BIG dog", "The BIG dog"),
-        ("length_constraints:number_words", {"relation": "less than", "num_words": 5}, "four words right here", "this has five words now"),
-        ("length_constraints:number_sentences", {"relation": "at least", "num_sentences": 3}, "One. Two! Three?", "Dr. Smith left. Fine."),
-        ("length_constraints:number_paragraphs", {"num_paragraphs": 2}, "para one\n***\npara two", "one\n***\n\n***\ntwo"),
-        ("length_constraints:nth_paragraph_first_word", {"num_paragraphs": 2, "nth_paragraph": 2, "first_word": "then"}, "First.\n\nThen, more.", "First.\n\nAnd more."),
+        (
+            "change_case:capital_word_frequency",
+            {"capital_relation": "at least", "capital_frequency": 2},
+            "THE BIG dog",
+            "The BIG dog",
+        ),
+        (
+            "length_constraints:number_words",
+            {"relation": "less than", "num_words": 5},
+            "four words right here",
+            "this has five words now",
+        ),
+        (
+            "length_constraints:number_sentences",
+            {"relation": "at least", "num_sentences": 3},
+            "One. Two! Three?",
+            "Dr. Smith left. Fine.",
+        ),
+        (
+            "length_constraints:number_paragraphs",
+            {"num_paragraphs": 2},
+            "para one\n***\npara two",
+            "one\n***\n\n***\ntwo",
+        ),
+        (
+            "length_constraints:nth_paragraph_first_word",
+            {"num_paragraphs": 2, "nth_paragraph": 2, "first_word": "then"},
+            "First.\n\nThen, more.",
+            "First.\n\nAnd more.",
+        ),
         ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "* a\n* b", "* a\n* b\n- c"),
-        ("detectable_format:number_highlighted_sections", {"num_highlights": 2}, "*one* and *two*", "*one* and ** **"),
+        (
+            "detectable_format:number_highlighted_sections",
+            {"num_highlights": 2},
+            "*one* and *two*",
+            "*one* and ** **",
+        ),
         ("detectable_format:title", {}, "<<A Title>>\nbody", "<< >> body"),
         ("detectable_format:json_format", {}, '```json\n{"a": 1}\n```', "{a: 1}"),
-        ("detectable_format:multiple_sections", {"section_spliter": "Section", "num_sections": 2}, "Section 1\na\nSection 2\nb", "Section 1 only"),
+        (
+            "detectable_format:multiple_sections",
+            {"section_spliter": "Section", "num_sections": 2},
+            "Section 1\na\nSection 2\nb",
+            "Section 1 only",
+        ),
         ("detectable_format:constrained_response", {}, "My answer is yes.", "Yes."),
         ("detectable_content:postscript", {"postscript_marker": "P.S."}, "Hi.\nP.S. bye", "Hi. PS bye"),
-        ("detectable_content:number_placeholders", {"num_placeholders": 2}, "[name] at [address]", "[name] only"),
-        ("keywords:existence", {"keywords": ["river", "bridge"]}, "A Bridge over the river.", "Only a river."),
+        (
+            "detectable_content:number_placeholders",
+            {"num_placeholders": 2},
+            "[name] at [address]",
+            "[name] only",
+        ),
+        (
+            "keywords:existence",
+            {"keywords": ["river", "bridge"]},
+            "A Bridge over the river.",
+            "Only a river.",
+        ),
         ("keywords:forbidden_words", {"forbidden_words": ["cat"]}, "A category of dogs.", "A Cat."),
-        ("keywords:frequency", {"keyword": "sun", "relation": "at least", "frequency": 2}, "sun and Sun", "sun once"),
-        ("keywords:letter_frequency", {"letter": "z", "let_relation": "less than", "let_frequency": 2}, "zoo", "zizz"),
-        ("language:response_language", {"language": "de"}, "Dies ist ein kurzer Satz, der auf Deutsch geschrieben wurde.", "This is a short sentence written in English."),
-        ("startend:end_checker", {"end_phrase": "Any other questions?"}, "Done. Any other questions?", "Any other questions? Done."),
+        (
+            "keywords:frequency",
+            {"keyword": "sun", "relation": "at least", "frequency": 2},
+            "sun and Sun",
+            "sun once",
+        ),
+        (
+            "keywords:letter_frequency",
+            {"letter": "z", "let_relation": "less than", "let_frequency": 2},
+            "zoo",
+            "zizz",
+        ),
+        (
+            "language:response_language",
+            {"language": "de"},
+            "Dies ist ein kurzer Satz, der auf Deutsch geschrieben wurde.",
+            "This is a short sentence written in English.",
+        ),
+        (
+            "startend:end_checker",
+            {"end_phrase": "Any other questions?"},
+            "Done. Any other questions?",
+            "Any other questions? Done.",
+        ),
         ("startend:quotation", {}, '"quoted"', 'not "quoted"'),
         ("combination:two_responses", {}, "first******second", "same******same"),
         ("combination:repeat_prompt", {"prompt_to_repeat": "Say hi."}, "Say hi. Hi!", "Hi! Say hi."),
@@ -67,7 +132,11 @@ def test_checker_registry_covers_ifeval_and_loose_mode():
     assert not check("startend:quotation", 'Sure!\n"quoted"')
     assert check_loose("startend:quotation", 'Sure!\n"quoted"')
     assert split_sentences("Mr. Smith went to Washington. He saw 3.5 apples! Then? Done") == [
-        "Mr. Smith went to Washington.", "He saw 3.5 apples!", "Then?", "Done"]
+        "Mr. Smith went to Washington.",
+        "He saw 3.5 apples!",
+        "Then?",
+        "Done",
+    ]
 
 
 @needs_data
@@ -94,7 +163,7 @@ def test_verifyif_episodes_on_real_prompts():
     three = tasks[1000]  # no comma + 3 highlighted sections + at least 300 words
     text = " ".join(["word"] * 300) + " *part one* *part two* *part three*"
     env.reset(options={"task": three})
-    _, r, *_ , info = env.step(final(text))
+    _, r, *_, info = env.step(final(text))
     assert r == 1.0 and info["reward_components"] == {"ifeval_fraction": 1.0, "ifeval_all": 1.0}
     env.reset(options={"task": three})
     _, r, *_, info = env.step(final(text.replace("word word", "word, word", 1)))

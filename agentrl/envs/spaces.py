@@ -65,7 +65,8 @@ class MessageTuple(spaces.Space[tuple]):
         text.np_random = self.np_random
         n = int(self.np_random.integers(0, 3))
         return tuple(
-            Message(role=self._ROLES[int(self.np_random.integers(0, 2))], content=text.sample()) for _ in range(n)
+            Message(role=self._ROLES[int(self.np_random.integers(0, 2))], content=text.sample())
+            for _ in range(n)
         )
 
     def contains(self, x: Any) -> bool:

@@ -34,7 +34,9 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{i}: not valid JSON ({e.msg}); expected one JSON object per line") from e
+                raise ValueError(
+                    f"{p}:{i}: not valid JSON ({e.msg}); expected one JSON object per line"
+                ) from e
     return rows
 
 

@@ -67,13 +67,18 @@ def make_problem(rng: np.random.Generator) -> tuple[str, int]:
         lcm = math.lcm
         union = n // a + n // b - n // lcm(a, b)
         count = union - (n // lcm(a, c) + n // lcm(b, c) - n // lcm(a, b, c))
-        return (f"How many integers from 1 to {n} inclusive are divisible by {a} or by {b} but not by {c}?", count)
+        return (
+            f"How many integers from 1 to {n} inclusive are divisible by {a} or by {b} but not by {c}?",
+            count,
+        )
     if kind == 2:
         a, b = r(2, 99), r(100, 5_000)
         return f"What is the remainder when {a}^{b} is divided by 10000?", pow(a, b, 10_000)
     if kind == 3:
         n = r(30, 150)
-        return f"What is the sum of the digits of {n}! (the factorial of {n})?", sum(map(int, str(math.factorial(n))))
+        return f"What is the sum of the digits of {n}! (the factorial of {n})?", sum(
+            map(int, str(math.factorial(n)))
+        )
     if kind == 4:
         n = r(10**8, 10**9)
         return f"How many positive divisors does {n} have?", _num_divisors(n)
@@ -98,7 +103,9 @@ class ReToolEnv(AgentEnv):
     default_limits = EnvLimits(max_turns=8, max_tool_calls=8, max_total_tokens=16384)
     rubric = Rubric([MathAnswer()])
 
-    def __init__(self, *, sandbox: SandboxBackend | str = "local", exec_timeout_s: float = 10.0, **kwargs: Any):
+    def __init__(
+        self, *, sandbox: SandboxBackend | str = "local", exec_timeout_s: float = 10.0, **kwargs: Any
+    ):
         self._sandbox = sandbox
         self._exec_timeout_s = exec_timeout_s
         super().__init__(**kwargs)
@@ -116,6 +123,8 @@ class ReToolEnv(AgentEnv):
         return load_math(path)
 
     @staticmethod
-    def hub_tasks(repo: str = "BytedTsinghua-SIA/DAPO-Math-17k", split: str = "train") -> list[dict[str, Any]]:
+    def hub_tasks(
+        repo: str = "BytedTsinghua-SIA/DAPO-Math-17k", split: str = "train"
+    ) -> list[dict[str, Any]]:
         """DAPO-Math-17k (or any ``{problem, answer}`` dataset) from the HF hub; needs network."""
         return [math_row_to_task(r, i) for i, r in enumerate(load_hf_rows(repo, split))]

@@ -62,7 +62,9 @@ class ToolBox:
         max_result_chars: results longer than this are cut with a ``[... truncated N characters]`` marker.
     """
 
-    def __init__(self, tools: Iterable[Tool], *, timeout_s: float = 30.0, max_result_chars: int = 8000) -> None:
+    def __init__(
+        self, tools: Iterable[Tool], *, timeout_s: float = 30.0, max_result_chars: int = 8000
+    ) -> None:
         self.tools: dict[str, Tool] = {}
         for t in tools:
             if t.name in self.tools:
@@ -103,7 +105,10 @@ class ToolBox:
         tool = self.resolve(call)
         if tool is None:
             avail = ", ".join(sorted(t.spec().recipient for t in self.tools.values())) or "none"
-            return record(f"Error: there is no tool named {call.recipient or name!r}. Available tools: {avail}.", "unknown_tool")
+            return record(
+                f"Error: there is no tool named {call.recipient or name!r}. Available tools: {avail}.",
+                "unknown_tool",
+            )
         name = tool.name
         if not isinstance(args, dict):
             try:
@@ -128,7 +133,9 @@ class ToolBox:
         try:
             out = await _with_timeout(run(), timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            return record(f"Error: {tool.name} did not finish within {timeout:g} s and was stopped.", "tool_timeout")
+            return record(
+                f"Error: {tool.name} did not finish within {timeout:g} s and was stopped.", "tool_timeout"
+            )
         except ToolError as e:
             return record(f"Error: {e}", e.kind)
         except asyncio.CancelledError:

@@ -43,7 +43,9 @@ class PythonTool(StatefulTool):
         "required": ["code"],
     }
 
-    def __init__(self, sandbox: SandboxBackend | str = "local", *, exec_timeout_s: float = 10.0, **backend_kwargs: Any):
+    def __init__(
+        self, sandbox: SandboxBackend | str = "local", *, exec_timeout_s: float = 10.0, **backend_kwargs: Any
+    ):
         self._backend: SandboxBackend | None = None if isinstance(sandbox, str) else sandbox
         self._backend_name = sandbox if isinstance(sandbox, str) else None
         self._backend_kwargs = backend_kwargs
