@@ -142,3 +142,28 @@ def test_requires_a_chat_template():
 
     with pytest.raises(ValueError, match="chat_template"):
         ChatTemplateFormat(NoTemplate())
+
+
+def test_garbage_never_raises(tokenizer):
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    fmt = ChatTemplateFormat(tokenizer)
+    pieces = [
+        fmt.encode(s)
+        for s in ["<tool_call>", "</tool_call>", '{"name": "lookup", "arguments": {', "}", "<think>"]
+    ]
+    chunk = st.one_of(
+        st.integers(0, fmt.vocab_size - 1).map(lambda t: [t]),
+        st.sampled_from([*pieces, *[[t] for t in fmt.stop_token_ids]]),
+    )
+
+    @settings(max_examples=200, deadline=None, derandomize=True)
+    @given(st.lists(chunk, max_size=30).map(lambda cs: [t for c in cs for t in c]))
+    def check(ids):
+        turn = fmt.parse(ids, tools=[LOOKUP])
+        json.dumps(turn.to_dict())
+        assert all(isinstance(c.arguments, dict) for c in turn.tool_calls)
+        assert (turn.stop_token is None) == (not ids or ids[-1] not in fmt.stop_token_ids)
+
+    check()

@@ -48,8 +48,7 @@ class HarmonyTokens:
 class ParserState(str, Enum):
     HEADER = "header"  # collecting header tokens of the current message
     CONTENT = "content"  # after <|message|>, collecting content
-    EXPECT_START = "expect_start"  # after <|end|>, the next token should be <|start|>
-    DONE = "done"  # after <|call|> or <|return|>: the action is over
+    EXPECT_START = "expect_start"  # after a terminator; more output should begin with <|start|>
 
 
 class _Machine:
@@ -72,6 +71,7 @@ class _Machine:
         self.turn = ParsedTurn()
         self.last_token: int | None = None
         self._start_reported = False
+        self._after_stop_reported = False
 
     # -- helpers -------------------------------------------------------------------------------------
     def _err(self, kind: ParseErrorKind, message: str, index: int | None) -> None:
@@ -88,7 +88,7 @@ class _Machine:
         if tok < 0 or tok > t.max_id:
             self._err(ParseErrorKind.MALFORMED, f"token id {tok} is outside the vocabulary (ignored)", i)
             return
-        self.last_token = tok
+        prev, self.last_token = self.last_token, tok
         state = self.state
         if state is ParserState.CONTENT:
             if tok == t.end or tok == t.call or tok == t.return_:
@@ -111,9 +111,7 @@ class _Machine:
                     i,
                 )
                 self.header = []
-                self.state = ParserState.DONE if tok != t.end else ParserState.EXPECT_START
-                if tok != t.end:
-                    self.turn.stop_token = tok
+                self.state = ParserState.EXPECT_START
             elif tok == t.start or (tok >= t.first_special and tok not in (t.channel, t.constrain)):
                 self._err(
                     ParseErrorKind.STRAY_SPECIAL, f"special token {self._decode([tok])!r} inside a header", i
@@ -122,7 +120,14 @@ class _Machine:
                 if not self.header:
                     self.header_start = i
                 self.header.append(tok)
-        elif state is ParserState.EXPECT_START:
+        else:  # EXPECT_START
+            if (prev == t.call or prev == t.return_) and not self._after_stop_reported:
+                self._err(
+                    ParseErrorKind.MALFORMED,
+                    "output continues after the stop token (<|call|> or <|return|>); parsed anyway",
+                    i,
+                )
+                self._after_stop_reported = True
             if tok == t.start:
                 self.state = ParserState.HEADER
                 self.implicit_role = False
@@ -136,15 +141,8 @@ class _Machine:
                 self.implicit_role = True
                 self.header = []
                 self.n -= 1  # re-read this token as the start of a header
+                self.last_token = prev
                 self.feed(tok)
-        else:  # DONE
-            if not self._start_reported:
-                self._err(
-                    ParseErrorKind.MALFORMED,
-                    "tokens after the stop token (<|call|> or <|return|>) were ignored",
-                    i,
-                )
-                self._start_reported = True
 
     def _open_content(self, i: int) -> None:
         self.current = self._parse_header(i)
@@ -213,11 +211,7 @@ class _Machine:
         self._interpret(msg, self.content_start)
         self.current = None
         self.content = []
-        if tok == self.t.end:
-            self.state = ParserState.EXPECT_START
-        else:
-            self.state = ParserState.DONE
-            self.turn.stop_token = tok
+        self.state = ParserState.EXPECT_START
 
     def _interpret(self, msg: Message, index: int) -> None:
         """Turn a complete message into a final answer or a tool call, checking the call."""
@@ -276,9 +270,9 @@ class _Machine:
         if self.n == 0:
             self._err(ParseErrorKind.EMPTY, "the completion is empty", None)
             return turn
-        if self.state is ParserState.EXPECT_START and self.last_token == self.t.end:
-            turn.stop_token = self.t.end
-        elif self.state in (ParserState.HEADER, ParserState.CONTENT):
+        if self.state is ParserState.EXPECT_START:
+            turn.stop_token = self.last_token  # <|end|>, <|call|> or <|return|>
+        else:
             if self.state is ParserState.CONTENT and self.current is not None:
                 self.current.content = self._decode(self.content)
                 turn.messages.append(self.current)
@@ -354,7 +348,8 @@ class StreamingParser:
     @property
     def stopped(self) -> bool:
         """True once ``<|call|>`` or ``<|return|>`` was seen: generation of this action should stop."""
-        return self._m.state is ParserState.DONE
+        m = self._m
+        return m.state is ParserState.EXPECT_START and m.last_token in (m.t.call, m.t.return_)
 
     def finish(self) -> ParsedTurn:
         return self._m.finish()
