@@ -84,7 +84,9 @@ def make_task(data: Dataset, rng: np.random.Generator, split: str = "train") -> 
         if kind == 3:
             city, level = str(rng.choice(CITIES)), str(rng.choice(SENIORITY))
             cands = [p for p in data.postings if p["city"] == city and p["seniority"] == level]
-            if not cands or not _in_split(len(cands) + CITIES.index(city), split):
+            if not cands or not _in_split(
+                CITIES.index(city) * len(SENIORITY) + SENIORITY.index(level), split
+            ):
                 continue
             newest = max(p["posted"] for p in cands)
             top = [p for p in cands if p["posted"] == newest]
