@@ -24,3 +24,23 @@ def register() -> str:
 
     agentrl.envs.register("verl_add", "_verl_test_env:AddEnv")
     return "verl_add"
+
+
+class AddEnvMultiTurn(AddEnv):
+    """AddEnv whose episode continues (with an env note) until a final answer or ``max_turns``; a wrong
+    episode scores minus its response length / 1000 (so rewards differ between episodes)."""
+
+    single_turn = False
+
+    def reward(self, ctx):
+        total, parts = super().reward(ctx)
+        if not total:
+            total = -len(ctx.trajectory.response_ids) / 1000
+        return total, parts
+
+
+def register_multi_turn() -> str:
+    import agentrl
+
+    agentrl.envs.register("verl_add_multi", "_verl_test_env:AddEnvMultiTurn")
+    return "verl_add_multi"

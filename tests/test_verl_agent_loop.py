@@ -1,0 +1,101 @@
+"""Our agent loop run by verl's own AgentLoopWorker against a real local OpenAI-compatible token server
+(agentrl's server on the transformers engine, tiny GPT-OSS): the verl output must equal the trajectory
+our own rollout produces for the same sampled tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("verl")
+
+from _verl_test_env import register_multi_turn  # noqa: E402
+
+
+class Recording:
+    """Server-side engine wrapper: remembers each sampled completion by its exact prompt."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.completions = {}
+
+    async def generate(self, prompts, sampling):
+        out = await self.engine.generate(prompts, sampling)
+        for prompt, completion in zip(prompts, out, strict=True):
+            self.completions[tuple(prompt)] = completion
+        return out
+
+
+class Replay:
+    """Our rollout's engine: returns the recorded completion for the exact same context (KeyError otherwise)."""
+
+    stats = {"generate_s": 0.0, "generated_tokens": 0}
+
+    def __init__(self, completions):
+        self.completions = completions
+
+    async def generate(self, prompts, sampling):
+        return [self.completions[tuple(p)] for p in prompts]
+
+
+def test_agent_loop_through_verl_matches_our_rollout(tmp_path):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.protocol import DataProto
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    import agentrl
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.server import BackgroundServer, create_app
+    from agentrl.engines.transformers_engine import TransformersEngine
+    from agentrl.harmony import HarmonyFormat
+    from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
+    from agentrl.train.models import tiny_gpt_oss
+    from agentrl.train.rollout import run_episode
+    from agentrl.train.verl_backend.agent_loop import parse_spec
+    from agentrl.train.verl_backend.config_map import verl_overrides
+    from agentrl.train.verl_backend.dataset import write_env_dataset
+    from agentrl.train.verl_backend.http_client import OpenAITokenClient
+    from agentrl.train.verl_backend.validate import compose_verl_config
+
+    env_name = register_multi_turn()
+    model = tiny_gpt_oss(num_layers=1, hidden=64, seed=0)
+    model_dir = tmp_path / "model"  # what verl's workers read: HF config + tokenizer
+    model.config.architectures = ["GptOssForCausalLM"]
+    model.config.save_pretrained(model_dir)
+    harmony_hf_tokenizer().save_pretrained(model_dir)
+    n, max_turns, max_new = 3, 3, 6
+    train, val = write_env_dataset(tmp_path / "data", env_name, n_train=n, n_val=1, format="harmony",
+                                   env_kwargs={"max_turns": max_turns}, max_new_tokens=max_new)
+    cfg = {"env": env_name, "model": str(model_dir), "rollout": {"batch_size": n, "n": 1, "temperature": 1.0},
+           "trainer": {"n_gpus_per_node": 1, "nnodes": 1},
+           "verl": {"max_prompt_length": 256, "max_response_length": 256}}
+    vcfg = compose_verl_config(verl_overrides(cfg, [train], [val]))
+
+    fmt = HarmonyFormat()
+    recording = Recording(TransformersEngine(model, pad_token_id=0, seed=0))
+    with BackgroundServer(create_app(recording, fmt, model_name="tiny-gpt-oss")) as server:
+        worker = AgentLoopWorker(vcfg, OpenAITokenClient(vcfg, server.base_url))
+        dataset = RLHFDataset([train], worker.tokenizer, vcfg.data)
+        rows = [dataset[i] for i in range(n)]
+        out = asyncio.run(worker.generate_sequences(DataProto.from_single_dict(collate_fn(rows))))
+
+    b = out.batch
+    assert b["responses"].shape == (n, 256) and b["prompts"].shape == (n, 256)
+    for i, row in enumerate(rows):
+        spec = parse_spec(row["agentrl"])
+        env = agentrl.make(env_name, format=fmt, max_turns=max_turns)
+        sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=fmt.stop_token_ids)
+        ours, _ = asyncio.run(run_episode(env, Replay(recording.completions), sampling, spec["task"], seed=0))
+        width = len(ours.response_ids)
+        prompt_mask = b["attention_mask"][i, :256].bool()
+        assert b["prompts"][i][prompt_mask].tolist() == ours.prompt_ids
+        assert b["responses"][i, :width].tolist() == ours.response_ids
+        assert b["attention_mask"][i, 256 + width :].sum() == 0  # nothing after our response
+        assert b["response_mask"][i, :width].tolist() == ours.response_mask
+        assert b["rollout_log_probs"][i, :width].tolist() == pytest.approx(ours.rollout_logprobs, abs=1e-6)
+        assert float(b["rm_scores"][i].sum()) == pytest.approx(ours.reward) and ours.reward < 0
+        assert int(out.non_tensor_batch["__num_turns__"][i]) == 1 + 2 * max_turns - 1
+        # multi-turn: sampled tokens (mask 1, real log-probs) and env tokens (mask 0, log-prob 0)
+        assert sum(ours.response_mask) == max_turns * max_new and 0 in ours.response_mask
+        assert any(lp != 0.0 for lp in ours.rollout_logprobs)
