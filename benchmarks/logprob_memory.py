@@ -136,12 +136,17 @@ def main():
         return _child(args)
     peaks, outs = (_cuda if args.device == "cuda" else _cpu)(args)
     diffs = {k: (outs["naive"][k] - outs["chunked"][k]).abs().max().item() for k in ("logp", "gh", "gw")}
+    scale = {k: outs["naive"][k].abs().max().item() for k in diffs}
     n = args.batch * args.seq
     print(
         f"device={args.device} tokens={args.batch}x{args.seq}={n} vocab={args.vocab} hidden={args.hidden} "
         f"chunk={args.chunk} init_std={args.init_std} fp32 fwd+bwd; [N,V] fp32 logits alone = {n * args.vocab * 4 / 2**20:.0f} MB"
     )
-    print("max_abs_diff per output: " + " ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
+    print(
+        "max_abs_diff per output (logp, grad hidden, grad W): "
+        + " ".join(f"{k}={v:.2e}" for k, v in diffs.items())
+    )
+    print("max |naive| per output: " + " ".join(f"{k}={v:.3g}" for k, v in scale.items()))
     ratio = peaks["naive"] / peaks["chunked"]
     print(
         f"logprob: naive_peak_mb={peaks['naive']:.0f} chunked_peak_mb={peaks['chunked']:.0f} "
