@@ -123,6 +123,20 @@ def test_memory_hog_gradual(sb):
     assert r.status == "oom", r
 
 
+def test_memory_hog_across_processes_hits_the_worker_cap(sb):
+    """RLIMIT_AS bounds one process; the worker's memory cgroup bounds them all together."""
+    code = "import os, time\npids = []\nfor i in range(8):\n    pid = os.fork()\n    if pid == 0:\n        x = bytearray(200 * 1024**2)\n        time.sleep(1)\n        os._exit(0)\n    pids.append(pid)\nprint([os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids])"
+    r = run(sb, code, timeout_s=10)
+    groups = [w.cgroup for w in sb._backend._workers if w.cgroup is not None]
+    if not groups:
+        pytest.skip("no writable memory cgroup here (needs root and the cgroup memory controller)")
+    assert r.status == "ok" and "-9" in r.stdout, r  # the OOM killer ended some children, inside the sandbox
+    for group in groups:
+        if group.version == 1:
+            peak = int((group.path / "memory.max_usage_in_bytes").read_text())
+            assert peak <= 1024 * 1024**2  # 4 x memory_mb
+
+
 def test_cpu_loop(sb):
     r = run(sb, "while True:\n    pass", timeout_s=0.5)
     assert r.status == "timeout" and r.exit_code is None

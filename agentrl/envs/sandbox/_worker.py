@@ -209,6 +209,11 @@ def setup_child(cfg, slot, fds, cpu_s, workdir):
         resource.setrlimit(res, (value, value))
     if cpu_s is not None:
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    try:  # the worker is exempt from the OOM killer; the code is its first choice
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
     if cfg["drop_uid"]:
         uid = cfg["uid_base"] + slot
         os.setgroups([])

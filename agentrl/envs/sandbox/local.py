@@ -26,6 +26,7 @@ from typing import Any
 
 from agentrl.envs.sandbox import isolation as iso
 from agentrl.envs.sandbox.base import ExecResult, SandboxError, SandboxUnavailable
+from agentrl.envs.sandbox.cgroups import MemoryCgroup, descendants, protect_from_oom
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,13 @@ MAX_TIMEOUT_S = 3600.0
 
 
 @dataclass
+class _MemoryCap:
+    mode: str  # "auto" | "required" | "off"
+    limit_bytes: int
+    warned: bool = False
+
+
+@dataclass
 class _Session:
     worker: _Worker
     slot: int
@@ -50,10 +58,12 @@ class _Session:
 class _Worker:
     """Host-side handle of one sandboxed fork server. All traffic goes through :meth:`request`."""
 
-    def __init__(self, index: int, argv: list[str], start_timeout_s: float) -> None:
+    def __init__(self, index: int, argv: list[str], start_timeout_s: float, memory_cap: _MemoryCap) -> None:
         self.index = index
         self.argv = argv
         self.start_timeout_s = start_timeout_s
+        self.memory_cap = memory_cap
+        self.cgroup: MemoryCgroup | None = None
         self.lock = asyncio.Lock()
         self.load = 0  # runs queued or in flight here
         self.generation = 0
@@ -90,6 +100,36 @@ class _Worker:
                 iso.explain_start_failure(f"{ready['error']} {stderr}", as_root=_is_root())
             )
         self._stderr_task = asyncio.create_task(self._log_stderr(self.proc))
+        try:
+            self._cap_memory()
+        except SandboxUnavailable:
+            await self.kill()
+            raise
+
+    def _cap_memory(self) -> None:
+        """Put the whole sandbox (no code has run yet) into a fresh memory cgroup, if configured."""
+        cap = self.memory_cap
+        if cap.mode == "off":
+            return
+        assert self.proc is not None
+        name = f"agentrl-sandbox-{os.getpid()}-{self.index}-{self.generation}"
+        self.cgroup = MemoryCgroup.create(name, cap.limit_bytes) if _is_root() else None
+        if self.cgroup is None:
+            if cap.mode == "required":
+                raise SandboxUnavailable(
+                    "memory_cgroup='required' but no writable memory cgroup is available (run as root on a host "
+                    "with the cgroup memory controller, or pass memory_cgroup='auto'/'off')"
+                )
+            if not cap.warned:
+                cap.warned = True
+                log.warning(
+                    "no writable memory cgroup: each sandbox's total memory is bounded only by max_processes x "
+                    "memory_mb (run as root with the cgroup memory controller for an aggregate cap)"
+                )
+            return
+        for pid in descendants(self.proc.pid):
+            self.cgroup.add(pid)
+            protect_from_oom(pid)
 
     async def request(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send one request and return the worker's answer. The caller holds ``self.lock``.
@@ -128,6 +168,9 @@ class _Worker:
             except ProcessLookupError:
                 pass
             await proc.wait()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
         if self._stderr_task is not None:
             self._stderr_task.cancel()
             self._stderr_task = None
@@ -166,6 +209,10 @@ class LocalSandbox:
         max_file_mb: largest file the code may write (RLIMIT_FSIZE), MiB.
         max_open_files: RLIMIT_NOFILE.
         tmpfs_mb: size of the sandbox's private /tmp (and of /dev/shm), MiB, per worker.
+        worker_memory_mb: memory cap for everything one worker runs together (its session kernels and all
+            processes the code forks), MiB; default 4 x ``memory_mb``. Enforced with a memory cgroup.
+        memory_cgroup: ``"auto"`` (use a memory cgroup when running as root where one is writable; otherwise warn
+            once), ``"required"`` (refuse to start without one) or ``"off"``.
         output_limit_bytes: bytes kept per stream (stdout, stderr); the rest is dropped and a marker added.
         seccomp: load the seccomp filter (needs libseccomp's Python binding for ``python``,
             Debian ``python3-seccomp``).
@@ -189,6 +236,8 @@ class LocalSandbox:
         max_file_mb: int = 64,
         max_open_files: int = 256,
         tmpfs_mb: int = 256,
+        worker_memory_mb: int | None = None,
+        memory_cgroup: str = "auto",
         output_limit_bytes: int = 64 * 1024,
         seccomp: bool = True,
         uid_base: int | None = None,
@@ -200,6 +249,11 @@ class LocalSandbox:
         n = workers if workers is not None else (os.cpu_count() or 1)
         if n < 1:
             raise SandboxError(f"workers must be >= 1, got {n}")
+        if memory_cgroup not in ("auto", "required", "off"):
+            raise SandboxError(f"memory_cgroup must be 'auto', 'required' or 'off', not {memory_cgroup!r}")
+        cap = _MemoryCap(
+            memory_cgroup if isolation == "bubblewrap" else "off", (worker_memory_mb or 4 * memory_mb) << 20
+        )
         ro_binds = tuple(ro_binds)
         limits = {
             "as_bytes": memory_mb << 20,
@@ -253,7 +307,7 @@ class LocalSandbox:
                     own_pid_namespace=False,
                 )
                 argvs.append(iso.unisolated_command(python, cfg))
-        self._workers = [_Worker(i, argv, start_timeout_s) for i, argv in enumerate(argvs)]
+        self._workers = [_Worker(i, argv, start_timeout_s, cap) for i, argv in enumerate(argvs)]
         self._sessions: dict[str, _Session] = {}
         self._closed = False
         self._start_lock = asyncio.Lock()
