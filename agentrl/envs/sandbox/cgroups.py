@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 _V1_ROOT = Path("/sys/fs/cgroup/memory")
+#: Name prefix of our cgroups: ``agentrl-sandbox-<owner pid>-<worker>-<generation>``.
+PREFIX = "agentrl-sandbox-"
 
 
 def _own_memory_cgroup() -> tuple[Path, int] | None:
@@ -60,6 +62,7 @@ class MemoryCgroup:
         if found is None:
             return None
         parent, version = found
+        _remove_stale(parent)
         path = parent / name
         try:
             path.mkdir()
@@ -94,6 +97,19 @@ class MemoryCgroup:
                 return
             except OSError:
                 time.sleep(0.01)
+
+
+def _remove_stale(parent: Path) -> None:
+    """Delete empty ``agentrl-sandbox-<pid>-...`` cgroups left by pools whose process died without closing."""
+    try:
+        names = [p.name for p in parent.iterdir() if p.name.startswith(PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(PREFIX) :].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                (parent / name).rmdir()
 
 
 def descendants(pid: int) -> list[int]:

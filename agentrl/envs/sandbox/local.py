@@ -26,6 +26,7 @@ from typing import Any
 
 from agentrl.envs.sandbox import isolation as iso
 from agentrl.envs.sandbox.base import ExecResult, SandboxError, SandboxUnavailable
+from agentrl.envs.sandbox.cgroups import PREFIX as CGROUP_PREFIX
 from agentrl.envs.sandbox.cgroups import MemoryCgroup, descendants, protect_from_oom
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class _Worker:
         if cap.mode == "off":
             return
         assert self.proc is not None
-        name = f"agentrl-sandbox-{os.getpid()}-{self.index}-{self.generation}"
+        name = f"{CGROUP_PREFIX}{os.getpid()}-{self.index}-{self.generation}"
         self.cgroup = MemoryCgroup.create(name, cap.limit_bytes) if _is_root() else None
         if self.cgroup is None:
             if cap.mode == "required":
