@@ -217,6 +217,8 @@ def test_parse_render_round_trip(fmt, seed):
         turn = fmt.parse(completion, tools=opts["tools"])
         assert turn.ok, turn.errors
         assert turn.messages == msgs[s:e]
+        theirs = fmt.encoding.parse_messages_from_completion_tokens(completion, oh.Role.ASSISTANT)
+        assert [to_harmony_message(m).model_dump() for m in turn.messages] == [m.model_dump() for m in theirs]
         assert fmt.render_completion(turn.messages) == completion
         last = msgs[e - 1]
         if last.recipient:

@@ -39,8 +39,11 @@ class ChatFormat(ABC):
         """Token ids for a conversation prefix, ending with the assistant header."""
 
     @abstractmethod
-    def parse(self, completion_ids: Sequence[int]) -> ParsedTurn:
-        """Parse one assistant completion (the ids sampled after the assistant header)."""
+    def parse(self, completion_ids: Sequence[int], *, tools: Sequence[ToolSpec] | None = None) -> ParsedTurn:
+        """Parse one assistant completion (the ids sampled after the assistant header).
+
+        ``tools``: the declared tools; when given, calls to other recipients are reported as
+        ``UNKNOWN_RECIPIENT`` errors instead of being returned in ``tool_calls``."""
 
     @abstractmethod
     def render_observation(self, messages: Sequence[Message], *, completion_ids: Sequence[int]) -> list[int]:
