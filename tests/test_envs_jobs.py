@@ -237,3 +237,48 @@ def test_jobs_env_owns_and_stops_its_service():
     env.close()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/postings/j0001", timeout=2)
+
+
+def _solve(env_step, task):
+    """A scripted agent that answers each kind of jobs task through the HTTP API (several calls each)."""
+    p = task["prompt"]
+
+    def api(op, /, **args):
+        obs = env_step(call(op, args))
+        return json.loads(obs["messages"][0].content)
+
+    if task["kind"] == "top_paid":
+        skill = p.split("remote ")[1].split(" posting")[0]
+        limit = int(p.split("fewer than ")[1].split(" ")[0])
+        f = {"skill": skill, "remote": True, "max_company_employees": limit - 1, "sort": "salary_desc"}
+        return api("list_postings", **f, page_size=1)["items"][0]["id"]
+    if task["kind"] == "company_postings":
+        name = p.split("does ")[1].split(" have open")[0]
+        cid = next(
+            c["id"] for c in api("list_companies", name=name, page_size=20)["items"] if c["name"] == name
+        )
+        return str(api("get_company", company_id=cid)["open_postings"])
+    if task["kind"] == "person_company":
+        name = p.split("does ")[1].split(" work")[0]
+        return api("list_people", name=name)["items"][0]["company_id"]
+    if task["kind"] == "newest_in_city":
+        level, city = p.split("posted ")[1].split(" posting")[0], p.split("located in ")[1].rstrip("?")
+        return api("list_postings", city=city, seniority=level, sort="posted_desc", page_size=1)["items"][0][
+            "id"
+        ]
+    name = p.split("same company as ")[1].split("?")[0]
+    cid = api("list_people", name=name)["items"][0]["company_id"]
+    return str(api("list_people", company_id=cid, page_size=1)["total"] - 1)
+
+
+def test_every_jobs_task_kind_is_solvable_through_the_api(service):
+    env = JobsEnv(service=service)
+    tasks = JobsEnv.tasks(n=20, seed=5) + JobsEnv.tasks("test", n=10, seed=5)
+    assert len({t["kind"] for t in tasks}) == 5
+    for task in tasks:
+        env.reset(options={"task": task})
+        answer = _solve(lambda ids: env.step(ids)[0], task)
+        _, r, term, trunc, info = env.step(final(answer))
+        assert (r, term) == (1.0, True), (task, answer)
+        assert info["trajectory"].metadata["errors"] == {}
+    env.close()

@@ -139,3 +139,33 @@ async def test_retool_malformed_actions(fmt, sandbox):
 def test_retool_check_env():
     # The backend is created on the first python call, in the env's own loop (random actions make none).
     check_env(ReToolEnv(sandbox="local"), skip_render_check=True)
+
+
+SOLVERS = {  # brute-force programs, independent of the generator's formulas, run in the sandbox
+    "sum of all prime": "n={0}\nprint(sum(k for k in range(2, n) if all(k % d for d in range(2, int(k**0.5) + 1))))",
+    "divisible by": "n,a,b,c={1},{2},{3},{4}\nprint(sum(1 for k in range(1, n + 1) if (k % a == 0 or k % b == 0) and k % c))",
+    "remainder when": "print({0}**{1} % 10000)",
+    "sum of the digits": "import math\nprint(sum(int(ch) for ch in str(math.factorial({0}))))",
+    "positive divisors": "n={0}\nprint(sum(2 if d * d != n else 1 for d in range(1, int(n**0.5) + 1) if n % d == 0))",
+    "F(0)=0": "a, b = 0, 1\nfor _ in range({6}): a, b = b, a + b\nprint(a % {7})",
+}
+
+
+async def test_retool_generated_answers_match_independent_programs(fmt, sandbox):
+    import re
+
+    env = ReToolEnv(sandbox=sandbox, exec_timeout_s=20)
+    seen = set()
+    for task in ReToolEnv.tasks(n=40, seed=11):
+        key = next(k for k in SOLVERS if k in task["prompt"])
+        if key in seen:
+            continue
+        seen.add(key)
+        nums = re.findall(r"\d+", task["prompt"])
+        await env.areset(options={"task": task})
+        obs, *_ = await env.astep(py(fmt, SOLVERS[key].format(*nums)))
+        out = obs["messages"][0].content.strip()
+        _, r, term, *_ = await env.astep(final(fmt, rf"\boxed{{{out}}}"))
+        assert (r, term) == (1.0, True), (task, out)
+    assert len(seen) == len(SOLVERS)
+    await env.aclose()

@@ -32,23 +32,27 @@ INSTRUCTIONS = (
 )
 
 
+_LIMITS = (100, 250, 500, 1000)
+
+
 def _in_split(index: int, split: str) -> bool:
     return (index % 5 == 0) == (split == "test")
 
 
 def make_task(data: Dataset, rng: np.random.Generator, split: str = "train") -> dict[str, Any]:
-    """One question about ``data`` with its exact answer (entities are split 80/20 into train/test)."""
+    """One question about ``data`` with its exact answer, computed over the whole dataset. The questions' subjects
+    (a company, a person, a (skill, size) or (city, seniority) pair) are split 80/20 into train/test."""
     for _ in range(100):
         kind = int(rng.integers(0, 5))
         if kind == 0:
-            skill, limit = str(rng.choice(SKILLS)), int(rng.choice([100, 250, 500, 1000]))
+            s, li = int(rng.integers(len(SKILLS))), int(rng.integers(len(_LIMITS)))
+            if not _in_split(s * len(_LIMITS) + li, split):  # the question's parameters decide the split
+                continue
+            skill, limit = SKILLS[s], _LIMITS[li]
             cands = [
                 p
                 for p in data.postings
-                if p["remote"]
-                and skill in p["skills"]
-                and data.company(p["company_id"])["employees"] < limit
-                and _in_split(int(p["id"][1:]), split)
+                if p["remote"] and skill in p["skills"] and data.company(p["company_id"])["employees"] < limit
             ]
             if not cands:
                 continue
