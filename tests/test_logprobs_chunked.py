@@ -87,3 +87,32 @@ def test_model_token_logprobs_gpt_oss():
     torch.testing.assert_close(lp, ref, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="response_start"):
         model_token_logprobs(model, ids, mask, response_start=0)
+
+
+def test_model_token_logprobs_llama_with_grad():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 300, (2, 10))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0  # right padding
+    lp, _ = model_token_logprobs(model, ids, mask, response_start=3, chunk_size=4)
+    lp.sum().backward()
+    grad_chunked = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    ref = torch.log_softmax(logits[:, 2:-1], -1).gather(-1, ids[:, 3:, None]).squeeze(-1) * mask[:, 3:]
+    ref.sum().backward()
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-5)
+    assert lp[0, 4:].abs().sum() == 0  # padded positions
+    torch.testing.assert_close(grad_chunked, model.lm_head.weight.grad, rtol=1e-4, atol=1e-5)
