@@ -6,9 +6,10 @@ amplifies (bf16 logits of trained-like magnitude, router near-ties). PPO then cl
 
 Measured on this project's CPU machine (torch 2.13, 2026-11-30): CPU bf16 matmuls are batch-invariant
 (bitwise equal log-probs for micro-batches of 1, 3, 5 and 16 rows, padded or not), so in bf16 the CPU shows
-nothing to fix; CPU fp32 differs by ~1e-6 (matmuls over few rows take another kernel path). The CPU test therefore uses fp32 and shows
-ratio != 1 without the fix and == 1 with it; the CUDA test shows the full effect in bf16 (ratio != 1 and a
-nonzero clip fraction at clip 0.2 without the fix; ratio == 1 and clip fraction 0 with it).
+nothing to fix; CPU fp32 differs by ~1e-6 (matmuls over few rows take another kernel path). The CPU test
+therefore uses fp32 and shows ratio != 1 without the fix and == 1 with it; the CUDA test shows the full
+effect in bf16 (ratio != 1 and a nonzero clip fraction at clip 0.2 without the fix; ratio == 1 and clip
+fraction 0 with it). Measured on an H200: clip fraction 0.66% and ratios 0.003..27 without the fix.
 """
 
 from __future__ import annotations
