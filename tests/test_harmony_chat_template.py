@@ -136,6 +136,15 @@ def test_non_append_only_template_is_rejected(tokenizer, monkeypatch):
         fmt.render_observation([Message("user", "thanks")], completion_ids=completion)
 
 
+@pytest.mark.slow  # a second GGUF load (~14 s on 2 cores)
+def test_from_pretrained_loads_the_same_tokenizer(tokenizer):
+    d = _smollm2_dir()
+    fmt = ChatTemplateFormat.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert fmt.render_prompt([Message("user", "hi")]) == ChatTemplateFormat(tokenizer).render_prompt(
+        [Message("user", "hi")]
+    )
+
+
 def test_requires_a_chat_template():
     class NoTemplate:
         chat_template = None

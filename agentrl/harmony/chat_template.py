@@ -69,6 +69,18 @@ class ChatTemplateFormat(ChatFormat):
         self.tokenizer = tokenizer
         self._stop = list(stop_token_ids) if stop_token_ids is not None else None
 
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> ChatTemplateFormat:
+        """Load the tokenizer with ``transformers.AutoTokenizer.from_pretrained(name_or_path, **kwargs)``
+        (e.g. ``gguf_file=...`` for a GGUF checkpoint) and wrap it."""
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise ImportError(
+                "ChatTemplateFormat.from_pretrained needs transformers: pip install 'agentrl-sdk[train]'"
+            ) from exc
+        return cls(AutoTokenizer.from_pretrained(name_or_path, **kwargs))
+
     # -- rendering helpers --------------------------------------------------------------------------------
     @cached_property
     def _template_renders_tools(self) -> bool:

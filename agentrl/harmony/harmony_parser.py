@@ -77,9 +77,6 @@ class _Machine:
     def _err(self, kind: ParseErrorKind, message: str, index: int | None) -> None:
         self.turn.errors.append(ParseError(kind, message, index))
 
-    def _is_special(self, tok: int) -> bool:
-        return tok >= self.t.first_special
-
     # -- feeding -------------------------------------------------------------------------------------
     def feed(self, tok: int) -> None:
         i = self.n
@@ -135,7 +132,7 @@ class _Machine:
                 self.header_start = i + 1
             else:
                 if not self._start_reported:
-                    self._err(ParseErrorKind.NO_HEADER, "expected <|start|> after <|end|>", i)
+                    self._err(ParseErrorKind.NO_HEADER, "a new message must begin with <|start|>", i)
                     self._start_reported = True
                 self.state = ParserState.HEADER
                 self.implicit_role = True
