@@ -377,3 +377,22 @@ def test_check_env_passes_for_every_builtin(gym_id):
         check_env(env.unwrapped)
     finally:
         env.close()
+
+
+def test_unrenderable_tool_message_falls_back_to_a_user_note(fmt):
+    from agentrl.harmony import HarmonyFormat
+
+    class EmptyRecipientFormat(HarmonyFormat):
+        """Parses calls with an empty recipient, which a Harmony tool message cannot be written from."""
+
+        def parse(self, completion_ids, **kw):
+            parsed = super().parse(completion_ids, **kw)
+            for c in parsed.tool_calls:
+                c.recipient = ""
+            return parsed
+
+    env = AddEnv(format=EmptyRecipientFormat(fmt.encoding))
+    env.reset(seed=0)
+    obs, r, term, trunc, info = env.step(call(fmt, "add", '{"a": 2}'))
+    assert not (term or trunc) and obs["messages"][0].role == "user" and obs["messages"][0].content == "2"
+    env.close()

@@ -179,6 +179,8 @@ class AgentEnv(gymnasium.Env):
         """A task list for training/evaluation: the first ``n`` rows of ``path`` (a local file in the env's
         native format) if given, else ``n`` offline-generated tasks (deterministic in ``seed`` and
         ``split``). Feed an item to ``reset(options={"task": task})``."""
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if path is not None:
             return cls.load_tasks(path)[:n]
         rng = np.random.default_rng([seed, 0 if split == "train" else 1])
@@ -268,13 +270,7 @@ class AgentEnv(gymnasium.Env):
             if len(traj.turns) >= self.limits.max_turns:
                 truncated = True
             else:
-                if self._obs_takes_history:
-                    obs_ids = self.format.render_observation(
-                        obs_messages, completion_ids=ids, history=self._history
-                    )
-                    self._history.extend([*parsed.messages, *obs_messages])
-                else:
-                    obs_ids = self.format.render_observation(obs_messages, completion_ids=ids)
+                obs_messages, obs_ids = self._render_observation(obs_messages, ids, parsed)
                 if (
                     len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids)
                     >= self.limits.max_total_tokens
@@ -285,6 +281,8 @@ class AgentEnv(gymnasium.Env):
                     traj.response_mask.extend([0] * len(obs_ids))
                     traj.rollout_logprobs.extend([0.0] * len(obs_ids))
                     turn.env_span = (turn.model_span[1], len(traj.response_ids))
+        if terminated or truncated:
+            obs_messages = []  # nothing is appended once the episode is over (tool results stay in the turn)
         self._errors.update(errors)
         info: dict[str, Any] = {"turn": len(traj.turns), "errors": errors, "tool_calls": self._tool_calls}
         reward = 0.0
@@ -384,6 +382,25 @@ class AgentEnv(gymnasium.Env):
             from agentrl.harmony.types import ParseError
 
             return ParsedTurn(errors=[ParseError(ParseErrorKind.MALFORMED, f"{type(e).__name__}: {e}")])
+
+    def _render_observation(
+        self, messages: list[Message], completion: list[int], parsed: ParsedTurn
+    ) -> tuple[list[Message], list[int]]:
+        """Render ``messages`` after ``completion``. If the format rejects them (e.g. a model-chosen recipient
+        it cannot write back), the same text is rendered as a plain user note instead."""
+        try:
+            ids = self._render(messages, completion)
+        except (ValueError, RuntimeError):
+            messages = [Message(role="user", content="\n\n".join(m.content for m in messages))]
+            ids = self._render(messages, completion)
+        if self._obs_takes_history:
+            self._history.extend([*parsed.messages, *messages])
+        return messages, ids
+
+    def _render(self, messages: list[Message], completion: list[int]) -> list[int]:
+        if self._obs_takes_history:
+            return self.format.render_observation(messages, completion_ids=completion, history=self._history)
+        return self.format.render_observation(messages, completion_ids=completion)
 
     @staticmethod
     def _tool_message(recipient: str, rec: ToolRecord) -> Message:
