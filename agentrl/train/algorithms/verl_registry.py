@@ -59,8 +59,8 @@ def agentrl_onpolicy_loss(
 
 
 def register_all() -> list[str]:
-    """Add agentrl's losses to ``verl.trainer.ppo.core_algos.POLICY_LOSS_REGISTRY``; returns the names."""
+    """Add agentrl's losses to verl's registry (``core_algos.register_policy_loss``); returns the names."""
     from verl.trainer.ppo import core_algos
 
-    core_algos.POLICY_LOSS_REGISTRY[ONPOLICY_LOSS_NAME] = agentrl_onpolicy_loss
+    core_algos.register_policy_loss(ONPOLICY_LOSS_NAME)(agentrl_onpolicy_loss)
     return [ONPOLICY_LOSS_NAME]
