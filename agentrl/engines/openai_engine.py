@@ -17,16 +17,21 @@ Failure contract: transport errors, timeouts and the statuses in :data:`RETRY_ST
 with exponential backoff (honouring ``Retry-After``) up to ``max_retries`` times; then, or at once for
 any other non-2xx status or a malformed body, :class:`EndpointError` is raised with the URL, status and
 the server's message. Requests in flight are bounded by ``max_concurrency``.
+
+Connections are spread over several small httpx pools (``POOL_SIZE`` connections each): httpcore scans
+every connection of a pool on each request, so one pool of 32+ connections spends more CPU on
+bookkeeping than on the request itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +41,8 @@ from agentrl.engines.base import Completion, SamplingParams
 
 #: HTTP statuses worth retrying: the request may succeed later.
 RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+#: Connections per httpx pool (see the module docstring).
+POOL_SIZE = 4
 
 
 class EndpointError(RuntimeError):
@@ -92,8 +99,13 @@ class Endpoint:
         hdrs = dict(headers or {})
         if self.api_key:
             hdrs["Authorization"] = f"Bearer {self.api_key}"
-        limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-        self._client = httpx.AsyncClient(timeout=timeout_s, headers=hdrs, limits=limits)
+        pools = max(1, -(-max_concurrency // POOL_SIZE))
+        size = -(-max_concurrency // pools)
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        self._clients = [
+            httpx.AsyncClient(timeout=timeout_s, headers=hdrs, limits=limits) for _ in range(pools)
+        ]
+        self._load = [0] * pools
         self._model_lock = asyncio.Lock()
         self.retries_done = 0
 
@@ -104,7 +116,8 @@ class Endpoint:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     def _url(self, path: str) -> str:
         return f"{self.base_url}/{path.lstrip('/')}"
@@ -118,8 +131,18 @@ class Endpoint:
         base = min(self.backoff_s * (2**attempt), self.max_backoff_s)
         return base * (0.5 + random.random() / 2)
 
+    @contextlib.contextmanager
+    def _pool(self) -> Iterator[httpx.AsyncClient]:
+        """The least-loaded connection pool, held for the whole request (body included)."""
+        i = min(range(len(self._clients)), key=self._load.__getitem__)
+        self._load[i] += 1
+        try:
+            yield self._clients[i]
+        finally:
+            self._load[i] -= 1
+
     async def _send(
-        self, method: str, path: str, body: dict[str, Any] | None, stream: bool
+        self, client: httpx.AsyncClient, method: str, path: str, body: dict[str, Any] | None, stream: bool
     ) -> httpx.Response:
         """Send with retries; returns a 2xx response (opened for streaming if ``stream``)."""
         url = self._url(path)
@@ -127,8 +150,8 @@ class Endpoint:
         for attempt in range(self.max_retries + 1):
             resp: httpx.Response | None = None
             try:
-                req = self._client.build_request(method, url, json=body)
-                resp = await self._client.send(req, stream=stream)
+                req = client.build_request(method, url, json=body)
+                resp = await client.send(req, stream=stream)
                 if resp.status_code < 300:
                     return resp
                 if stream:
@@ -151,7 +174,8 @@ class Endpoint:
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """One JSON request/response with retries; raises :class:`EndpointError`."""
         async with self._sem:
-            resp = await self._send(method, path, body, stream=False)
+            with self._pool() as client:
+                resp = await self._send(client, method, path, body, stream=False)
         try:
             data = resp.json()
         except ValueError as exc:
@@ -168,25 +192,28 @@ class Endpoint:
         """POST and yield each SSE ``data:`` JSON event until ``[DONE]``. Retries only before the first
         byte; a stream broken midway raises :class:`EndpointError`."""
         async with self._sem:
-            resp = await self._send("POST", path, body, stream=True)
-            try:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        return
-                    try:
-                        event = json.loads(payload)
-                    except ValueError as exc:
-                        raise EndpointError(f"bad SSE event from {resp.url}: {payload[:200]!r}") from exc
-                    if isinstance(event, dict) and "error" in event:
-                        raise EndpointError(f"{resp.url} stream error: {event['error']}", url=str(resp.url))
-                    yield event
-            except httpx.TransportError as exc:
-                raise EndpointError(f"stream from {resp.url} broke: {exc}", url=str(resp.url)) from exc
-            finally:
-                await resp.aclose()
+            with self._pool() as client:
+                resp = await self._send(client, "POST", path, body, stream=True)
+                try:
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == "[DONE]":
+                            return
+                        try:
+                            event = json.loads(payload)
+                        except ValueError as exc:
+                            raise EndpointError(f"bad SSE event from {resp.url}: {payload[:200]!r}") from exc
+                        if isinstance(event, dict) and "error" in event:
+                            raise EndpointError(
+                                f"{resp.url} stream error: {event['error']}", url=str(resp.url)
+                            )
+                        yield event
+                except httpx.TransportError as exc:
+                    raise EndpointError(f"stream from {resp.url} broke: {exc}", url=str(resp.url)) from exc
+                finally:
+                    await resp.aclose()
 
     async def model(self) -> str:
         """The model name to send: as configured, else the first id from ``GET /models``."""

@@ -338,18 +338,21 @@ def create_app(
             choices.append(choice)
         gen = sum(len(c.token_ids) for c in comps)
         prompt_tokens = sum(len(p) for p in prompts)
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": gen,
-                "total_tokens": prompt_tokens + gen,
-            },
-        }
+        # JSONResponse directly: FastAPI's jsonable_encoder would walk every token id
+        return JSONResponse(
+            {
+                "id": f"cmpl-{uuid.uuid4().hex}",
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": gen,
+                    "total_tokens": prompt_tokens + gen,
+                },
+            }
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -396,7 +399,7 @@ def create_app(
         }
         if body.get("return_token_ids"):
             out["prompt_token_ids"] = prompt
-        return out
+        return JSONResponse(out)
 
     return app
 
@@ -449,7 +452,9 @@ class BackgroundServer:
 
         import uvicorn
 
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without
+        # it, keep-alive responses written in two parts wait ~40 ms for a delayed ACK (Nagle)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
         self.port = self._sock.getsockname()[1]

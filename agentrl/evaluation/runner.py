@@ -32,7 +32,7 @@ import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +129,9 @@ class ResultStore:
         self.traj_path = out / "trajectories.jsonl"
         self.error_path = out / "errors.jsonl"
         cfg_path = out / "config.json"
-        current = asdict(config)
+        current = {
+            f.name: getattr(config, f.name) for f in fields(config)
+        }  # shallow: env_kwargs may hold live objects
         if cfg_path.exists():
             previous = json.loads(cfg_path.read_text())
             diff = {k: (previous.get(k), current[k]) for k in RESUME_KEYS if previous.get(k) != current[k]}
@@ -138,7 +140,8 @@ class ResultStore:
                     f"{out} holds a run with a different config ({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in diff.items())}); "
                     "use another out=..."
                 )
-        cfg_path.write_text(json.dumps({k: v for k, v in current.items() if k != "api_key"}, indent=1))
+        saved = {k: v for k, v in current.items() if k != "api_key"}
+        cfg_path.write_text(json.dumps(saved, indent=1, default=repr))
         self.unreadable = 0
         self._ensure_newline(self.traj_path)
         self._ensure_newline(self.error_path)
@@ -228,7 +231,7 @@ class Evaluation:
             (item_id, task, j) for item_id, task in items for j in range(cfg.n) if (item_id, j) not in done
         ]
         t0 = time.perf_counter()
-        finished, failed = await self._run_all(todo)
+        finished, failed, episodes_wall = await self._run_all(todo)
         wall = time.perf_counter() - t0
         self.store.close()
         metrics = self.summary(items)
@@ -237,7 +240,8 @@ class Evaluation:
             "episodes_failed": failed,
             "episodes_skipped": len(items) * cfg.n - len(todo),
             "wall_s": wall,
-            "episodes_per_s": finished / wall if wall > 0 and finished else 0.0,
+            "episodes_wall_s": episodes_wall,
+            "episodes_per_s": finished / episodes_wall if episodes_wall > 0 and finished else 0.0,
             "unreadable_lines": self.store.unreadable,
         }
         (self.store.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
@@ -258,17 +262,18 @@ class Evaluation:
         )
         return metrics
 
-    async def _run_all(self, todo: list[tuple[str, dict[str, Any], int]]) -> tuple[int, int]:
+    async def _run_all(self, todo: list[tuple[str, dict[str, Any], int]]) -> tuple[int, int, float]:
+        """Run ``todo`` on ``concurrency`` workers; returns ``(finished, failed, seconds)`` where the
+        seconds count from the first episode's start (after engine/sandbox setup) to the last one's end."""
         cfg = self.config
         if not todo:
-            return 0, 0
+            return 0, 0, 0.0
         queue: asyncio.Queue = asyncio.Queue()
         for entry in todo:
             queue.put_nowait(entry)
         counts = {"done": 0, "failed": 0, "streak": 0}
-        abort_after = (
-            2 * cfg.concurrency + 2
-        )  # consecutive failures with no success: the model is unreachable
+        # this many consecutive failures with no success means the model is unreachable: stop
+        abort_after = 2 * cfg.concurrency + 2
         async with contextlib.AsyncExitStack() as stack:
             runner = await self._episode_runner(stack)
 
@@ -302,13 +307,15 @@ class Evaluation:
                 finally:
                     await env.aclose()
 
+            t_start = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, len(todo)))))
+            seconds = time.perf_counter() - t_start
         if counts["done"] == 0 and counts["failed"]:
             last = self.store.error_path.read_text().strip().splitlines()[-1]
             raise RuntimeError(
                 f"every episode failed ({counts['failed']}); last error: {json.loads(last)['error']}"
             )
-        return counts["done"], counts["failed"]
+        return counts["done"], counts["failed"], seconds
 
     async def _episode_runner(self, stack: contextlib.AsyncExitStack) -> _EpisodeRunner:
         cfg = self.config
