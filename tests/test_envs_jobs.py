@@ -219,6 +219,21 @@ async def test_jobs_episode_over_real_http(service):
     assert info["errors"] == ["parse_error"]
     obs, *_, info = await env.astep(call("fire_everyone", {}))
     assert info["errors"] == ["unknown_tool"]
+    fmt = default_format()
+    bad_json = fmt.render_completion(
+        [
+            Message(
+                "assistant",
+                '{"skill": ',
+                channel="commentary",
+                recipient="functions.list_postings",
+                content_type="json",
+            )
+        ]
+    )
+    for ids, kind in [(bad_json, "bad_arguments"), (fmt.encode("I will now call"), "truncation")]:
+        obs, r, term, trunc, info = await env.astep(ids)
+        assert kind in info["errors"] and not (term or trunc) and len(obs["tokens"]) > 0
     obs, r, term, trunc, info = await env.astep(final(best))
     assert term and info["reward_components"] == {"exact_match": 1.0, "tool_calls_in_analysis": 1.0}
     assert r == pytest.approx(0.9)
