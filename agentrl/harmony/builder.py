@@ -122,6 +122,15 @@ class TrajectoryBuilder:
         ids = [int(t) for t in completion_ids]
         if not ids:
             raise ValueError("completion_ids is empty: the engine returned no tokens")
+        if not self._expect_model:
+            raise ValueError(
+                "two completions in a row: append the env's observation first (fmt.render_observation([...]) "
+                "adds the next assistant header)"
+            )
+        if self._header and self._full[-len(self._header) :] != self._header:
+            raise ValueError(
+                "the context does not end with the assistant header; append an observation first"
+            )
         if logprobs is None:
             lps = [0.0] * len(ids)
             self.metadata["logprobs_missing"] = True
@@ -132,15 +141,6 @@ class TrajectoryBuilder:
                 raise ValueError(
                     f"got {len(lps)} log-probs for {len(ids)} completion ids; they must match 1:1"
                 )
-        if not self._expect_model:
-            raise ValueError(
-                "two completions in a row: append the env's observation first (fmt.render_observation([...]) "
-                "adds the next assistant header)"
-            )
-        if self._header and self._full[-len(self._header) :] != self._header:
-            raise ValueError(
-                "the context does not end with the assistant header; append an observation first"
-            )
         if parsed is None:
             parsed = self.fmt.parse(ids, tools=self.tools) if self.tools is not None else self.fmt.parse(ids)
         t = self.trajectory
