@@ -130,3 +130,25 @@ def test_layout_mismatch_and_bad_routing_raise(rollout):
         replay_routing(model, routing + 4)
     for _, router in find_routers(model):
         assert "forward" not in router.__dict__
+
+
+def test_nesting_refused_and_foreign_instance_forward_restored(rollout):
+    model, seq, mask, routing, _, _ = rollout
+    _, router = find_routers(model)[0]
+    calls = []
+    original = router.forward
+
+    def foreign(hidden_states):  # stands in for accelerate's instance-level hook
+        calls.append(1)
+        return original(hidden_states)
+
+    router.forward = foreign
+    try:
+        with record_routing(model), torch.no_grad():
+            with pytest.raises(RuntimeError, match="cannot be nested"), record_routing(model):
+                pass
+            model(input_ids=seq[:1, :4])
+        assert calls  # the foreign wrapper still ran inside our patch
+        assert router.__dict__["forward"] is foreign
+    finally:
+        router.__dict__.pop("forward", None)

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_PATCHED = "_agentrl_routing_patched"
+
 
 def find_routers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     """``[(mlp, router), ...]`` in layer order for GPT-OSS-style MoE blocks (an ``mlp`` with a ``router``)."""
@@ -61,12 +63,17 @@ class _RouterPatch:
         raise NotImplementedError
 
     def __enter__(self):
+        self._saved: list = []
         for layer, (mlp, router) in enumerate(self.pairs):
-            if "forward" in router.__dict__:
+            if getattr(router, _PATCHED, False):
                 self.__exit__(None, None, None)
                 raise RuntimeError(
                     "a router is already patched: routing record/replay contexts cannot be nested"
                 )
+            # an instance-level forward set by someone else (e.g. accelerate's offload hooks) is wrapped, and
+            # put back on exit
+            self._saved.append(router.__dict__.get("forward"))
+            setattr(router, _PATCHED, True)
 
             def pre_hook(module, args, kwargs, layer=layer):
                 hidden = args[0] if args else kwargs["hidden_states"]
@@ -79,8 +86,12 @@ class _RouterPatch:
         return self
 
     def __exit__(self, *exc):
-        for _, router in self.pairs:
+        for (_, router), saved in zip(self.pairs, self._saved, strict=False):
+            router.__dict__.pop(_PATCHED, None)
             router.__dict__.pop("forward", None)
+            if saved is not None:
+                router.forward = saved
+        self._saved = []
         for h in self._handles:
             h.remove()
         self._handles.clear()
