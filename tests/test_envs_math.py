@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,24 @@ async def test_retool_generated_answers_match_independent_programs(fmt, sandbox)
         assert (r, term) == (1.0, True), (task, out)
     assert len(seen) == len(SOLVERS)
     await env.aclose()
+
+
+async def test_retool_envs_share_a_named_backend(fmt):
+    from agentrl.envs.tools import python as pytool
+
+    envs = [ReToolEnv(sandbox="local", sandbox_kwargs={"workers": 1}) for _ in range(3)]
+    try:
+        for e in envs:
+            await e.areset(options={"task": {"prompt": "1+1?", "answer": "2"}})
+            obs, *_ = await e.astep(py(fmt, "1 + 1"))
+            if "sandbox failed" in obs["messages"][0].content or "unavailable" in obs["messages"][0].content:
+                pytest.skip(obs["messages"][0].content)
+            assert obs["messages"][0].content == "2"
+        backends = {id(e.toolbox.tools["python"]._backend) for e in envs}
+        assert len(backends) == 1
+        (entry,) = pytool._SHARED[asyncio.get_running_loop()].values()
+        assert entry[1] == 3
+    finally:
+        for e in envs:
+            await e.aclose()
+    assert not pytool._SHARED[asyncio.get_running_loop()]

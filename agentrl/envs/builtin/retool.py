@@ -90,10 +90,11 @@ class ReToolEnv(AgentEnv):
     """Multi-turn math with a python tool.
 
     Args:
-        sandbox: a shared :class:`~agentrl.envs.sandbox.SandboxBackend` (recommended when running many envs;
-            not closed by the env) or a backend name (``"local"``, ``"sandboxfusion"``, ``"e2b"``), created on
-            first use and closed with the env.
+        sandbox: a :class:`~agentrl.envs.sandbox.SandboxBackend` (not closed by the env) or a backend name
+            (``"local"``, ``"sandboxfusion"``, ``"e2b"``): envs on the same event loop naming the same backend
+            and ``sandbox_kwargs`` share one, created on first use and closed with the last of them.
         exec_timeout_s: per-run limit inside the sandbox.
+        sandbox_kwargs: passed to :func:`~agentrl.envs.sandbox.make_backend` (e.g. ``{"workers": 4}``).
         **kwargs: :class:`~agentrl.envs.AgentEnv` arguments (``format``, ``tasks``, ``limits``...).
 
     Reward components: ``correct`` (math-verify equality of the final answer and ``task["answer"]``).
@@ -104,14 +105,20 @@ class ReToolEnv(AgentEnv):
     rubric = Rubric([MathAnswer()])
 
     def __init__(
-        self, *, sandbox: SandboxBackend | str = "local", exec_timeout_s: float = 10.0, **kwargs: Any
+        self,
+        *,
+        sandbox: SandboxBackend | str = "local",
+        exec_timeout_s: float = 10.0,
+        sandbox_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
     ):
         self._sandbox = sandbox
         self._exec_timeout_s = exec_timeout_s
+        self._sandbox_kwargs = dict(sandbox_kwargs or {})
         super().__init__(**kwargs)
 
     def make_tools(self) -> list[Tool]:
-        return [PythonTool(self._sandbox, exec_timeout_s=self._exec_timeout_s)]
+        return [PythonTool(self._sandbox, exec_timeout_s=self._exec_timeout_s, **self._sandbox_kwargs)]
 
     @classmethod
     def generate_task(cls, rng: np.random.Generator, split: str = "train") -> dict[str, Any]:

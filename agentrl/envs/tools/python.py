@@ -8,10 +8,16 @@ with chat templates it is a function ``python(code: str)``.
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Any
 
 from agentrl.envs.sandbox.base import SandboxBackend, make_backend
 from agentrl.envs.tools.base import StatefulTool, ToolError, ToolOutput
+
+#: event loop -> {backend spec -> [backend, number of tools using it]}; entries vanish with their loop.
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, list[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 DESCRIPTION = (
     "Execute Python code in a stateful Jupyter-like session: variables persist between calls, printed output "
@@ -24,7 +30,8 @@ class PythonTool(StatefulTool):
 
     Args:
         sandbox: a backend instance (shared across envs; this tool does not close it) or a backend name for
-            :func:`~agentrl.envs.sandbox.make_backend` (the tool creates it on first use and owns it).
+            :func:`~agentrl.envs.sandbox.make_backend` (created on first use and shared with the other tools on
+            the same event loop; see :meth:`backend`).
         exec_timeout_s: wall-clock limit of one run inside the sandbox; the dispatcher's per-call timeout
             (``timeout_s``) is set a little above it so the sandbox reports the timeout itself.
         backend_kwargs: passed to ``make_backend`` when ``sandbox`` is a name.
@@ -49,19 +56,22 @@ class PythonTool(StatefulTool):
         self._backend: SandboxBackend | None = None if isinstance(sandbox, str) else sandbox
         self._backend_name = sandbox if isinstance(sandbox, str) else None
         self._backend_kwargs = backend_kwargs
-        self._owns_backend = isinstance(sandbox, str)
-        self._lock: asyncio.Lock | None = None
+        self._shared_key: tuple[asyncio.AbstractEventLoop, str] | None = None
         self.exec_timeout_s = exec_timeout_s
         self.timeout_s = exec_timeout_s + 5.0
 
     async def backend(self) -> SandboxBackend:
-        """The sandbox backend, created on first use when given by name."""
+        """The sandbox backend. A backend given by name is shared by every PythonTool on the running event loop
+        that names the same backend and kwargs (so many envs use one worker pool); it is created on first use
+        and closed when the last tool using it closes."""
         if self._backend is None:
-            if self._lock is None:
-                self._lock = asyncio.Lock()
-            async with self._lock:
-                if self._backend is None:
-                    self._backend = make_backend(self._backend_name or "local", **self._backend_kwargs)
+            loop = asyncio.get_running_loop()
+            spec = f"{self._backend_name}:{sorted(self._backend_kwargs.items())!r}"
+            per_loop = _SHARED.setdefault(loop, {})
+            if spec not in per_loop:  # no await between the check and the insert: no race within a loop
+                per_loop[spec] = [make_backend(self._backend_name or "local", **self._backend_kwargs), 0]
+            per_loop[spec][1] += 1
+            self._backend, self._shared_key = per_loop[spec][0], (loop, spec)
         return self._backend
 
     async def create_session(self) -> str:
@@ -79,6 +89,13 @@ class PythonTool(StatefulTool):
         return ToolOutput(result.render(), "tool_timeout" if result.status == "timeout" else None)
 
     async def aclose(self) -> None:
-        if self._owns_backend and self._backend is not None:
-            backend, self._backend = self._backend, None
-            await backend.aclose()
+        if self._shared_key is None:
+            return  # a backend passed in is the caller's to close
+        (loop, spec), self._shared_key = self._shared_key, None
+        backend, self._backend = self._backend, None
+        entry = _SHARED.get(loop, {}).get(spec)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del _SHARED[loop][spec]
+                await backend.aclose()
