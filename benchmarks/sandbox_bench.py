@@ -8,8 +8,10 @@ Runs in one process, side by side, on this machine's cores (2 on the reference m
    the pool), ``cores`` at a time -> exec/s;
 4. ``agentrl serve sandbox`` in a subprocess, driven over loopback HTTP by 16 concurrent clients -> req/s.
 
-Phases 1 and 3 alternate in ``--rounds`` rounds and are summed, so that load from other processes on a shared
-machine falls on both alike.
+Phases 1 and 3 alternate in ``--rounds`` rounds and are averaged, so that load from other processes on a shared
+machine falls on both alike. Both phases also count the CPU time they consume (this process, plus the pool's
+sandboxes or the fresh bwrap processes with all their children), which gives the cost of one execution
+independently of other load, and the implied rate on ``cores`` dedicated cores (``cores / CPU s per exec``).
 
 Every output is checked for correctness. The last line is the summary:
 ``sandbox: pool_exec_per_s=<n> stateful_p50_ms=<n> fresh_exec_per_s=<n> ratio=<pool/fresh>``.
@@ -32,12 +34,40 @@ import time
 import httpx
 
 from agentrl.envs.sandbox import isolation as iso
+from agentrl.envs.sandbox.cgroups import descendants
 from agentrl.envs.sandbox.local import LocalSandbox
 
 SNIPPET = "print(1 + 1)"
 
 
-async def bench_pool_stateless(sb: LocalSandbox, seconds: float, in_flight: int) -> float:
+def _proc_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` itself plus its reaped children (utime, stime, cutime, cstime)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def pool_cpu_s(sb: LocalSandbox) -> float:
+    """CPU seconds used so far by this process and every process of the pool's sandboxes."""
+    own = os.times()
+    total = own.user + own.system
+    for worker in sb._workers:
+        if worker.proc is not None:
+            total += sum(_proc_cpu_s(pid) for pid in descendants(worker.proc.pid))
+    return total
+
+
+def fresh_cpu_s() -> float:
+    """CPU seconds used so far by this process and its reaped children (the fresh bwrap runs)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+async def bench_pool_stateless(sb: LocalSandbox, seconds: float, in_flight: int) -> tuple[float, int]:
     done = 0
     deadline = time.perf_counter() + seconds
 
@@ -50,7 +80,7 @@ async def bench_pool_stateless(sb: LocalSandbox, seconds: float, in_flight: int)
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(in_flight)))
-    return done / (time.perf_counter() - start)
+    return done / (time.perf_counter() - start), done
 
 
 async def bench_pool_stateful(sb: LocalSandbox, n: int) -> float:
@@ -66,7 +96,7 @@ async def bench_pool_stateful(sb: LocalSandbox, n: int) -> float:
     return statistics.median(latencies) * 1000
 
 
-async def bench_fresh_bwrap(seconds: float, concurrency: int) -> float:
+async def bench_fresh_bwrap(seconds: float, concurrency: int) -> tuple[float, int]:
     cfg = iso.worker_config(
         drop_uid=False,
         uid_base=0,
@@ -93,7 +123,7 @@ async def bench_fresh_bwrap(seconds: float, concurrency: int) -> float:
 
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    return done / (time.perf_counter() - start)
+    return done / (time.perf_counter() - start), done
 
 
 async def bench_http(workers: int, seconds: float, clients: int) -> float:
@@ -154,13 +184,24 @@ async def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     pool_rates, fresh_rates = [], []
+    pool_cpu = fresh_cpu = 0.0
+    pool_n = fresh_n = 0
     async with LocalSandbox(workers=args.cores) as sb:
         await bench_pool_stateless(sb, 1.0, 4 * args.cores)  # warm-up
         for _ in range(args.rounds):
-            pool_rates.append(await bench_pool_stateless(sb, args.seconds, 4 * args.cores))
-            fresh_rates.append(await bench_fresh_bwrap(args.seconds, args.cores))
+            c0 = pool_cpu_s(sb)
+            rate, n = await bench_pool_stateless(sb, args.seconds, 4 * args.cores)
+            pool_cpu += pool_cpu_s(sb) - c0
+            pool_rates.append(rate)
+            pool_n += n
+            c0 = fresh_cpu_s()
+            rate, n = await bench_fresh_bwrap(args.seconds, args.cores)
+            fresh_cpu += fresh_cpu_s() - c0
+            fresh_rates.append(rate)
+            fresh_n += n
         stateful = await bench_pool_stateful(sb, 500)
     pool, fresh = statistics.mean(pool_rates), statistics.mean(fresh_rates)
+    pool_ms, fresh_ms = 1000 * pool_cpu / pool_n, 1000 * fresh_cpu / fresh_n
     print(
         f"pool stateless: {pool:.0f} exec/s ({args.cores} workers, {4 * args.cores} in flight); rounds: "
         + ", ".join(f"{r:.0f}" for r in pool_rates),
@@ -170,6 +211,12 @@ async def main(argv: list[str]) -> int:
     print(
         f"fresh bwrap per execution: {fresh:.0f} exec/s ({args.cores} at a time); rounds: "
         + ", ".join(f"{r:.0f}" for r in fresh_rates),
+        flush=True,
+    )
+    print(
+        f"CPU per execution: pool {pool_ms:.2f} ms, fresh bwrap {fresh_ms:.2f} ms; implied on {args.cores} "
+        f"dedicated cores: pool {args.cores * 1000 / pool_ms:.0f} exec/s, fresh {args.cores * 1000 / fresh_ms:.0f} "
+        f"exec/s, ratio {fresh_ms / pool_ms:.1f}",
         flush=True,
     )
     if not args.skip_http:

@@ -95,7 +95,6 @@ def execute(code, namespace, want_display, cap, files=None, fetch=()):
     missing or too big), both with the code's own privileges.
     """
     display = error = None
-    linecache.cache[FILENAME] = (len(code), None, code.splitlines(True), FILENAME)
     try:
         for path, b64 in (files or {}).items():
             parent = os.path.dirname(path)
@@ -123,6 +122,7 @@ def execute(code, namespace, want_display, cap, files=None, fetch=()):
         kind = "oom" if isinstance(exc, MemoryError) else "error"
         exit_code = 1
         error = {"ename": type(exc).__name__, "evalue": _safe_str(exc)}
+        linecache.cache[FILENAME] = (len(code), None, code.splitlines(True), FILENAME)
         _print_user_traceback(exc)
     _flush_std()
     return {
@@ -198,29 +198,38 @@ def setup_child(cfg, slot, fds, cpu_s, workdir):
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     os.closerange(len(fds), 65536)
-    lim = cfg["limits"]
-    for res, value in (
-        (resource.RLIMIT_AS, lim["as_bytes"]),
-        (resource.RLIMIT_NPROC, lim["nproc"]),
-        (resource.RLIMIT_FSIZE, lim["fsize_bytes"]),
-        (resource.RLIMIT_NOFILE, lim["nofile"]),
-        (resource.RLIMIT_CORE, 0),
-    ):
-        resource.setrlimit(res, (value, value))
+    # RLIMIT_AS, FSIZE and CORE, and oom_score_adj, are set once on the worker and inherited.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (cfg["limits"]["nofile"],) * 2)
+    resource.setrlimit(resource.RLIMIT_NPROC, (cfg["limits"]["nproc"],) * 2)
     if cpu_s is not None:
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    try:  # the worker is exempt from the OOM killer; the code is its first choice
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:
-        pass
     if cfg["drop_uid"]:
         uid = cfg["uid_base"] + slot
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
     os.chdir(workdir)
-    os.environ["HOME"] = os.environ["TMPDIR"] = workdir  # the rest of the code's env is set once in main()
+    if os.environ["HOME"] != workdir:
+        os.environ["HOME"] = os.environ["TMPDIR"] = workdir
+
+
+def setup_worker(cfg):
+    """Once, in the worker: what every child inherits (environment, limits, OOM preference, std streams)."""
+    os.environ.clear()
+    os.environ.update(CODE_ENV)
+    os.environ["HOME"] = os.environ["TMPDIR"] = os.path.join(cfg["tmp_root"], "slot0")
+    lim = cfg["limits"]
+    for res, value in (
+        (resource.RLIMIT_AS, lim["as_bytes"]),
+        (resource.RLIMIT_FSIZE, lim["fsize_bytes"]),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        resource.setrlimit(res, (value, value))
+    try:  # OOM inside the sandbox should take the code (the sandbox's init is protected by the host)
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
     _fresh_std_streams()
 
 
@@ -757,8 +766,7 @@ def main():
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     os.close(devnull)
-    os.environ.clear()
-    os.environ.update(CODE_ENV)
+    setup_worker(cfg)
     ready = {"ready": True, "pid": os.getpid(), "uid": os.getuid(), "seccomp": False, "error": None}
     try:
         if cfg["drop_uid"]:

@@ -3,8 +3,9 @@ delegated to our own cgroup).
 
 RLIMIT_AS bounds one process; a cgroup bounds the sum over everything a worker runs (its session kernels
 and every process the code forks), so ``max_processes x memory_mb`` can no longer exhaust the host. When the
-cap is reached the kernel's OOM killer picks a victim inside the cgroup only; the worker protects itself
-(``oom_score_adj`` -1000) and makes code processes the preferred victims (+1000).
+cap is reached the kernel's OOM killer picks a victim inside the cgroup only. It never picks
+bubblewrap's processes (``oom_score_adj`` -1000, set by the host), and the worker and the code it forks
+carry +1000, so the kernel picks the largest of them: the process that hogs memory.
 """
 
 from __future__ import annotations
@@ -133,6 +134,14 @@ def descendants(pid: int) -> list[int]:
 
 
 def protect_from_oom(pid: int) -> None:
-    """Make ``pid`` exempt from the OOM killer (needs root); its children must raise their own score."""
+    """Make ``pid`` exempt from the OOM killer (needs root)."""
     with contextlib.suppress(OSError):
         Path(f"/proc/{pid}/oom_score_adj").write_text("-1000")
+
+
+def command_name(pid: int) -> str:
+    """The process's ``comm`` (executable name), or "" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

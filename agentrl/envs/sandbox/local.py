@@ -27,7 +27,7 @@ from typing import Any
 from agentrl.envs.sandbox import isolation as iso
 from agentrl.envs.sandbox.base import ExecResult, SandboxError, SandboxUnavailable
 from agentrl.envs.sandbox.cgroups import PREFIX as CGROUP_PREFIX
-from agentrl.envs.sandbox.cgroups import MemoryCgroup, descendants, protect_from_oom
+from agentrl.envs.sandbox.cgroups import MemoryCgroup, command_name, descendants, protect_from_oom
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ class _Worker:
             return
         for pid in descendants(self.proc.pid):
             self.cgroup.add(pid)
-            protect_from_oom(pid)
+            if command_name(pid) == "bwrap":  # its init dying would end the sandbox
+                protect_from_oom(pid)
 
     async def request(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send one request and return the worker's answer. The caller holds ``self.lock``.
