@@ -396,3 +396,54 @@ def test_unrenderable_tool_message_falls_back_to_a_user_note(fmt):
     obs, r, term, trunc, info = env.step(call(fmt, "add", '{"a": 2}'))
     assert not (term or trunc) and obs["messages"][0].role == "user" and obs["messages"][0].content == "2"
     env.close()
+
+
+def _action_strategy():
+    from hypothesis import strategies as st
+
+    specials = list(range(200000, 200019))  # Harmony's special tokens, so headers/stops appear often
+    pieces = st.one_of(
+        st.lists(st.sampled_from(specials), min_size=1, max_size=3),
+        st.lists(st.integers(0, 201087), max_size=8),
+        st.sampled_from(
+            [
+                default_format().encode("to=functions.add"),
+                default_format().encode('{"a": 1}'),
+                default_format().encode("<|channel|>final<|message|>"),
+            ]
+        ),
+    )
+    return st.lists(pieces, max_size=6).map(lambda ps: [t for p in ps for t in p])
+
+
+def test_random_actions_never_raise_and_keep_invariants():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    env = AddEnv(max_turns=4, tool_timeout_s=1.0)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(_action_strategy(), min_size=1, max_size=4))
+    def run(actions):
+        env.reset(seed=0)
+        for ids in actions:
+            obs, r, term, trunc, info = env.step(ids)
+            assert obs in env.observation_space and isinstance(r, float)
+            assert set(info["errors"]) <= {
+                "parse_error",
+                "truncation",
+                "unknown_tool",
+                "bad_arguments",
+                "tool_timeout",
+                "tool_exception",
+            }
+            if term or trunc:
+                break
+        t = env.trajectory
+        t.validate()
+        for turn in t.turns:
+            assert set(t.response_mask[slice(*turn.model_span)]) <= {1}
+            assert set(t.response_mask[slice(*turn.env_span)]) <= {0}
+
+    run()
+    env.close()
