@@ -104,3 +104,24 @@ def test_runtime_eval_viewer_import_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_product_agent_example_runs_against_an_endpoint(endpoint):
+    """examples/product_agent.py as a user runs it: a subprocess configured by OPENAI_BASE_URL."""
+    import os
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "product_agent.py"
+    env = {**os.environ, "OPENAI_BASE_URL": endpoint}
+    out = subprocess.run(
+        [sys.executable, str(example), "What is 12 times 12?"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "The result is \\boxed{144}."
+    assert lines[1] == "[tool python] {'code': 'print(12 * 12)'} -> '144' (ok)"
+    assert lines[2].startswith("[answer: 2 model requests")
