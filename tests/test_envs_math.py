@@ -191,3 +191,27 @@ async def test_retool_envs_share_a_named_backend(fmt):
         for e in envs:
             await e.aclose()
     assert not pytool._SHARED[asyncio.get_running_loop()]
+
+
+def test_task_files_jsonl_parquet_and_dapo_rows(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from agentrl.envs.tasks import load_math, load_task_file
+
+    rows = [
+        {"problem": "1+1?", "answer": "2"},
+        {"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}},  # DAPO-Math
+    ]
+    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "a.parquet")
+    assert load_math(tmp_path / "a.parquet") == [{"id": 0, "prompt": "1+1?", "answer": "2"}]
+    (tmp_path / "b.jsonl").write_text("\n".join(__import__("json").dumps(r) for r in rows))
+    assert [t["answer"] for t in load_math(tmp_path / "b.jsonl")] == ["2", "4"]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{not json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_task_file(tmp_path / "bad.jsonl")
+    with pytest.raises(FileNotFoundError):
+        load_math(tmp_path / "missing.jsonl")
+    (tmp_path / "odd.jsonl").write_text('{"text": "no math fields"}\n')
+    with pytest.raises(ValueError, match="expected .problem, answer"):
+        load_math(tmp_path / "odd.jsonl")
