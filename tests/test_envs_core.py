@@ -447,3 +447,25 @@ def test_random_actions_never_raise_and_keep_invariants():
 
     run()
     env.close()
+
+
+def test_docstring_sections_in_any_order():
+    from agentrl.envs.tools.function import parse_docstring
+
+    doc = """Find things.
+
+    More detail here.
+
+    Returns:
+        a list
+    Args:
+        query (str): what to find,
+            across lines
+        k: how many
+    Raises:
+        ValueError: never
+    """
+    desc, params = parse_docstring(doc)
+    assert desc == "Find things.\n\nMore detail here."
+    assert params == {"query": "what to find, across lines", "k": "how many"}
+    assert parse_docstring("Just a line.") == ("Just a line.", {})

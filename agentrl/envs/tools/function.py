@@ -33,31 +33,36 @@ from agentrl.envs.tools.base import Tool, ToolOutput
 _ARG_LINE = re.compile(r"^\s{2,}(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
 
 
+_SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns?|Raises|Yields|Examples?|Notes?):\s*$")
+
+
 def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
-    """Split a docstring into (description, {param: description}) using a Google-style ``Args:`` section."""
+    """Split a docstring into (description, {param: description}) using a Google-style ``Args:`` section.
+
+    The description is the text before the first section header; parameter descriptions may continue on
+    more-indented lines."""
     if not doc:
         return "", {}
-    doc = inspect.cleandoc(doc)
-    lines = doc.splitlines()
-    desc: list[str] = []
+    lines = inspect.cleandoc(doc).splitlines()
+    heads = [k for k, line in enumerate(lines) if _SECTION.match(line.strip()) and not line.startswith(" ")]
+    desc = "\n".join(lines[: heads[0]] if heads else lines).strip()
     params: dict[str, str] = {}
-    i = 0
-    while i < len(lines) and lines[i].strip().lower() not in ("args:", "arguments:", "parameters:"):
-        if re.match(r"^(Returns?|Raises|Yields|Examples?):\s*$", lines[i].strip()):
-            break
-        desc.append(lines[i])
-        i += 1
+    args_at = next(
+        (k for k in heads if lines[k].strip().rstrip(":") in ("Args", "Arguments", "Parameters")), None
+    )
+    if args_at is None:
+        return desc, params
     current: str | None = None
-    for line in lines[i + 1 :] if i < len(lines) and lines[i].strip().endswith(":") else []:
+    for line in lines[args_at + 1 :]:
         if line.strip() and not line.startswith(" "):
-            break  # next section
+            break  # the next section
         m = _ARG_LINE.match(line)
         if m and len(line) - len(line.lstrip()) <= 4:
             current = m.group(1).lstrip("*")
             params[current] = m.group(2).strip()
         elif current and line.strip():
             params[current] = f"{params[current]} {line.strip()}".strip()
-    return "\n".join(desc).strip(), params
+    return desc, params
 
 
 def schema_from_signature(fn: Callable[..., Any], param_docs: dict[str, str]) -> dict[str, Any]:
