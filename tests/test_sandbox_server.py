@@ -216,6 +216,7 @@ def test_concurrent_load_200_requests_16_clients(url):
 
 
 def test_bearer_token(token_url):
+    assert httpx.get(f"{token_url}/v1/ping").status_code == 200  # health checks need no token
     assert (
         httpx.post(f"{token_url}/run_code", json={"code": "print(1)", "language": "python"}).status_code
         == 401

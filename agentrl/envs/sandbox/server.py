@@ -8,7 +8,7 @@ Endpoints (same request and response fields as SandboxFusion, see :mod:`.fusion_
 
 Limits: request bodies over ``max_body_bytes`` get HTTP 413; ``run_timeout`` is capped at ``max_timeout_s``;
 at most ``max_concurrency`` executions run at once and at most ``max_queue`` more wait, beyond that HTTP 503.
-With a token set, every request needs ``Authorization: Bearer <token>`` (else HTTP 401).
+With a token set, every request but ``/v1/ping`` needs ``Authorization: Bearer <token>`` (else HTTP 401).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
 
     @app.middleware("http")
     async def auth(request: Request, call_next: Callable) -> Any:
-        if settings.token:
+        if settings.token and request.url.path != "/v1/ping":  # health checks need no token
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
                 return JSONResponse(
