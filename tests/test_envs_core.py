@@ -139,6 +139,9 @@ async def test_toolbox_error_taxonomy():
     assert (await box.call(c("add", {"a": 1, "b": 2}), s)).result == "3"
     r = await box.call(c("nope", {}), s)
     assert r.error == "unknown_tool" and "functions.add" in r.result
+    r = await box.call(ToolCall("browser.add", "add", {"a": 1}, '{"a": 1}'), s)  # right name, wrong namespace
+    assert r.error == "unknown_tool"
+    assert (await box.call(ToolCall("add", "add", {"a": 1}, '{"a": 1}'), s)).result == "1"
     r = await box.call(c("add", {"a": "x"}), s)
     assert r.error == "bad_arguments" and "a:" in r.result
     r = await box.call(c("add", {"a": 1, "zzz": 2}), s)

@@ -72,6 +72,7 @@ class ToolBox:
             self.tools[t.name] = t
         self.timeout_s = timeout_s
         self.max_result_chars = max_result_chars
+        self._by_recipient = {t.spec().recipient: t for t in self.tools.values()}
         self._validators = {
             name: jsonschema.Draft202012Validator(t.parameters) for name, t in self.tools.items()
         }
@@ -81,11 +82,15 @@ class ToolBox:
         return [t.spec() for t in self.tools.values()]
 
     def resolve(self, call: ToolCall) -> Tool | None:
-        """The tool a call addresses, by name or by full recipient (``functions.x``, ``python``)."""
+        """The tool a call addresses: by full recipient (``functions.x``, ``python``), or by name when the
+        recipient is empty, the bare name, or ``functions.<name>`` (chat formats address every tool as a
+        function). A recipient in another namespace (``browser.x`` for a ``functions.x`` tool) matches nothing."""
+        if call.recipient in self._by_recipient:
+            return self._by_recipient[call.recipient]
         t = self.tools.get(call.name)
-        if t is None and call.recipient:
-            t = self.tools.get(call.recipient.rsplit(".", 1)[-1])
-        return t
+        if t is not None and call.recipient in ("", None, t.name, f"functions.{t.name}"):
+            return t
+        return None
 
     async def call(self, call: ToolCall, sessions: Sessions) -> ToolRecord:
         """Validate and run one call; always returns a record (``error`` set on failure)."""
