@@ -276,3 +276,14 @@ def test_cli_help(capsys):
         main(["--help"])
     assert exc.value.code == 0
     assert "SandboxFusion" in capsys.readouterr().out
+
+
+def test_verl_sandbox_fusion_client(url):
+    """verl's own SandboxFusion caller (used by its reward scoring and tools) against our server."""
+    verl_sf = pytest.importorskip("verl.utils.reward_score.sandbox_fusion.utils")
+    resp, err = verl_sf.call_sandbox_api(
+        f"{url}/run_code", "print(int(input()) * 2)", "21", 10, 5, 1024, "python"
+    )
+    assert err is None and resp["status"] == "Success" and resp["run_result"]["stdout"] == "42\n"
+    resp, err = verl_sf.call_sandbox_api(f"{url}/run_code", "while True: pass", "", 10, 1, 1024, "python")
+    assert err is None and resp["run_result"]["status"] == "TimeLimitExceeded"
