@@ -244,12 +244,15 @@ async def test_jobs_episode_over_real_http(service):
     assert httpx.get(f"{service.url}/companies/c001").status_code == 200  # a shared service is not stopped
 
 
-def test_jobs_env_owns_and_stops_its_service():
-    env = JobsEnv()
-    url = env.service_url
-    assert httpx.get(f"{url}/postings/j0001").json()["id"] == "j0001"
-    check_env(env, skip_render_check=True, skip_close_check=True)
-    env.close()
+def test_jobs_envs_share_a_service_stopped_by_the_last():
+    a, b = JobsEnv(), JobsEnv()
+    url = a.service_url
+    assert b.service_url == url and httpx.get(f"{url}/postings/j0001").json()["id"] == "j0001"
+    check_env(a, skip_render_check=True, skip_close_check=True)
+    a.close()
+    assert httpx.get(f"{url}/postings/j0001").status_code == 200  # b still uses it
+    b.close()
+    b.close()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/postings/j0001", timeout=2)
 

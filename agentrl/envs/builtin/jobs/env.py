@@ -1,6 +1,7 @@
 """``jobs``: answer questions about a professional network by searching postings and calling its HTTP API.
 
-The env starts the jobs service (:mod:`.service`) on a free loopback port (or uses one you pass), turns its
+The env starts the jobs service (:mod:`.service`) on a free loopback port (shared by the envs of a process,
+stopped with the last of them; or uses one you pass), turns its
 OpenAPI spec into tools with :class:`~agentrl.envs.tools.openapi.OpenAPIToolset` (list/get companies, people,
 postings, with filters and pagination) and adds a local BM25 ``search_postings`` tool. Tasks are generated
 from the same seeded dataset, so every answer is computed from the data and the reward is exact.
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from agentrl.envs.builtin.jobs.data import CITIES, SENIORITY, SKILLS, Dataset, make_dataset
-from agentrl.envs.builtin.jobs.service import JobsService
+from agentrl.envs.builtin.jobs.service import JobsService, acquire_shared, release_shared
 from agentrl.envs.env import AgentEnv, EnvLimits
 from agentrl.envs.rewards import ExactMatch, Rubric
 from agentrl.envs.rewards.common import ChannelToolCallCount
@@ -119,8 +120,9 @@ class JobsEnv(AgentEnv):
     """Multi-step tool use over a real HTTP service.
 
     Args:
-        service: ``None`` (start a private service, stopped on ``close``), a running :class:`JobsService`
-            (shared, not stopped), or the base URL of a running jobs service.
+        service: ``None`` (the process-wide service for ``data_seed``, started by the first env that needs it
+            and stopped when the last one closes), a :class:`JobsService` (started if needed, never stopped by
+            the env), or the base URL of a running jobs service.
         data_seed: seed of the synthetic dataset; must match the service's when one is passed.
         http_timeout_s / retries: the OpenAPI client's per-request timeout and retry count.
         **kwargs: :class:`~agentrl.envs.AgentEnv` arguments.
@@ -141,9 +143,9 @@ class JobsEnv(AgentEnv):
     ) -> None:
         self.data_seed = data_seed
         self.data = make_dataset(data_seed)
-        self._own_service: JobsService | None = None
+        self._shared_service: JobsService | None = None
         if service is None:
-            service = self._own_service = JobsService(data=self.data)
+            service = self._shared_service = acquire_shared(data_seed)
         if isinstance(service, JobsService):
             url = service.start()
         else:
@@ -162,8 +164,7 @@ class JobsEnv(AgentEnv):
             )
             super().__init__(**kwargs)
         except BaseException:
-            if self._own_service is not None:
-                self._own_service.stop()
+            self._release_service()
             raise
         self.service_url = url
 
@@ -180,12 +181,13 @@ class JobsEnv(AgentEnv):
         return self.generate_task(rng, data_seed=self.data_seed)
 
     async def aclose_resources(self) -> None:
-        if self._own_service is not None:
-            self._own_service.stop()
-            self._own_service = None
+        self._release_service()
 
     def close(self) -> None:
         super().close()
-        if self._own_service is not None:  # close() scheduled aclose on a running loop: stop the server now
-            self._own_service.stop()
-            self._own_service = None
+        self._release_service()  # close() may only have scheduled aclose on a running loop
+
+    def _release_service(self) -> None:
+        if self._shared_service is not None:
+            service, self._shared_service = self._shared_service, None
+            release_shared(service)

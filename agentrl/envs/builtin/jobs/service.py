@@ -238,3 +238,31 @@ class JobsService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+_shared_lock = threading.Lock()
+_shared: dict[int, list[Any]] = {}  # data seed -> [service, number of users]
+
+
+def acquire_shared(seed: int = 0) -> JobsService:
+    """The process-wide service for dataset ``seed``, started on first use; pair with :func:`release_shared`."""
+    with _shared_lock:
+        entry = _shared.get(seed)
+        if entry is None:
+            service = JobsService(seed)
+            service.start()
+            entry = _shared[seed] = [service, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release_shared(service: JobsService) -> None:
+    """Give back a service from :func:`acquire_shared`; the last user stops it."""
+    with _shared_lock:
+        for seed, entry in list(_shared.items()):
+            if entry[0] is service:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del _shared[seed]
+                    service.stop()
+                return
