@@ -7,7 +7,9 @@ steps with the ``python`` tool in the local sandbox (bubblewrap, one stateful se
 call per step (up to two), then gives the boxed answer. Every episode is checked to be correct, so the
 tool calls really ran.
 
-    python benchmarks/eval_bench.py [--episodes-c1 24] [--episodes-c32 384] [--delay 0.05]
+    python benchmarks/eval_bench.py [--episodes-c1 24] [--episodes-c32 384] [--delay 0.05] [--processes 1]
+
+``--processes P`` runs the concurrency-32 eval as P client processes (``agentrl eval processes=P``).
 
 Prints detail lines, then last: ``eval: episodes_per_s_c1=<n> episodes_per_s_c32=<n> speedup=<n>``.
 """
@@ -102,7 +104,7 @@ def serve(items_path: str, port_file: str, delay: float) -> None:
     uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off")).run(sockets=[sock])
 
 
-async def measure(url: str, tasks: Path, n_items: int, concurrency: int, out: Path, sandbox) -> dict:
+async def measure(url: str, tasks: Path, n_items: int, concurrency: int, out: Path, processes: int) -> dict:
     from agentrl.evaluation import EvalConfig, Evaluation
 
     cfg = EvalConfig(
@@ -112,29 +114,26 @@ async def measure(url: str, tasks: Path, n_items: int, concurrency: int, out: Pa
         limit=n_items,
         n=1,
         concurrency=concurrency,
+        processes=processes,
         temperature=0.0,
         out=str(out),
-        env_kwargs={"sandbox": sandbox},
     )
     return await Evaluation(cfg).run()
 
 
 async def bench(args, url: str, tasks: Path, work: Path) -> None:
-    from agentrl.envs.sandbox import make_backend
-
-    async with make_backend("local") as sandbox:
-        await sandbox.run("print(1)")  # start the pool before timing
-        results = {}
-        for c, n in ((1, args.episodes_c1), (32, args.episodes_c32)):
-            m = await measure(url, tasks, n, c, work / f"c{c}", sandbox)
-            run = m["run"]
-            assert run["episodes_failed"] == 0 and m["pass@1"] == 1.0, (run, m["pass@1"])
-            results[c] = run["episodes_per_s"]
-            print(
-                f"concurrency={c}: {run['episodes_run']} episodes in {run['episodes_wall_s']:.2f} s, "
-                f"{m['tool_calls_per_episode']:.2f} python calls and {m['requests_per_episode']:.2f} model requests "
-                f"per episode, p50 latency {m['latency_s_p50'] * 1000:.0f} ms, pass@1 {m['pass@1']:.3f}"
-            )
+    results = {}
+    for c, n, procs in ((1, args.episodes_c1, 1), (32, args.episodes_c32, args.processes)):
+        m = await measure(url, tasks, n, c, work / f"c{c}", procs)
+        run = m["run"]
+        assert run["episodes_failed"] == 0 and m["pass@1"] == 1.0, (run, m["pass@1"])
+        results[c] = run["episodes_per_s"]
+        print(
+            f"concurrency={c} ({procs} client process{'es' if procs > 1 else ''}): {run['episodes_run']} episodes "
+            f"in {run['episodes_wall_s']:.2f} s, {m['tool_calls_per_episode']:.2f} python calls and "
+            f"{m['requests_per_episode']:.2f} model requests per episode, p50 latency "
+            f"{m['latency_s_p50'] * 1000:.0f} ms, pass@1 {m['pass@1']:.3f}"
+        )
     print(
         f"eval: episodes_per_s_c1={results[1]:.2f} episodes_per_s_c32={results[32]:.2f} "
         f"speedup={results[32] / results[1]:.1f}"
@@ -146,6 +145,7 @@ def main() -> int:
     ap.add_argument("--episodes-c1", type=int, default=24)
     ap.add_argument("--episodes-c32", type=int, default=384)
     ap.add_argument("--delay", type=float, default=0.05)
+    ap.add_argument("--processes", type=int, default=1, help="client processes at concurrency 32")
     ap.add_argument("--serve", nargs=2, metavar=("ITEMS_JSON", "PORT_FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:

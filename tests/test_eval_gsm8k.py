@@ -123,6 +123,15 @@ async def test_eval_over_chat_completions_gives_the_same_numbers(endpoint, tasks
     assert traj.metadata["api"] == "chat" and traj.metadata["gen_tokens"] > 0
 
 
+async def test_eval_over_two_processes_gives_the_same_numbers(endpoint, tasks, tmp_path):
+    metrics = await Evaluation(config(endpoint, tmp_path / "p2", processes=2)).run()
+    for key, value in expected(tasks).items():
+        assert metrics[key] == pytest.approx(value, abs=1e-12), key
+    lines = (tmp_path / "p2" / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == N * LIMIT and all(Trajectory.from_json(x) for x in lines)  # no interleaved writes
+    assert metrics["run"]["episodes_run"] == N * LIMIT
+
+
 async def test_unreachable_endpoint_is_recorded_not_lost(tmp_path):
     import socket
 

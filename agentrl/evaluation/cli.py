@@ -23,7 +23,7 @@ from agentrl.evaluation.report import compare_table, load_metrics, metrics_table
 from agentrl.evaluation.runner import EvalConfig, Evaluation
 
 USAGE = """usage: agentrl eval env=NAME model=URL_OR_PATH [n=1] [k=1,2,4] [limit=100] [tasks=FILE] [api=completions|chat]
-                    [concurrency=32] [temperature=1.0] [top_p=1.0] [max_new_tokens=1024] [seed=0] [out=DIR]
+                    [concurrency=32] [processes=1] [temperature=1.0] [top_p=1.0] [max_new_tokens=1024] [seed=0] [out=DIR]
                     [format=auto|harmony|HF_TOKENIZER] [served_model=NAME] [api_key=KEY] [retries=4] [timeout_s=300]
                     [sandbox=local] [split=test] [progress=true] [env.FIELD=VALUE ...]
        agentrl eval --compare RUN_A RUN_B
@@ -31,7 +31,8 @@ USAGE = """usage: agentrl eval env=NAME model=URL_OR_PATH [n=1] [k=1,2,4] [limit
 model: an OpenAI-compatible base URL (vLLM, SGLang, agentrl serve model, hosted APIs; key from api_key= or
 $OPENAI_API_KEY), or a local model (tiny-gpt-oss, smollm2-135m, a directory, a hub id).
 api=completions sends token ids and keeps exact tokens + log-probs; api=chat uses chat completions with tools.
-Rerunning with the same out= resumes: finished episodes are skipped."""
+processes=P splits the episodes over P client processes (endpoints only) when one Python process's CPU
+is the bottleneck. Rerunning with the same out= resumes: finished episodes are skipped."""
 
 
 def _value(text: str) -> Any:

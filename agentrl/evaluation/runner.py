@@ -29,10 +29,13 @@ import asyncio
 import contextlib
 import inspect
 import json
+import math
+import multiprocessing
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +72,7 @@ class EvalConfig:
     api: str = "completions"
     format: str = "auto"
     concurrency: int = 32
+    processes: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 1024
@@ -88,6 +92,10 @@ class EvalConfig:
             )
         if self.api not in ("completions", "chat"):
             raise ValueError(f"api must be 'completions' or 'chat', got {self.api!r}")
+        if self.processes < 1 or (self.processes > 1 and not self.is_endpoint):
+            raise ValueError(
+                "processes must be >= 1, and > 1 only with an endpoint (each process is a client)"
+            )
         if self.api == "chat" and not self.is_endpoint:
             raise ValueError("api=chat needs an endpoint URL as model (http://...)")
         if self.ks and max(self.ks) > self.n:
@@ -123,12 +131,17 @@ def comparable_answer(env: Any, final: str | None) -> str | None:
 class ResultStore:
     """The run directory: finished episodes (``trajectories.jsonl``), failures (``errors.jsonl``), config."""
 
-    def __init__(self, out: Path, config: EvalConfig):
+    def __init__(self, out: Path, config: EvalConfig, *, write_config: bool = True):
         self.out = out
         out.mkdir(parents=True, exist_ok=True)
         self.traj_path = out / "trajectories.jsonl"
         self.error_path = out / "errors.jsonl"
         cfg_path = out / "config.json"
+        self.unreadable = 0
+        self._fd = self._err = -1
+        if not write_config:  # a child process of a multi-process run: the parent checked the config
+            self._open()
+            return
         current = {
             f.name: getattr(config, f.name) for f in fields(config)
         }  # shallow: env_kwargs may hold live objects
@@ -142,11 +155,16 @@ class ResultStore:
                 )
         saved = {k: v for k, v in current.items() if k != "api_key"}
         cfg_path.write_text(json.dumps(saved, indent=1, default=repr))
-        self.unreadable = 0
         self._ensure_newline(self.traj_path)
         self._ensure_newline(self.error_path)
-        self._fh = self.traj_path.open("a", encoding="utf-8")
-        self._err = self.error_path.open("a", encoding="utf-8")
+        self._open()
+
+    def _open(self) -> None:
+        """Append-only descriptors: each record is one ``write`` of a whole line, so records from several
+        processes never interleave."""
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        self._fd = os.open(self.traj_path, flags, 0o644)
+        self._err = os.open(self.error_path, flags, 0o644)
 
     @staticmethod
     def _ensure_newline(path: Path) -> None:
@@ -171,8 +189,7 @@ class ResultStore:
         return out
 
     def write(self, traj: Trajectory) -> None:
-        self._fh.write(traj.to_json() + "\n")
-        self._fh.flush()
+        os.write(self._fd, (traj.to_json() + "\n").encode("utf-8"))
 
     def write_error(self, item_id: str, sample: int, exc: BaseException) -> None:
         record = {
@@ -181,12 +198,13 @@ class ResultStore:
             "error": f"{type(exc).__name__}: {exc}",
             "time": time.time(),
         }
-        self._err.write(json.dumps(record) + "\n")
-        self._err.flush()
+        os.write(self._err, (json.dumps(record) + "\n").encode("utf-8"))
 
     def close(self) -> None:
-        self._fh.close()
-        self._err.close()
+        for fd in (self._fd, self._err):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._err = -1
 
 
 def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:
@@ -218,10 +236,17 @@ class Evaluation:
     ``on_progress(done, total, failed)`` is called after each episode.
     """
 
-    def __init__(self, config: EvalConfig, *, on_progress: Callable[[int, int, int], Any] | None = None):
+    def __init__(
+        self,
+        config: EvalConfig,
+        *,
+        on_progress: Callable[[int, int, int], Any] | None = None,
+        _child: bool = False,
+    ):
         self.config = config
         self.on_progress = on_progress
-        self.store = ResultStore(config.out_dir(), config)
+        self.window = (0.0, 0.0)  # monotonic start/end of the episodes this process ran
+        self.store = ResultStore(config.out_dir(), config, write_config=not _child)
 
     async def run(self) -> dict[str, Any]:
         cfg = self.config
@@ -231,7 +256,10 @@ class Evaluation:
             (item_id, task, j) for item_id, task in items for j in range(cfg.n) if (item_id, j) not in done
         ]
         t0 = time.perf_counter()
-        finished, failed, episodes_wall = await self._run_all(todo)
+        if cfg.processes > 1 and len(todo) > 1:
+            finished, failed, episodes_wall = await self._run_processes(todo)
+        else:
+            finished, failed, episodes_wall = await self._run_all(todo)
         wall = time.perf_counter() - t0
         self.store.close()
         metrics = self.summary(items)
@@ -307,15 +335,61 @@ class Evaluation:
                 finally:
                     await env.aclose()
 
-            t_start = time.perf_counter()
+            self.window = (time.monotonic(), 0.0)
             await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, len(todo)))))
-            seconds = time.perf_counter() - t_start
+            self.window = (self.window[0], time.monotonic())
+            seconds = self.window[1] - self.window[0]
         if counts["done"] == 0 and counts["failed"]:
             last = self.store.error_path.read_text().strip().splitlines()[-1]
             raise RuntimeError(
                 f"every episode failed ({counts['failed']}); last error: {json.loads(last)['error']}"
             )
         return counts["done"], counts["failed"], seconds
+
+    async def _run_processes(self, todo: list[tuple[str, dict[str, Any], int]]) -> tuple[int, int, float]:
+        """Split ``todo`` over ``processes`` child processes (each a client with its share of the
+        concurrency), so Python's per-request CPU is spread over cores. Children append to the same
+        files; the parent aggregates progress. Returns like :meth:`_run_all`."""
+        cfg = self.config
+        procs_n = min(cfg.processes, len(todo))
+        child_cfg = replace(cfg, concurrency=math.ceil(cfg.concurrency / procs_n), processes=1)
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [
+            ctx.Process(target=_child_main, args=(child_cfg, todo[k::procs_n], queue, k), daemon=True)
+            for k in range(procs_n)
+        ]
+        for proc in procs:
+            proc.start()
+        progress = {k: (0, 0) for k in range(procs_n)}
+        results: dict[int, tuple] = {}
+        loop = asyncio.get_running_loop()
+        try:
+            while len(results) < procs_n:
+                msg = await loop.run_in_executor(None, _get, queue, procs)
+                if msg is None:
+                    dead = [k for k, p in enumerate(procs) if not p.is_alive() and k not in results]
+                    raise RuntimeError(f"eval worker process(es) {dead} died without reporting")
+                kind, k, *rest = msg
+                if kind == "progress":
+                    progress[k] = tuple(rest)
+                    if self.on_progress:
+                        done = sum(d for d, _ in progress.values())
+                        self.on_progress(done, len(todo), sum(f for _, f in progress.values()))
+                elif kind == "error":
+                    raise RuntimeError(f"eval worker process {k} failed: {rest[0]}")
+                else:
+                    results[k] = tuple(rest)
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+        finished = sum(r[0] for r in results.values())
+        failed = sum(r[1] for r in results.values())
+        start = min(r[2] for r in results.values())
+        end = max(r[3] for r in results.values())
+        return finished, failed, end - start
 
     async def _episode_runner(self, stack: contextlib.AsyncExitStack) -> _EpisodeRunner:
         cfg = self.config
@@ -326,9 +400,9 @@ class Evaluation:
         if "sandbox" in inspect.signature(cls.__init__).parameters and "sandbox" not in env_kwargs:
             from agentrl.envs.sandbox import make_backend
 
-            env_kwargs["sandbox"] = await stack.enter_async_context(
-                make_backend(cfg.sandbox)
-            )  # shared by all envs
+            backend = await stack.enter_async_context(make_backend(cfg.sandbox))  # shared by all envs
+            await backend.run("pass")  # start the pool before the first episode
+            env_kwargs["sandbox"] = backend
         if cfg.api == "chat":
             from agentrl.engines.openai_engine import ChatClient, Endpoint
 
@@ -355,6 +429,39 @@ class Evaluation:
             max_retries=cfg.retries,
             max_concurrency=cfg.concurrency,
         )
+
+
+def _get(queue: Any, procs: list[Any]) -> Any:
+    """Next message from the children, or ``None`` once a child died silently."""
+    import queue as queue_mod
+
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queue_mod.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                return None
+
+
+def _child_main(cfg: EvalConfig, shard: list[tuple[str, dict[str, Any], int]], queue: Any, k: int) -> None:
+    """Entry point of one eval worker process: run ``shard`` and report counts and its time window."""
+    from agentrl.evaluation.cli import run_async
+
+    def progress(done: int, total: int, failed: int) -> None:
+        queue.put(("progress", k, done, failed))
+
+    async def go() -> None:
+        ev = Evaluation(cfg, on_progress=progress, _child=True)
+        try:
+            done, failed, _ = await ev._run_all(shard)
+        finally:
+            ev.store.close()
+        queue.put(("done", k, done, failed, *ev.window))
+
+    try:
+        run_async(go())
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        queue.put(("error", k, f"{type(exc).__name__}: {exc}"))
 
 
 def _final(traj: Trajectory) -> str | None:
