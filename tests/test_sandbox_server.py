@@ -56,9 +56,11 @@ def _serve(settings: ServerSettings) -> Iterator[str]:
             time.sleep(0.1)
     else:
         raise RuntimeError("server did not start")
-    yield url
-    server.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -287,3 +289,21 @@ def test_verl_sandbox_fusion_client(url):
     assert err is None and resp["status"] == "Success" and resp["run_result"]["stdout"] == "42\n"
     resp, err = verl_sf.call_sandbox_api(f"{url}/run_code", "while True: pass", "", 10, 1, 1024, "python")
     assert err is None and resp["run_result"]["status"] == "TimeLimitExceeded"
+
+
+def test_bounded_queue_answers_503_when_full():
+    gen = _serve(ServerSettings(max_concurrency=1, max_queue=1))
+    url = next(gen)
+    try:
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=30) as client:
+                body = {"code": "import time; time.sleep(0.5)", "language": "python"}
+                return await asyncio.gather(*(client.post(f"{url}/run_code", json=body) for _ in range(6)))
+
+        codes = sorted(r.status_code for r in asyncio.run(burst()))
+        assert codes.count(200) >= 2 and 503 in codes, codes  # one running, one queued, the rest refused
+        busy = next(r for r in asyncio.run(burst()) if r.status_code == 503)
+        assert "busy" in busy.json()["detail"]
+    finally:
+        gen.close()
