@@ -184,3 +184,86 @@ def test_generator_makes_checkable_consistent_tasks():
         assert 1 <= len(t["instruction_id_list"]) <= 3
         follow_flags(t, "Some answer.")
     check_env(VerifyIFEnv(), skip_render_check=True)
+
+
+_FILLER = (
+    "the people of the town ride old bicycles to work every day and they enjoy the fresh morning air "
+    "while the children walk to school along the quiet streets near the park"
+).split()
+
+
+def _sentence(words: int, start: int, avoid: set[str]) -> str:
+    filler = [w for w in _FILLER if w not in avoid]
+    return " ".join(filler[(start + i) % len(filler)] for i in range(words)).capitalize() + "."
+
+
+def _build(ids: list[str], kw: dict[str, dict], k: int, w: int) -> str:
+    """A response with ``k`` body sentences of ``w`` words that addresses every constraint in ``ids``."""
+    avoid = set(kw.get("keywords:forbidden_words", {}).get("forbidden_words", []))
+    body = [_sentence(w, 7 * i, avoid) for i in range(k)]
+    words = []  # everything a constraint asks to mention goes into one extra sentence
+    if "keywords:existence" in kw:
+        words += kw["keywords:existence"]["keywords"]
+    if "keywords:frequency" in kw and kw["keywords:frequency"]["relation"] == "at least":
+        words += [kw["keywords:frequency"]["keyword"]] * kw["keywords:frequency"]["frequency"]
+    if "detectable_content:number_placeholders" in kw:
+        words += [
+            f"[slot{i}]" for i in range(kw["detectable_content:number_placeholders"]["num_placeholders"])
+        ]
+    if "detectable_format:number_highlighted_sections" in kw:
+        words += [
+            f"*part{i}*" for i in range(kw["detectable_format:number_highlighted_sections"]["num_highlights"])
+        ]
+    sentences = (["We mention " + " ".join(words) + "."] if words else []) + body
+    if "length_constraints:number_paragraphs" in kw:
+        n = kw["length_constraints:number_paragraphs"]["num_paragraphs"]
+        if len(sentences) < n:
+            return ""
+        chunks = [sentences[i::n] for i in range(n)]
+        text = "\n***\n".join(" ".join(c) for c in chunks)
+    else:
+        text = " ".join(sentences)
+    if "detectable_format:number_bullet_lists" in kw:
+        text += "\n" + "\n".join(
+            f"* point {i}" for i in range(kw["detectable_format:number_bullet_lists"]["num_bullets"])
+        )
+    if "detectable_format:title" in kw:
+        text = "<<a short title>>\n" + text
+    if "detectable_content:postscript" in kw:
+        text += f"\n{kw['detectable_content:postscript']['postscript_marker']} see you soon."
+    if "combination:two_responses" in kw:
+        text = f"{text}\n******\nAnother answer follows here."
+    if "detectable_format:json_format" in kw:
+        text = json.dumps({"answer": text})
+    if "startend:end_checker" in kw:
+        text += " " + kw["startend:end_checker"]["end_phrase"]
+    if "startend:quotation" in kw:
+        text = f'"{text}"'
+    if "change_case:english_lowercase" in kw:
+        text = text.lower()
+    if "change_case:english_capital" in kw:
+        text = text.upper()
+    return text
+
+
+def _solve(task: dict) -> str | None:
+    """Search the builder's parameters for a response the checkers accept (None: none found)."""
+    ids, kw = task["instruction_id_list"], dict(zip(task["instruction_id_list"], task["kwargs"], strict=True))
+    for k in range(1, 13):
+        for w in (3, 6, 10, 20, 45, 90, 200, 420):
+            text = _build(ids, kw, k, w)
+            if text and all(follow_flags(task, text)):
+                return text
+    return None
+
+
+def test_generated_tasks_are_satisfiable():
+    """Every offline-generated verifyif task admits a response that follows all of its constraints, so the
+    maximum reward is reachable; a few are scored through the env."""
+    tasks = VerifyIFEnv.tasks(n=150, seed=0) + VerifyIFEnv.tasks("test", n=50, seed=0)
+    unsolved = [t for t in tasks if _solve(t) is None]
+    assert not unsolved, [(t["instruction_id_list"], t["kwargs"]) for t in unsolved[:5]]
+    env = VerifyIFEnv(strict_all=True)
+    for t in tasks[:5]:
+        env.reset(options={"task": t})
+        assert env.step(final(_solve(t)))[1] == 1.0

@@ -44,6 +44,14 @@ FORMS = (
 )
 KEYWORDS = ("river", "window", "quiet", "garden", "energy", "future", "simple", "bridge", "light", "market")
 
+
+def _sentences_kwargs(g: np.random.Generator) -> dict[str, Any]:
+    # "less than" leaves room for a title, a postscript, an end phrase and one sentence per paragraph.
+    if g.random() < 0.5:
+        return {"relation": "at least", "num_sentences": int(g.integers(2, 9))}
+    return {"relation": "less than", "num_sentences": int(g.integers(7, 13))}
+
+
 # instruction id -> (kwargs sampler, description); kwargs use IFEval's names.
 _R = np.random.Generator
 _SPECS: dict[str, tuple[Callable[[_R], dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
@@ -64,14 +72,11 @@ _SPECS: dict[str, tuple[Callable[[_R], dict[str, Any]], Callable[[dict[str, Any]
         lambda k: f"Answer with {k['relation']} {k['num_words']} words.",
     ),
     "length_constraints:number_sentences": (
-        lambda g: {
-            "relation": str(g.choice(["at least", "less than"])),
-            "num_sentences": int(g.integers(2, 12)),
-        },
+        lambda g: _sentences_kwargs(g),
         lambda k: f"Your response should contain {k['relation']} {k['num_sentences']} sentences.",
     ),
     "length_constraints:number_paragraphs": (
-        lambda g: {"num_paragraphs": int(g.integers(2, 6))},
+        lambda g: {"num_paragraphs": int(g.integers(2, 5))},
         lambda k: (
             f"There should be exactly {k['num_paragraphs']} paragraphs, separated by the markdown divider ***."
         ),
@@ -143,8 +148,11 @@ _CONFLICTS = {
     frozenset({"detectable_format:json_format", "startend:end_checker"}),
     frozenset({"detectable_format:json_format", "detectable_format:title"}),
     frozenset({"detectable_format:json_format", "combination:two_responses"}),
+    frozenset({"detectable_format:json_format", "detectable_format:number_bullet_lists"}),
+    frozenset({"detectable_format:json_format", "length_constraints:number_paragraphs"}),
     frozenset({"startend:quotation", "startend:end_checker"}),
     frozenset({"startend:quotation", "combination:two_responses"}),
+    frozenset({"combination:two_responses", "length_constraints:number_paragraphs"}),  # ****** splits as ***
     frozenset({"keywords:existence", "keywords:forbidden_words"}),
     frozenset({"keywords:frequency", "keywords:forbidden_words"}),
 }
