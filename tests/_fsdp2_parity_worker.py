@@ -7,8 +7,9 @@ gathered by ``distributed.unsharded``), all episodes are gathered, and then:
   the initial model over *all* episodes;
 - FSDP2: the sharded model runs the same update on *its own* episodes only.
 
-Rank 0 writes ``{"ref": {...}, "fsdp": {...}, "param_max_abs_diff": ..., ...}`` to ``--out``: loss and grad
-norm of both, and the largest difference of any parameter after the optimizer step.
+Rank 0 writes ``{"ref": {...}, "fsdp": {...}, "param_max_abs_diff": ..., "step2_s": ...}`` to ``--out``: loss
+and grad norm of both, the largest difference of any parameter after the optimizer step, and the wall
+time of a second whole step (rollout + update of ``world x tasks_per_rank`` tasks) on one device vs sharded.
 
 usage: torchrun --standalone --nproc_per_node=2 tests/_fsdp2_parity_worker.py --device cpu --out OUT.json
 """
@@ -35,7 +36,8 @@ from agentrl.train.update import update_policy
 
 
 def sample_episodes(model, *, tasks: int, n: int, prompt_len: int, new_tokens: int, vocab: int, seed: int):
-    """``tasks`` x ``n`` single-action trajectories with a synthetic reward (varies within groups)."""
+    """``tasks`` x ``n`` single-action trajectories (sampled, then cut to unequal prefixes) with a synthetic
+    reward that varies within groups."""
     engine = TransformersEngine(model, pad_token_id=0, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, vocab, (prompt_len + g,), generator=gen).tolist() for g in range(tasks)]
@@ -43,10 +45,12 @@ def sample_episodes(model, *, tasks: int, n: int, prompt_len: int, new_tokens: i
     batch = [p for p in prompts for _ in range(n)]
     completions = asyncio.run(engine.generate(batch, sampling))
     out = []
-    for i, (prompt, c) in enumerate(zip(batch, completions, strict=True)):
-        traj = Trajectory(prompt_ids=prompt, response_ids=list(c.token_ids), response_mask=[1] * len(c.token_ids),
-                          rollout_logprobs=list(c.logprobs))
-        traj.reward = float(sum(t % 5 for t in c.token_ids)) / (4 * len(c.token_ids))
+    for i, (prompt, c) in enumerate(zip(batch, completions, strict=True)):  # a random prefix of each sample
+        keep = int(torch.randint(1, len(c.token_ids) + 1, (), generator=gen))  # unequal lengths: non-zero loss
+        ids = list(c.token_ids[:keep])
+        traj = Trajectory(prompt_ids=prompt, response_ids=ids, response_mask=[1] * keep,
+                          rollout_logprobs=list(c.logprobs[:keep]))
+        traj.reward = float(sum(t % 5 for t in ids)) / (4 * keep)
         out.append((traj, i // n))
     return out
 
@@ -62,53 +66,75 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=6)
     ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     device = distributed.init(args.device)
     rank, world = distributed.rank(), distributed.world_size()
     dtype = getattr(torch, args.dtype)
-    model = tiny_gpt_oss(num_layers=args.layers, hidden=args.hidden, vocab=args.vocab, heads=4, kv_heads=2,
-                         experts=4, top_k=2, dtype=dtype, device=device, seed=0).train()
+    model = tiny_gpt_oss(num_layers=args.layers, hidden=args.hidden, vocab=args.vocab, heads=args.heads, kv_heads=2,
+                         experts=args.experts, top_k=2, dtype=dtype, device=device, seed=0).train()
     reference = copy.deepcopy(model)
     cfg = OmegaConf.structured(TrainConfig(env="parity"))
     cfg.actor.micro_batch_size = args.micro_batch
     cfg.actor.lr = 1e-3
 
     distributed.shard(model)
-    t0 = time.perf_counter()
-    with distributed.unsharded(model):  # rollout on each rank, different prompts per rank
-        mine = sample_episodes(model, tasks=args.tasks_per_rank, n=args.n, prompt_len=5 + rank, vocab=args.vocab,
-                               new_tokens=args.new_tokens + rank, seed=100 + rank)
-    rollout_s = time.perf_counter() - t0
-    everyone = distributed.gather_objects([(t, rank * 1000 + g) for t, g in mine])
+
+    def sync() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def update(m, episodes):
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=cfg.actor.lr)
         batch = collate([t for t, _ in episodes], [g for _, g in episodes], 0).to(device)
-        t = time.perf_counter()
-        metrics = update_policy(model=m, optimizer=opt, batch=batch, cfg=cfg, temperature=1.0)
-        return metrics, time.perf_counter() - t
+        return update_policy(model=m, optimizer=opt, batch=batch, cfg=cfg, temperature=1.0)
 
-    ref_metrics, ref_s = update(reference, everyone)  # identical on every rank
-    fsdp_metrics, fsdp_s = update(model, [(t, rank * 1000 + g) for t, g in mine])
-    fsdp_metrics = distributed.average_metrics(fsdp_metrics)
+    # step 1, parity: rollout on each rank (different prompts and lengths), the same episodes for both updates
+    with distributed.unsharded(model):
+        mine = sample_episodes(model, tasks=args.tasks_per_rank, n=args.n, prompt_len=5 + rank, vocab=args.vocab,
+                               new_tokens=args.new_tokens + rank, seed=100 + rank)
+    everyone = distributed.gather_objects([(t, rank * 1000 + g) for t, g in mine])
+    ref_metrics = update(reference, everyone)  # single-process update, identical on every rank
+    fsdp_metrics = distributed.average_metrics(update(model, [(t, rank * 1000 + g) for t, g in mine]))
     diff = 0.0
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         diff = max(diff, float((full.detach().float() - q.detach().float()).abs().max()))
+
+    # step 2, timing: a whole step (rollout + update) of world x tasks_per_rank tasks, on one device vs sharded
+    t0 = sync()
+    batch_all = sample_episodes(reference, tasks=world * args.tasks_per_rank, n=args.n, prompt_len=5,
+                                vocab=args.vocab, new_tokens=args.new_tokens, seed=7)
+    t1 = sync()
+    update(reference, batch_all)
+    t2 = sync()
+    with distributed.unsharded(model):
+        mine = sample_episodes(model, tasks=args.tasks_per_rank, n=args.n, prompt_len=5, vocab=args.vocab,
+                               new_tokens=args.new_tokens, seed=200 + rank)
+    t3 = sync()
+    update(model, mine)
+    t4 = sync()
+    times = distributed.gather_objects([(t3 - t2, t4 - t3)])
     if rank == 0:
         keys = ("actor/pg_loss", "actor/grad_norm", "actor/entropy")
         result = {
             "world": world,
             "device": str(device),
             "dtype": args.dtype,
+            "params": sum(p.numel() for p in reference.parameters()),
             "episodes": len(everyone),
             "ref": {k: ref_metrics[k] for k in keys},
             "fsdp": {k: fsdp_metrics[k] for k in keys},
             "param_max_abs_diff": diff,
-            "rollout_s": rollout_s,
-            "update_s": {"single": ref_s, "fsdp": fsdp_s},
+            "step2_s": {
+                "single": {"rollout": t1 - t0, "update": t2 - t1, "total": t2 - t0},
+                "fsdp": {"rollout": max(r for r, _ in times), "update": max(u for _, u in times),
+                         "total": max(r + u for r, u in times)},
+            },
         }
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -32,7 +32,8 @@ def test_fsdp2_step_matches_single_process(tmp_path):
     assert ref["actor/grad_norm"] > 0.1  # a real gradient, not a vacuous match
     assert abs(fsdp["actor/grad_norm"] - ref["actor/grad_norm"]) <= 1e-5 * ref["actor/grad_norm"]
     assert abs(fsdp["actor/entropy"] - ref["actor/entropy"]) <= 1e-5 * ref["actor/entropy"]
-    assert abs(fsdp["actor/pg_loss"] - ref["actor/pg_loss"]) <= 1e-6
+    assert abs(ref["actor/pg_loss"]) > 0.01
+    assert abs(fsdp["actor/pg_loss"] - ref["actor/pg_loss"]) <= 1e-5 * abs(ref["actor/pg_loss"])
     assert r["param_max_abs_diff"] < 1e-5  # same weights after the AdamW step (lr 1e-3)
 
 
