@@ -72,7 +72,7 @@ _SPECS: dict[str, tuple[Callable[[_R], dict[str, Any]], Callable[[dict[str, Any]
         lambda k: f"Answer with {k['relation']} {k['num_words']} words.",
     ),
     "length_constraints:number_sentences": (
-        lambda g: _sentences_kwargs(g),
+        _sentences_kwargs,
         lambda k: f"Your response should contain {k['relation']} {k['num_sentences']} sentences.",
     ),
     "length_constraints:number_paragraphs": (
