@@ -9,7 +9,7 @@ raw score, and ``total`` is the weighted sum. Envs store both in the trajectory
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from agentrl.harmony.trajectory import ToolRecord, Trajectory
@@ -33,7 +33,6 @@ class RewardContext:
     messages: list[Message]
     trajectory: Trajectory
     truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tool_calls(self) -> list[ToolCall]:
