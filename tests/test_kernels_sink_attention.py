@@ -99,6 +99,19 @@ def test_gqa_head_packed_tiles_match_reference(monkeypatch, pack, hkv, window):
              max_seqlen=max(lens))
 
 
+def test_group_not_a_power_of_two_and_bf16_sinks():
+    """GQA group of 3 (head packing must fall back to one head per tile); sinks stored in bf16."""
+    torch.manual_seed(12)
+    q, k, v, sinks = _dense(1, 6, 2, 23, 23, 16, 4.0, torch.float32)
+    out, _ = _compare(q, k, v, sinks, FP32_TOL, causal=True, window=5)
+    s16 = sinks.to(torch.bfloat16).requires_grad_()
+    out16 = sink_attention(q, k, v, s16, window=5)
+    (ds16,) = torch.autograd.grad(out16.sum(), s16)
+    assert ds16.dtype == torch.bfloat16
+    ref = sink_attention_reference(q, k, v, s16.detach().double().requires_grad_(), window=5)
+    assert _rel(out16, ref) < FP32_TOL
+
+
 def test_non_causal_matches_reference():
     torch.manual_seed(1)
     _compare(*_dense(1, 4, 2, 21, 21, 16, 3.0, torch.float32), FP32_TOL, causal=False)

@@ -23,7 +23,7 @@ class KernelConfig:
 
     ``pack``: put the query heads of a GQA group into one tile's rows (``block_m // group``
     positions each), so that they share K/V tiles and one causal/window range; pays off for
-    sliding windows and decoding. Ignored when the group is larger than ``block_m``.
+    sliding windows and decoding. Ignored unless the group is a power of two up to ``block_m``.
     """
 
     block_m: int
@@ -87,7 +87,10 @@ def _pick(kind: str, head_dim: int, max_q: int, group: int, window: int | None) 
 
 
 def _pack(cfg: KernelConfig, group: int) -> int:
-    return group if cfg.pack and 1 < group <= cfg.block_m else 1
+    """Heads per tile: the whole group when packing applies (a power of two not above block_m, so
+    that every tile row maps to a head of the same group), else 1."""
+    usable = 1 < group <= cfg.block_m and group & (group - 1) == 0
+    return group if cfg.pack and usable else 1
 
 
 def triton_next_pow2(n: int) -> int:

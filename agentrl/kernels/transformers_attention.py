@@ -39,10 +39,8 @@ def _cu_from_counts(counts: torch.Tensor) -> torch.Tensor:
 def _packed_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
     """cu_seqlens of sequences packed in one row, from positions restarting at 0; None if not packed."""
     pos = position_ids.reshape(-1)
-    starts = torch.nonzero(pos == 0).flatten()
-    if starts.numel() <= 1 and (starts.numel() == 0 or int(starts[0]) == 0):
-        return None
-    if starts.numel() == 0 or int(starts[0]) != 0:
+    starts = torch.nonzero(pos == 0).flatten()  # one host sync
+    if starts.numel() <= 1 or int(starts[0]) != 0:
         return None
     bounds = torch.cat([starts, starts.new_tensor([pos.numel()])])
     return bounds.to(torch.int32)
