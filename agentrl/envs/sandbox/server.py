@@ -26,7 +26,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 
 from agentrl.envs.sandbox import fusion_api as api
@@ -47,16 +47,26 @@ class ServerSettings:
     token: str | None = None
 
 
-class _BodyLimit:
-    """ASGI middleware: answer 413 to bodies larger than ``limit`` bytes, declared or streamed."""
+class _Gate:
+    """Plain ASGI middleware (cheap per request): bearer-token check (401), then a body-size limit (413) for
+    bodies declared or streamed larger than ``limit`` bytes."""
 
-    def __init__(self, app: Any, limit: int) -> None:
+    def __init__(self, app: Any, limit: int, token: str | None) -> None:
         self.app, self.limit = app, limit
+        self.expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope["path"] != "/v1/ping":  # health checks need no token
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                resp = JSONResponse(
+                    {"detail": "missing or wrong bearer token (send 'Authorization: Bearer <token>')"},
+                    status_code=401,
+                )
+                return await resp(scope, receive, send)
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._reject(scope, receive, send)
         # Read the whole body first (it is small by construction) so that a streamed body without a declared
@@ -113,17 +123,6 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
         await backend.aclose()
 
     app = FastAPI(title="agentrl sandbox (SandboxFusion-compatible)", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Callable) -> Any:
-        if settings.token and request.url.path != "/v1/ping":  # health checks need no token
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {settings.token}".encode()):
-                return JSONResponse(
-                    {"detail": "missing or wrong bearer token (send 'Authorization: Bearer <token>')"},
-                    status_code=401,
-                )
-        return await call_next(request)
 
     @asynccontextmanager
     async def execution_slot():
@@ -205,7 +204,7 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
             status="Failed" if timed_out else "Success", message="", driver=driver, cells=cells, files=fetched
         )
 
-    return _BodyLimit(app, settings.max_body_bytes)  # type: ignore[return-value]
+    return _Gate(app, settings.max_body_bytes, settings.token)  # type: ignore[return-value]
 
 
 def _timeout(requested: float, settings: ServerSettings) -> float:
