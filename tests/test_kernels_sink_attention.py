@@ -203,6 +203,8 @@ def test_bad_inputs_raise_clear_errors():
         sink_attention(q[..., :12], k[..., :12], v[..., :12], sinks)
     with pytest.raises(ValueError, match="Nq <= Nk"):
         sink_attention(q, k[:, :, :4], v[:, :, :4], sinks)
+    with pytest.raises(ValueError, match="one device"):
+        sink_attention(q, k, v, sinks.to("meta"))
 
 
 def test_import_without_triton_fails_only_on_call(tmp_path):

@@ -261,8 +261,8 @@ def sink_attention(
             ``window_size=(window-1, 0)``); needs ``causal=True``.
         cu_seqlens: ``[S+1]`` int32/int64 offsets of ``S`` packed sequences in ``q`` (and in
             ``k``/``v`` unless ``cu_seqlens_k`` is given). Empty sequences are allowed.
-        max_seqlen, max_seqlen_k: longest sequence (queries / keys); computed (one host sync)
-            when omitted.
+        max_seqlen, max_seqlen_k: longest sequence (queries / keys), at least the true maximum
+            (a smaller value leaves rows uncomputed); computed (one host sync) when omitted.
         return_lse: also return the log-sum-exp ``L`` (natural log, sink included), fp32,
             ``[B, Hq, Nq]`` dense or ``[Hq, total_q]`` packed; it is differentiable too.
         softmax_scale: score scale, default ``1/sqrt(D)``.
@@ -301,6 +301,9 @@ def sink_attention(
         raise ValueError(f"the number of KV heads ({hkv}) must divide the number of query heads ({hq})")
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != hq):
         raise ValueError(f"sinks must have shape [{hq}] (one logit per query head); got {tuple(sinks.shape)}")
+    devices = {t.device for t in (q, k, v) + ((sinks,) if sinks is not None else ())}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v and sinks must be on one device; got {sorted(map(str, devices))}")
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     if packed:
         cu_q = _check_cu("cu_seqlens", cu_seqlens, q.shape[0], q.device)
