@@ -56,6 +56,25 @@ def test_stateless_basics(sb):
     assert r.stdout == "True []\n"
 
 
+def test_ordinary_libraries_work_inside(sb):
+    code = (
+        "import multiprocessing as mp, subprocess, concurrent.futures as cf, tempfile, os\n"
+        "def sq(x):\n    return x * x\n"
+        "with mp.Pool(2) as p:\n    print(p.map(sq, range(5)))\n"
+        "print(subprocess.run(['echo', 'hi'], capture_output=True, text=True).stdout.strip())\n"
+        "with cf.ThreadPoolExecutor(4) as ex:\n    print(list(ex.map(sq, range(4))))\n"
+        "print(tempfile.gettempdir() == os.getcwd())"
+    )
+    r = sb.run(code, timeout_s=10)
+    assert r.stdout == "[0, 1, 4, 9, 16]\nhi\n[0, 1, 4, 9]\nTrue\n", r
+    sid = sb.create_session()
+    try:
+        sb.run("import pickle\ndef f(x):\n    return x + 1", session=sid)
+        assert sb.run("pickle.loads(pickle.dumps(f))(1)", session=sid).display == "2"
+    finally:
+        sb.release_session(sid)
+
+
 def test_state_does_not_leak_between_stateless_runs(sb):
     sb.run("import builtins\nbuiltins.LEAK = 1\nopen('f.txt', 'w').write('x')")
     for _ in range(4):

@@ -37,6 +37,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 
 FILENAME = "<cell>"
 _HEADER = struct.Struct(">I")
@@ -150,6 +151,15 @@ def _fetch_files(paths, budget):
     return out
 
 
+def fresh_main():
+    """A new ``__main__`` module, registered in sys.modules, whose dict is the code's global namespace (so that
+    pickle finds the code's functions, e.g. for multiprocessing)."""
+    main = types.ModuleType("__main__")
+    main.__builtins__ = __builtins__
+    sys.modules["__main__"] = main
+    return main.__dict__
+
+
 def _system_exit_code(exc):
     if exc.code is None:
         return 0
@@ -235,7 +245,7 @@ def setup_worker(cfg):
 
 def kernel_main(cfg, cap):
     """A stateful kernel: fd 3 receives code frames, fd 4 returns result frames; globals persist."""
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    namespace = fresh_main()
     while True:
         try:
             req = read_frame(3, 1 << 30)
@@ -356,7 +366,7 @@ class Worker:
         if pid == 0:
             try:
                 setup_child(self.cfg, 0, (stdin_fd, out_w, err_w, res_w), cpu_s, workdir)
-                namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+                namespace = fresh_main()
                 fetch = req.get("fetch_files", ())
                 result = execute(req["code"], namespace, False, self.cap, req.get("files"), fetch)
                 write_frame(3, result)
