@@ -589,7 +589,10 @@ class Worker:
             exit_code = code
             status = "ok" if code == 0 else "error"
             if code in (70, 71):
-                status, message = "sandbox_error", f"the sandboxed process failed to start (exit {code})"
+                status, message = (
+                    "sandbox_error",
+                    f"the sandbox's child process failed internally (exit {code})",
+                )
         if col["reset"] and session:
             note = "the session's kernel exited; its state was lost and the next run starts fresh"
             message = (message + "; " + note) if message else note

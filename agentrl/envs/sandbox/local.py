@@ -205,7 +205,8 @@ class LocalSandbox:
         isolation: ``"bubblewrap"`` (default) or ``"none"`` (NO isolation: the code runs as this user on the
             host; only for trusted code; warns loudly).
         python: the interpreter inside the sandbox; must be visible there (under /usr or ``ro_binds``) and,
-            as root, readable by a non-root uid.
+            as root, readable by a non-root uid. The code can import what this interpreter has installed: for
+            numpy/sympy on Debian, ``apt-get install python3-numpy python3-sympy``.
         memory_mb: address-space limit per process (RLIMIT_AS), MiB.
         max_processes: processes+threads per run (RLIMIT_NPROC; as root, counted per run's own uid).
         max_file_mb: largest file the code may write (RLIMIT_FSIZE), MiB.
