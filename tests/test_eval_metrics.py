@@ -105,3 +105,22 @@ def test_summary_report_counts_tools_errors_and_latency():
     }
     assert m["latency_s_mean"] == 2.0 and m["latency_s_p50"] == 2.0
     assert m["gen_tokens_per_episode"] == 3 and m["prompt_tokens_per_episode"] == 2
+
+
+def test_env_error_counts_are_used_once_and_truncation_is_not_a_parse_error():
+    t = _traj(0.0, tools=["unknown_tool"])
+    t.metadata["errors"] = {"unknown_tool": 1}  # what the env writes at the end of the episode
+    assert episode_stats(t)["errors"] == {"unknown_tool": 1}
+    cut = Trajectory(
+        [1],
+        [2],
+        [1],
+        [0.0],
+        0.0,
+        turns=[
+            TurnRecord(
+                (0, 1), (1, 1), ParsedTurn(errors=[ParseError(ParseErrorKind.TRUNCATED, "no stop token")])
+            )
+        ],
+    )
+    assert episode_stats(cut)["errors"] == {"truncation": 1}

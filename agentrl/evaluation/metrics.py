@@ -107,23 +107,35 @@ def normalize_error(kind: str | None) -> str | None:
     return _TOOL_ERROR_ALIASES.get(kind, kind)
 
 
+def turn_errors(traj: Any) -> Counter[str]:
+    """The error taxonomy recomputed from the turn records: one ``truncation`` per completion cut off
+    (parse error kind ``truncated``), one ``parse_error`` per other parse error, one per failed tool call."""
+    errors: Counter[str] = Counter()
+    for turn in traj.turns:
+        for err in turn.parsed.errors:
+            kind = err.kind.value if hasattr(err.kind, "value") else str(err.kind)
+            errors["truncation" if kind == "truncated" else "parse_error"] += 1
+        errors.update(normalize_error(rec.error) for rec in turn.tools if rec.error)
+    return errors
+
+
 def episode_stats(traj: Any) -> dict[str, Any]:
     """Per-episode numbers from a :class:`Trajectory`: tool calls, tool errors, error taxonomy counts,
-    generated/prompt tokens, latency (``metadata["latency_s"]``) and model requests."""
-    errors: Counter[str] = Counter()
-    tool_calls = tool_ok = 0
-    for turn in traj.turns:
-        if turn.parsed.errors:
-            errors["parse_error"] += 1
-        for rec in turn.tools:
-            tool_calls += 1
-            kind = normalize_error(rec.error)
-            if kind is None:
-                tool_ok += 1
-            else:
-                errors[kind] += 1
-    for kind in traj.metadata.get("errors", []):
-        errors[normalize_error(kind)] += 1
+    generated/prompt tokens, latency (``metadata["latency_s"]``) and model requests.
+
+    Errors are the env's own counts (``metadata["errors"]``, kind -> count, written when the episode
+    ends) or, for trajectories without them, :func:`turn_errors`. An episode cut by a limit
+    (``truncated``) counts as one ``truncation`` unless a truncation was already counted.
+    """
+    tool_calls = sum(len(turn.tools) for turn in traj.turns)
+    tool_ok = sum(1 for turn in traj.turns for rec in turn.tools if rec.error is None)
+    env_errors = traj.metadata.get("errors")
+    if isinstance(env_errors, dict):
+        errors: Counter[str] = Counter()
+        for kind, count in env_errors.items():
+            errors[normalize_error(kind)] += int(count)
+    else:
+        errors = turn_errors(traj)
     if traj.truncated and not errors["truncation"]:
         errors["truncation"] += 1
     meta = traj.metadata

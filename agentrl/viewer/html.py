@@ -24,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agentrl.evaluation.metrics import turn_errors
 from agentrl.harmony.trajectory import Trajectory
 
 TRAIN_LOGPROB_KEYS = ("train_logprobs", "old_logprobs")
@@ -96,12 +97,10 @@ class _TokenText:
 
 
 def _errors_of(traj: Trajectory) -> list[str]:
-    kinds = set()
-    for turn in traj.turns:
-        if turn.parsed.errors:
-            kinds.add("parse_error")
-        kinds.update(r.error for r in turn.tools if r.error)
-    kinds.update(k for k in traj.metadata.get("errors", {}) or {})
+    kinds = {k for k, n in turn_errors(traj).items() if n}
+    env_errors = traj.metadata.get("errors")
+    if isinstance(env_errors, dict):
+        kinds.update(k for k, n in env_errors.items() if n)
     if traj.truncated:
         kinds.add("truncation")
     return sorted(kinds)
