@@ -229,6 +229,21 @@ def test_pool_recovers_from_a_dead_worker():
 
 
 @needs_bwrap
+def test_cancelled_call_never_leaks_its_answer_into_the_next():
+    async def scenario():
+        async with LocalSandbox(workers=1) as pool:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    pool.run("import time\ntime.sleep(0.5)\nprint('stale')", timeout_s=5), 0.1
+                )
+            await asyncio.sleep(0.6)
+            r = await pool.run("print('fresh')")
+            assert r.ok and r.stdout == "fresh\n", r
+
+    asyncio.run(scenario())
+
+
+@needs_bwrap
 def test_concurrent_runs_and_sessions():
     async def scenario():
         async with LocalSandbox(workers=2) as pool:

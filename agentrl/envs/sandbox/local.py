@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -151,6 +152,10 @@ class _Worker:
             raise ConnectionError(
                 f"sandbox worker {self.index} failed ({type(exc).__name__}: {exc})"
             ) from None
+        except asyncio.CancelledError:
+            # The answer may still come; it must never be read as the next request's. End this sandbox.
+            self._abandon()
+            raise
 
     async def _read_frame(self) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdout is not None
@@ -177,6 +182,21 @@ class _Worker:
             self._stderr_task.cancel()
             self._stderr_task = None
 
+    def _abandon(self) -> None:
+        """Kill the sandbox now, without waiting; reaping and cgroup removal finish in the background."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
+        if self._stderr_task is not None:
+            self._stderr_task.cancel()
+            self._stderr_task = None
+        cgroup, self.cgroup = self.cgroup, None
+        task = asyncio.get_running_loop().create_task(_reap(proc, cgroup))
+        _BACKGROUND.add(task)
+        task.add_done_callback(_BACKGROUND.discard)
+
     async def _stop_and_read_stderr(self) -> str:
         proc = self.proc
         await self.kill()
@@ -191,6 +211,15 @@ class _Worker:
         assert proc.stderr is not None
         while line := await proc.stderr.readline():
             log.warning("sandbox worker %d: %s", self.index, line.decode(errors="replace").rstrip())
+
+
+_BACKGROUND: set[asyncio.Task] = set()
+
+
+async def _reap(proc: asyncio.subprocess.Process, cgroup: MemoryCgroup | None) -> None:
+    await proc.wait()
+    if cgroup is not None:
+        cgroup.remove()
 
 
 def _is_root() -> bool:
@@ -349,7 +378,8 @@ class LocalSandbox:
             raise SandboxError("code and stdin must be str")
         if not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise SandboxError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
-        await self.start()
+        if not self._started:
+            await self.start()
         if session is None:
             worker, slot, sess = min(self._workers, key=lambda w: w.load), 0, None
         else:
