@@ -185,7 +185,10 @@ def test_correct_episode_with_tool_and_logprobs(fmt):
     task = info["task"]
     assert obs["tokens"].dtype == np.int64 and obs["tokens"].tolist() == env.trajectory.prompt_ids
     assert fmt.decode(obs["tokens"][-2:]) == "<|start|>assistant"
-    assert "functions.add" in fmt.decode(obs["tokens"]) or "add" in fmt.decode(obs["tokens"])
+    prompt = fmt.decode(obs["tokens"])
+    developer = prompt[prompt.index("<|start|>developer") : prompt.index("<|start|>user")]
+    assert "namespace functions" in developer and "type add = (_: {" in developer  # tools in the developer message
+    assert "// first addend" in developer and "Use the tools, then answer" in developer
     ids = call(fmt, "add", json.dumps({"a": task["a"], "b": task["b"]}))
     comp = Completion(token_ids=ids, logprobs=[-0.5] * len(ids), finish_reason="stop")
     obs, r, term, trunc, info = env.step(comp)
