@@ -145,6 +145,8 @@ def test_viewer_in_headless_chromium(run_dir, tmp_path):
             # open the retool trajectory with the python call
             rows.nth(0).click()
             detail = page.locator("#detail")
+            assert "What is 6 * 7? <b>bold</b>" in detail.locator(".msg.task").inner_text()  # shown as text
+            assert "answer 42" in detail.locator(".msg.task").inner_text()
             turns = detail.locator(".turn")
             assert turns.count() == 2
             first = turns.nth(0)

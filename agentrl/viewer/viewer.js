@@ -110,6 +110,11 @@
         el("span", { text: t.terminated ? "terminated" : t.truncated ? "truncated" : "unfinished" }),
         el("span", { text: t.turns.length + " turns" }), el("span", { text: t.response.filter((x) => x[1] === "m").length + " model tokens" }),
         ...t.errors.map((e) => badge(e, "err")))];
+    const task = t.metadata.task;
+    if (task && typeof task === "object" && task.prompt != null) {
+      parts.push(el("div", { class: "msg task" }, el("div", {}, badge("task" + (task.id != null ? " " + task.id : "")),
+        task.answer != null ? badge("answer " + task.answer) : null), el("pre", { text: String(task.prompt) })));
+    }
     if (Object.keys(t.reward_components).length) {
       parts.push(el("table", { class: "kv" }, ...Object.entries(t.reward_components).map(([k, v]) => el("tr", {}, el("td", { text: k }), el("td", { text: fmt(v) })))));
     }
