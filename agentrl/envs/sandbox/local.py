@@ -129,10 +129,19 @@ class _Worker:
                     "memory_mb (run as root with the cgroup memory controller for an aggregate cap)"
                 )
             return
-        for pid in descendants(self.proc.pid):
-            self.cgroup.add(pid)
-            if command_name(pid) == "bwrap":  # its init dying would end the sandbox
-                protect_from_oom(pid)
+        try:
+            for pid in descendants(self.proc.pid):
+                self.cgroup.add(pid)
+                if command_name(pid) == "bwrap":  # its init dying would end the sandbox
+                    protect_from_oom(pid)
+        except OSError as exc:
+            self.cgroup.remove()
+            self.cgroup = None
+            if cap.mode == "required":
+                raise SandboxUnavailable(
+                    f"could not move the sandbox into its memory cgroup: {exc}"
+                ) from None
+            log.warning("could not move sandbox worker %d into its memory cgroup: %s", self.index, exc)
 
     async def request(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Send one request and return the worker's answer. The caller holds ``self.lock``.
@@ -403,11 +412,10 @@ class LocalSandbox:
                 lost = sess is not None and sess.generation != worker.generation and worker.alive
                 try:
                     resp = await worker.request(payload, timeout_s)
-                except ConnectionError as exc:
-                    return ExecResult(
-                        "", "", None, "sandbox_error", time.monotonic() - start, message=str(exc)
-                    )
-                except SandboxUnavailable as exc:
+                except (
+                    ConnectionError,
+                    SandboxUnavailable,
+                ) as exc:  # the worker died, hung or cannot restart
                     return ExecResult(
                         "", "", None, "sandbox_error", time.monotonic() - start, message=str(exc)
                     )
@@ -421,7 +429,8 @@ class LocalSandbox:
     async def create_session(self) -> str:
         """Reserve a stateful session (its kernel starts on the first run) and return its id."""
         self._check_open()
-        await self.start()
+        if not self._started:
+            await self.start()
         worker = max(self._workers, key=lambda w: (len(w.free_slots), -w.load))
         if not worker.free_slots:
             raise SandboxError(
