@@ -5,9 +5,10 @@ its stdin/stdout (frames: 4-byte big-endian length + UTF-8 JSON) and forks a chi
 costs a fork instead of an interpreter start. It must stay importable by old Pythons (3.8+): no third-party
 imports except libseccomp's binding, loaded only when asked for.
 
-Requests (``op``): ``run`` {code, stdin, timeout, slot}: slot 0 is stateless (a fresh child per run); slot
-k >= 1 is a stateful kernel (a long-lived child keeping globals, started on first use); ``close`` {slot}.
-Each run answers {stdout, stderr, exit_code, status, duration_s, truncated, display, message, error, reset}.
+Requests (``op``): ``run`` {code, stdin, timeout, slot, files, fetch_files}: slot 0 is stateless (a fresh
+child per run); slot k >= 1 is a stateful kernel (a long-lived child keeping globals, started on first use);
+``close`` {slot}. Each run answers {stdout, stderr, exit_code, status, duration_s, truncated, display,
+message, error, files, reset}.
 
 Containment done here (the host adds the namespaces, read-only filesystem and the worker's capabilities):
 - a session's kernel is SIGSTOPped between calls, so nothing it left running (threads) runs unbounded;
@@ -304,16 +305,19 @@ class Worker:
         return path
 
     def clean_shm(self, slot):
+        """Delete what ``slot``'s uid left in /dev/shm (shared by the whole sandbox)."""
         if not self.cfg["drop_uid"] or not os.path.isdir("/dev/shm"):
             return
         uid = self.cfg["uid_base"] + slot
         for name in os.listdir("/dev/shm"):
             path = os.path.join("/dev/shm", name)
             try:
-                if os.lstat(path).st_uid == uid:
-                    shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(
-                        path
-                    )
+                if os.lstat(path).st_uid != uid:
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
             except OSError:
                 pass
 
