@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
 from agentrl.train.verl_backend.config_map import VerlSection
 
 # critic-free estimators only: this trainer has no value model (gae needs one)
@@ -26,7 +27,7 @@ KL_TYPES = tuple(KL_KINDS) + tuple(f"{k}+" for k in KL_KINDS)
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 FORMATS = ("auto", "chat_template", "harmony")
-FREEZE_GROUPS = ("embeddings", "attention", "mlp", "experts", "router", "norm", "lm_head")
+FREEZE_GROUPS = tuple(sorted(FREEZE_PATTERNS))
 ROLLOUT_IS = ("token", "sequence")
 BACKENDS = ("embedded", "verl")
 
@@ -40,13 +41,13 @@ class RolloutConfig:
     """How episodes are sampled. ``batch_size`` tasks per step, ``n`` samples per task (GRPO group);
     ``max_new_tokens`` bounds one assistant action; ``max_turns`` bounds one episode (``None`` = env default)."""
 
-    batch_size: int = 8
+    batch_size: int = 4
     n: int = 4
-    max_new_tokens: int = 128
-    temperature: float = 1.0
+    max_new_tokens: int = 64
+    temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
-    max_turns: int | None = None
+    max_turns: int | None = 2
     max_batch_size: int = 64
     concurrency: int = 64
 
@@ -61,6 +62,17 @@ class RolloutCorrectionConfig:
     rollout_is_threshold: Any = 2.0
     rollout_rs: str | None = None
     rollout_rs_threshold: Any = None
+
+
+@dataclass
+class DataConfig:
+    """Where tasks come from (see agentrl.train.tasks): ``tasks`` = env | arithmetic | a task file path;
+    ``level`` = arithmetic difficulty 1-3; ``format_reward`` = weight of a bonus for a ``\\boxed{}``
+    final answer added to the env's reward (0 = the env's reward only)."""
+
+    tasks: str = "arithmetic"
+    level: int = 1
+    format_reward: float = 0.0
 
 
 @dataclass
@@ -80,7 +92,7 @@ class ActorConfig:
     ``micro_batch_size`` sequences per forward/backward (gradient accumulation). ``freeze``: parameter
     groups kept fixed. ``routing_replay``: replay the old-log-prob pass's MoE routing in the update."""
 
-    lr: float = 2e-5
+    lr: float = 5e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
@@ -108,7 +120,7 @@ class EvalConfig:
     """Held-out evaluation on a fixed task set (seeds ``seed_offset .. seed_offset+num_tasks-1``,
     disjoint from training seeds). ``every``: steps between evals (0 = only before and after)."""
 
-    num_tasks: int = 32
+    num_tasks: int = 48
     temperature: float = 0.0
     every: int = 0
     before: bool = True
@@ -118,7 +130,12 @@ class EvalConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 20
+    """``max_wall_s`` (0 = no limit): a time budget for the whole run in this process, model load
+    included; a step is only started if the slowest step so far plus the final evaluation still fit,
+    otherwise training ends early (final eval and checkpoint still happen; summary says so)."""
+
+    total_steps: int = 30
+    max_wall_s: float = 1080.0
     save_every: int = 1
     keep_checkpoints: int = 1
     tensorboard: bool = True
@@ -147,6 +164,7 @@ class TrainConfig:
     threads: int | None = None
     run_dir: str | None = None
     resume: str | None = None
+    data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
@@ -229,6 +247,8 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not valid.{_suggest(str(value), choices)} Valid: {', '.join(choices)}")
+    if cfg.data.level not in (1, 2, 3):
+        raise ConfigError(f"data.level must be 1, 2 or 3, got {cfg.data.level}")
     for group in cfg.actor.freeze:
         if group not in FREEZE_GROUPS:
             raise ConfigError(
@@ -267,6 +287,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"rollout.batch_size*rollout.n={total} must be divisible by actor.num_mini_batches={cfg.actor.num_mini_batches}"
         )
+    if cfg.trainer.max_wall_s < 0:
+        raise ConfigError(f"trainer.max_wall_s must be >= 0 (0 = no limit), got {cfg.trainer.max_wall_s}")
     if cfg.trainer.save_every < 0 or cfg.eval.every < 0 or cfg.eval.num_tasks < 0:
         raise ConfigError("trainer.save_every, eval.every and eval.num_tasks must be >= 0")
 

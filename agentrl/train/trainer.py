@@ -2,10 +2,10 @@
 
 ``Trainer(cfg).fit()`` runs ``cfg.trainer.total_steps`` steps in ``RUN_DIR``. Step ``s`` (1-based) draws
 tasks ``data_position .. data_position + rollout.batch_size - 1`` from the env's offline generator (task
-``i`` is ``generate_task(default_rng([seed, 0, i]), "train")``), samples ``rollout.n`` episodes per task,
+``i`` is a pure function of ``(seed, i)``, see :mod:`agentrl.train.tasks`), samples ``rollout.n`` episodes per task,
 does the policy update, logs metrics and saves an atomic checkpoint. The engine's sampling generator is
 re-seeded from ``(seed, step)`` at each step, so a resumed run samples exactly what the killed one would
-have. Held-out evaluation uses ``env.tasks(split="test")`` (disjoint seeds) with ``eval.temperature``.
+have. Held-out evaluation uses a fixed task set from a separate seed stream, at ``eval.temperature``.
 
 Run directory::
 
@@ -38,6 +38,7 @@ from agentrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_ch
 from agentrl.train.metrics import MetricsSink, episode_metrics
 from agentrl.train.model_loading import LoadedModel, load_model
 from agentrl.train.rollout import EnvPool, Episode, collect
+from agentrl.train.tasks import TaskSource, with_boxed_bonus
 from agentrl.train.update import update_policy
 
 
@@ -66,6 +67,7 @@ class Trainer:
     def __init__(self, cfg: DictConfig, *, console: Any = None) -> None:
         from rich.console import Console
 
+        self.t_created = time.perf_counter()
         self.cfg = cfg
         self.console = console or Console()
         self.run_dir = cfg.run_dir or default_run_dir(cfg)
@@ -81,7 +83,12 @@ class Trainer:
 
         import agentrl.envs.registry as registry
 
-        self.env_cls = registry.env_class(cfg.env)
+        try:
+            self.env_cls = registry.env_class(cfg.env)
+        except KeyError as exc:
+            raise ValueError(str(exc.args[0])) from None
+        self.tasks = TaskSource(self.env_cls, cfg.data.tasks, seed=cfg.seed, level=cfg.data.level,
+                                eval_seed=cfg.seed + cfg.eval.seed_offset)
         t0 = time.perf_counter()
         self.loaded = load_model(
             cfg.model,
@@ -128,21 +135,23 @@ class Trainer:
         for warning in self.sink.warnings:
             self.console.print(f"[yellow]warning:[/] {warning}")
         self.eval_history: dict[int, tuple[float, float]] = {}
+        self.eval_seconds = 0.0  # duration of the latest evaluation (to budget the final one)
+        self.stopped_early = False
 
     # ------------------------------------------------------------------ data
     def _make_env(self) -> Any:
         kwargs = dict(OmegaConf.to_container(self.cfg.env_kwargs, resolve=True))
         if self.cfg.rollout.max_turns is not None:
             kwargs["max_turns"] = self.cfg.rollout.max_turns
+        if self.cfg.data.format_reward:
+            kwargs["rubric"] = with_boxed_bonus(self.env_cls.rubric, self.cfg.data.format_reward)
         return self.env_cls(format=self.format, **kwargs)
 
     def train_task(self, index: int) -> tuple[str, dict[str, Any]]:
-        rng = np.random.default_rng([self.cfg.seed, 0, index])
-        return f"train-{index}", self.env_cls.generate_task(rng, "train")
+        return f"train-{index}", self.tasks.train(index, num_held_out=self.cfg.eval.num_tasks)
 
     def eval_tasks(self) -> list[tuple[str, dict[str, Any]]]:
-        tasks = self.env_cls.tasks(split="test", n=self.cfg.eval.num_tasks, seed=self.cfg.seed + self.cfg.eval.seed_offset)
-        return [(f"test-{i}", t) for i, t in enumerate(tasks)]
+        return [(f"test-{i}", t) for i, t in enumerate(self.tasks.held_out(self.cfg.eval.num_tasks))]
 
     def sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout
@@ -199,6 +208,7 @@ class Trainer:
         self._save_trajectories(f"eval_step_{self.step:06d}", result.episodes)
         metrics = episode_metrics(result.episodes, prefix="eval/")
         metrics["eval/timing_s"] = result.wall_s
+        self.eval_seconds = result.wall_s
         self.eval_history[self.step] = (metrics["eval/critic/score/mean"], metrics["eval/critic/score/sem"])
         return metrics
 
@@ -257,9 +267,13 @@ class Trainer:
                 self._print_eval(metrics)
             with self._progress() as progress:
                 task = progress.add_task("training", total=cfg.trainer.total_steps, completed=self.step) if progress else None
+                slowest_step = 0.0
                 while self.step < cfg.trainer.total_steps:
+                    t_step = time.perf_counter()
                     metrics = await self.train_step(pool)
-                    last = self.step == cfg.trainer.total_steps
+                    slowest_step = max(slowest_step, time.perf_counter() - t_step)
+                    out_of_time = self._out_of_time(slowest_step)
+                    last = self.step == cfg.trainer.total_steps or out_of_time
                     if cfg.eval.num_tasks and ((cfg.eval.every and self.step % cfg.eval.every == 0) or (last and cfg.eval.after)):
                         metrics.update(await self.evaluate(pool))
                     self.sink.log(self.step, metrics)
@@ -268,10 +282,22 @@ class Trainer:
                     self._print_step(metrics)
                     if progress:
                         progress.update(task, completed=self.step)
+                    if out_of_time:
+                        self.stopped_early = True
+                        self.console.print(f"trainer.max_wall_s={cfg.trainer.max_wall_s:g} reached: stopping after step {self.step}")
+                        break
         finally:
             await pool.aclose()
             self.sink.close()
         return self._summary(time.perf_counter() - t_start)
+
+    def _out_of_time(self, slowest_step: float) -> bool:
+        """True if another step plus the final evaluation would overrun ``trainer.max_wall_s``."""
+        budget = self.cfg.trainer.max_wall_s
+        if not budget:
+            return False
+        eval_s = self.eval_seconds if self.cfg.eval.after and self.cfg.eval.num_tasks else 0.0
+        return time.perf_counter() - self.t_created + slowest_step + eval_s > budget
 
     def fit(self) -> dict[str, Any]:
         """Resume if ``RUN_DIR`` has a checkpoint, train to ``trainer.total_steps``, return the summary."""
@@ -317,8 +343,11 @@ class Trainer:
         )
 
     def _summary(self, wall_s: float) -> dict[str, Any]:
-        summary: dict[str, Any] = {"run_dir": self.run_dir, "steps": self.step, "wall_s_this_process": wall_s,
-                                   "model_load_s": self.load_s}
+        summary: dict[str, Any] = {
+            "run_dir": self.run_dir, "steps": self.step, "data_position": self.data_position,
+            "wall_s_this_process": time.perf_counter() - self.t_created, "fit_s": wall_s,
+            "model_load_s": self.load_s, "stopped_early_by_max_wall_s": self.stopped_early,
+        }
         if self.eval_history:
             first, last = min(self.eval_history), max(self.eval_history)
             summary["eval_before"] = {"step": first, "mean": self.eval_history[first][0], "sem": self.eval_history[first][1]}

@@ -173,6 +173,7 @@ def update_policy(
                 sub_weights = None if is_weights is None else is_weights[rows]
                 if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
                     sub_old = log_prob.detach()
+                if on_policy and sub_mask.any():
                     sub_weights, sub_mask, rc_metrics = rollout_correction(
                         old_log_prob=sub_old,
                         rollout_log_prob=sub.rollout_log_probs,
@@ -184,7 +185,7 @@ def update_policy(
                     )
                     for k, v in rc_metrics.items():
                         collected[k].append(v)
-                else:
+                elif not on_policy:
                     sub_old = old_log_prob[rows]
                 agg = {"batch_num_tokens": num_tokens, "global_batch_size": num_rows}
                 pg_loss, pg_metrics = policy_loss(

@@ -1,0 +1,89 @@
+"""Task sources for training and held-out evaluation, and the optional boxed-answer reward bonus.
+
+``data.tasks`` picks where tasks come from:
+
+- ``env``: the env's own offline generator (``EnvClass.generate_task(rng, split)``);
+- ``arithmetic``: short integer arithmetic questions (``What is 7 + 5?``) at ``data.level`` 1-3, for
+  small models that cannot solve the env's own tasks yet; any math env (retool, gsm8k) scores them,
+  since a task is just ``{"id", "prompt", "answer"}``;
+- a path to a JSONL/parquet file in the env's task format (``EnvClass.load_tasks``): its first
+  ``eval.num_tasks`` rows are held out for evaluation, the rest are the training stream (cycled).
+
+Task ``i`` of the training stream is a pure function of ``(seed, i)``, so a resumed run continues the
+stream exactly. Held-out tasks use another seed stream (generators) or rows (files).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from agentrl.envs.rewards import extract_boxed
+
+TASK_SOURCES = ("env", "arithmetic")
+
+
+def arithmetic_task(rng: np.random.Generator, level: int = 1) -> dict[str, Any]:
+    """One integer arithmetic question. Level 1: a+b with a, b in 1..9; level 2: +, - or * on 1..20;
+    level 3: a op b op c on 1..50."""
+    r = lambda lo, hi: int(rng.integers(lo, hi + 1))  # noqa: E731
+    if level == 1:
+        a, b = r(1, 9), r(1, 9)
+        expr, value = f"{a} + {b}", a + b
+    elif level == 2:
+        a, b, op = r(1, 20), r(1, 20), str(rng.choice(["+", "-", "*"]))
+        expr = f"{a} {op} {b}"
+        value = eval(expr)  # noqa: S307 - expr is built from two ints and one operator above
+    elif level == 3:
+        a, b, c = r(1, 50), r(1, 50), r(1, 50)
+        ops = [str(o) for o in rng.choice(["+", "-", "*"], size=2)]
+        expr = f"{a} {ops[0]} {b} {ops[1]} {c}"
+        value = eval(expr)  # noqa: S307 - ints and operators only
+    else:
+        raise ValueError(f"data.level must be 1, 2 or 3, got {level}")
+    return {"id": f"arith{level}-{expr.replace(' ', '')}", "prompt": f"What is {expr}?", "answer": str(value)}
+
+
+class TaskSource:
+    """``train(i)`` -> task ``i`` of the training stream; ``held_out(n)`` -> the fixed evaluation tasks."""
+
+    def __init__(self, env_cls: type, source: str, *, seed: int, level: int = 1, eval_seed: int = 1_000_000) -> None:
+        self.env_cls, self.source, self.seed, self.level, self.eval_seed = env_cls, source, seed, level, eval_seed
+        self._rows: list[dict[str, Any]] | None = None
+        if source not in TASK_SOURCES:
+            try:
+                self._rows = list(env_cls.load_tasks(source))
+            except FileNotFoundError:
+                raise ValueError(f"data.tasks={source!r}: no such file; use env, arithmetic or a task file path") from None
+            if not self._rows:
+                raise ValueError(f"data.tasks={source!r} holds no tasks")
+
+    def _generate(self, rng: np.random.Generator, split: str) -> dict[str, Any]:
+        if self.source == "arithmetic":
+            return arithmetic_task(rng, self.level)
+        return self.env_cls.generate_task(rng, split)
+
+    def train(self, index: int, num_held_out: int = 0) -> dict[str, Any]:
+        if self._rows is not None:
+            pool = self._rows[num_held_out:] or self._rows
+            return dict(pool[index % len(pool)])
+        return self._generate(np.random.default_rng([self.seed, 0, index]), "train")
+
+    def held_out(self, n: int) -> list[dict[str, Any]]:
+        if self._rows is not None:
+            return [dict(t) for t in self._rows[:n]]
+        return [self._generate(np.random.default_rng([self.eval_seed, 1, i]), "test") for i in range(n)]
+
+
+def with_boxed_bonus(rubric: Callable[[Any], tuple[float, dict[str, float]]] | None, weight: float) -> Callable:
+    """Wrap an env rubric: adds component ``boxed`` (1.0 if the final answer contains a ``\\boxed{...}``)
+    with ``weight`` to the total. ``rubric`` returns ``(total, components)``; None counts as 0."""
+
+    def reward(ctx: Any) -> tuple[float, dict[str, float]]:
+        total, components = rubric(ctx) if rubric is not None else (0.0, {})
+        boxed = float(bool(ctx.final) and extract_boxed(ctx.final) is not None)
+        return total + weight * boxed, {**components, "boxed": boxed}
+
+    return reward

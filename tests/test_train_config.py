@@ -1,0 +1,63 @@
+"""Train config: dotted overrides, helpful errors with close matches, --help, resume config."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from agentrl.train.cli import load_run_config, main
+from agentrl.train.config import ConfigError, all_keys, build_config, help_text
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = build_config(["env=retool", "actor.lr=1e-5", "rollout.n=8", "actor.freeze=[attention,router]",
+                        "algorithm.rollout_correction.rollout_is=token", "env_kwargs.exec_timeout_s=3"])
+    assert cfg.actor.lr == 1e-5 and cfg.rollout.n == 8
+    assert list(cfg.actor.freeze) == ["attention", "router"]
+    assert cfg.algorithm.rollout_correction.rollout_is == "token"
+    assert cfg.env_kwargs.exec_timeout_s == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["env=retool", "actor.lrr=1"], "Did you mean: actor.lr"),
+        (["env=retool", "rolout.n=2"], "Did you mean: rollout.n"),
+        (["env=retool", "algorithm.adv_estimator=grop"], "Did you mean: grpo"),
+        (["env=retool", "actor.freeze=[atention]"], "Did you mean: attention"),
+        (["env=retool", "actor.lr=fast"], "actor.lr"),
+        (["env=retool", "rollout.n=1"], "needs rollout.n >= 2"),
+        (["env=retool", "rollout.batch_size=3", "actor.num_mini_batches=5"], "divisible"),
+        (["env=retool", "device=tpu"], "Valid: cpu, cuda"),
+        (["actor.lr=1e-5"], "env is required"),
+        (["env=retool", "justaword"], "expected key=value"),
+    ],
+)
+def test_bad_config_errors_suggest_fixes(argv, expected):
+    with pytest.raises(ConfigError, match=None) as info:
+        build_config(argv)
+    assert expected in str(info.value)
+
+
+def test_help_lists_every_key(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for key in all_keys():
+        assert f"  {key} = " in out
+    assert "algorithm.adv_estimator = 'grpo'" in help_text()
+
+
+def test_cli_bad_key_exits_2(capsys):
+    assert main(["env=retool", "trainer.totl_steps=3"]) == 2
+    assert "trainer.total_steps" in capsys.readouterr().err
+
+
+def test_resume_uses_saved_config_plus_overrides(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(build_config(["env=gsm8k", "actor.lr=3e-6", "trainer.total_steps=4"]), run / "config.yaml")
+    cfg = load_run_config([f"resume={run}", "trainer.total_steps=6"])
+    assert cfg.env == "gsm8k" and cfg.actor.lr == 3e-6 and cfg.trainer.total_steps == 6
+    assert cfg.run_dir == str(run) and cfg.resume == str(run)
+    with pytest.raises(ConfigError, match="no config.yaml"):
+        load_run_config([f"resume={tmp_path / 'missing'}"])
