@@ -74,6 +74,7 @@ def test_dry_run_plan_is_valid_for_verl(tmp_path, capsys):
     spec = parse_spec(row["agentrl"])
     assert spec["env"] == "verl_add" and spec["max_new_tokens"] == 512 and "answer" in spec["task"]
     assert row["raw_prompt"][0]["content"] == spec["task"]["prompt"]
+    assert row["reward_model"] == {"style": "agentrl_env", "ground_truth": spec["task"]["answer"]}
 
 
 def test_verl_rejects_unknown_key_before_launch(tmp_path):

@@ -8,6 +8,8 @@ Columns (``RLHFDataset`` passes every column of a row to the agent loop as a key
 - ``prompt``: the task's user message as ``[{"role": "user", "content": ...}]`` (verl requires the
   column; the agent loop renders the real prompt through the env's ChatFormat);
 - ``data_source``: ``"agentrl/<env>"`` (verl groups validation metrics by it);
+- ``reward_model``: ``{"style": "agentrl_env", "ground_truth": <task answer or "">}`` (verl's logging reads
+  it; the reward itself is the env's, computed in the agent loop);
 - ``extra_info``: ``{"index": i, "split": split}`` (verl reads ``index`` from it).
 
 Tasks come from the env class: its offline generator (:meth:`~agentrl.envs.AgentEnv.tasks`, ``train`` and
@@ -46,6 +48,7 @@ def episode_rows(
         rows.append(
             {
                 "data_source": f"agentrl/{env}",
+                "reward_model": {"style": "agentrl_env", "ground_truth": str(task.get("answer", ""))},
                 "agent_name": AGENT_NAME,
                 "prompt": [{"role": "user", "content": str(task.get("prompt", ""))}],
                 "agentrl": json.dumps(spec, ensure_ascii=False, default=str),
