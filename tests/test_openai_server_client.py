@@ -182,22 +182,25 @@ async def test_api_key_is_enforced():
 
 
 async def test_concurrent_requests_overlap():
-    """The client sends and the server serves requests concurrently: all 32 are in flight at once
-    (counted inside the engine, not timed)."""
+    """The client sends and the server serves requests concurrently: the engine holds every request until
+    all 32 are inside it at once (it would wait forever, up to the timeout, if they were serialised)."""
     from agentrl.engines.base import Completion
 
-    in_flight = {"now": 0, "max": 0}
+    state = {"now": 0, "max": 0}
+    all_in = asyncio.Event()
 
     class Gate:
         async def generate(self, prompts, sampling):
-            in_flight["now"] += 1
-            in_flight["max"] = max(in_flight["max"], in_flight["now"])
-            await asyncio.sleep(0.2)
-            in_flight["now"] -= 1
+            state["now"] += 1
+            state["max"] = max(state["max"], state["now"])
+            if state["now"] == 32:
+                all_in.set()
+            await asyncio.wait_for(all_in.wait(), 60)
+            state["now"] -= 1
             return [Completion([p[0]], [-0.1], "stop") for p in prompts]
 
     with BackgroundServer(create_app(Gate(), FMT)) as srv:
-        async with OpenAIEngine(base_url=srv.base_url, max_concurrency=32) as engine:
+        async with OpenAIEngine(base_url=srv.base_url, max_concurrency=32, max_retries=0) as engine:
             comps = await engine.generate([[i + 1] for i in range(32)], SamplingParams(max_new_tokens=1))
     assert [c.token_ids for c in comps] == [[i + 1] for i in range(32)]
-    assert in_flight["max"] == 32
+    assert state["max"] == 32
