@@ -239,7 +239,8 @@ class LocalSandbox:
     """A pool of isolated fork-server workers on this machine; implements :class:`SandboxBackend`.
 
     Args:
-        workers: number of sandboxes (parallel runs); default: the CPU count.
+        workers: number of sandboxes (parallel runs); default: twice the CPU count (a worker waits while its
+            child runs, so two per core keep the cores busy).
         isolation: ``"bubblewrap"`` (default) or ``"none"`` (NO isolation: the code runs as this user on the
             host; only for trusted code; warns loudly).
         python: the interpreter inside the sandbox; must be visible there (under /usr or ``ro_binds``) and,
@@ -287,7 +288,7 @@ class LocalSandbox:
     ) -> None:
         if isolation not in ("bubblewrap", "none"):
             raise SandboxError(f"isolation must be 'bubblewrap' or 'none', not {isolation!r}")
-        n = workers if workers is not None else (os.cpu_count() or 1)
+        n = workers if workers is not None else 2 * len(os.sched_getaffinity(0))
         if n < 1:
             raise SandboxError(f"workers must be >= 1, got {n}")
         if memory_cgroup not in ("auto", "required", "off"):

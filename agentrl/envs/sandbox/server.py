@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
         "--host", default="127.0.0.1", help="bind address (default 127.0.0.1; use 0.0.0.0 to serve a cluster)"
     )
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--workers", type=int, default=None, help="sandboxes in the pool (default: CPU count)")
+    p.add_argument("--workers", type=int, default=None, help="sandboxes in the pool (default: 2 x CPU count)")
     p.add_argument("--memory-mb", type=int, default=1024, help="address-space limit per process, MiB")
     p.add_argument("--max-processes", type=int, default=64)
     p.add_argument("--output-limit-bytes", type=int, default=64 * 1024)
