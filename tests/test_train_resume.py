@@ -1,0 +1,64 @@
+"""A training run SIGKILLed after its step-2 checkpoint resumes exactly: step count, data position and
+the sampled token streams continue as in an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+ARGS = [
+    "env=gsm8k", "model=tiny-gpt-oss", "rollout.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=6",
+    "rollout.max_turns=1", "eval.num_tasks=0", "trainer.total_steps=4", "trainer.max_wall_s=0",
+    "trainer.progress=false", "trainer.tensorboard=false", "actor.freeze=[embeddings,lm_head]", "threads=1",
+]
+
+
+def _train(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "agentrl.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    return out
+
+
+def _responses(run, step):
+    with open(run / "trajectories" / f"step_{step:06d}.jsonl") as f:
+        return [(json.loads(line)["metadata"]["task_id"], json.loads(line)["response_ids"]) for line in f]
+
+
+def _state(run):
+    latest = (run / "checkpoints" / "latest").read_text()
+    return json.loads((run / "checkpoints" / latest / "state.json").read_text())
+
+
+def test_killed_run_resumes_exactly(tmp_path):
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    _finish(_train([*ARGS, f"run_dir={ref}"]))
+
+    proc = _train([*ARGS, f"run_dir={killed}"])
+    seen = []
+    for line in proc.stdout:  # the step line is printed after that step's checkpoint is complete
+        seen.append(line)
+        if line.startswith("step 2/4"):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "".join(seen)
+    assert _state(killed)["step"] in (2, 3)  # at most the step in flight is lost
+
+    out = _finish(_train([f"resume={killed}"]))
+    assert "resumed from" in out
+    state = _state(killed)
+    assert state["step"] == 4 and state["data_position"] == 4 * 2 == _state(ref)["data_position"]
+    steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    for step in (3, 4):
+        assert _responses(killed, step) == _responses(ref, step)
+    assert [t for t, _ in _responses(killed, 3)] == ["train-4", "train-4", "train-5", "train-5"]
