@@ -65,7 +65,7 @@ def test_agent_loop_through_verl_matches_our_rollout(tmp_path):
     model.config.save_pretrained(model_dir)
     harmony_hf_tokenizer().save_pretrained(model_dir)
     n, max_turns, max_new = 3, 3, 6
-    train, val = write_env_dataset(tmp_path / "data", env_name, n_train=n, n_val=1, format="harmony",
+    train, val = write_env_dataset(tmp_path / "data", env_name, tasks="env", n_train=n, n_val=1, format="harmony",
                                    env_kwargs={"max_turns": max_turns}, max_new_tokens=max_new)
     cfg = {"env": env_name, "model": str(model_dir), "rollout": {"batch_size": n, "n": 1, "temperature": 1.0},
            "trainer": {"n_gpus_per_node": 1, "nnodes": 1},

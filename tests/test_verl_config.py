@@ -77,6 +77,24 @@ def test_dry_run_plan_is_valid_for_verl(tmp_path, capsys):
     assert row["reward_model"] == {"style": "agentrl_env", "ground_truth": spec["task"]["answer"]}
 
 
+def test_dataset_follows_the_embedded_trainers_task_source(tmp_path):
+    import pyarrow.parquet as pq
+
+    from agentrl.envs import env_class
+    from agentrl.train.tasks import TaskSource
+    from agentrl.train.verl_backend.agent_loop import parse_spec
+    from agentrl.train.verl_backend.dataset import write_env_dataset
+
+    train, val = write_env_dataset(tmp_path, register(), tasks="arithmetic", n_train=5, n_val=2, seed=3, level=2,
+                                   eval_seed=77, format_reward=0.5, max_new_tokens=64)
+    source = TaskSource(env_class("verl_add"), "arithmetic", seed=3, level=2, eval_seed=77)
+    train_specs = [parse_spec(r) for r in pq.read_table(train).column("agentrl").to_pylist()]
+    val_specs = [parse_spec(r) for r in pq.read_table(val).column("agentrl").to_pylist()]
+    assert [s["task"] for s in train_specs] == [source.train(i, num_held_out=2) for i in range(5)]
+    assert [s["task"] for s in val_specs] == source.held_out(2)
+    assert {s["format_reward"] for s in train_specs} == {0.5}
+
+
 def test_verl_rejects_unknown_key_before_launch(tmp_path):
     from agentrl.train.verl_backend.launch import plan
 

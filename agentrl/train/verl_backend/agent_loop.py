@@ -3,10 +3,11 @@
 verl's ``AgentLoopWorker`` instantiates :class:`AgentrlAgentLoop` for every dataset row whose
 ``agent_name`` is ``"agentrl"`` and awaits ``run(sampling_params, **row)``. The row's ``agentrl`` column
 (written by :mod:`agentrl.train.verl_backend.dataset`) is the JSON episode spec ``{"env", "env_kwargs",
-"format", "task", "max_new_tokens"}``. The loop:
+"format", "task", "max_new_tokens", "format_reward"}``. The loop:
 
-1. builds the env (``agentrl.make(env, format=..., **env_kwargs)``) and resets it on the task: the prompt
-   token ids come from the env's ChatFormat, not from verl's chat template;
+1. builds the env (``agentrl.make(env, format=..., **env_kwargs)``, with the boxed-answer bonus of
+   ``data.format_reward`` when set) and resets it on the task: the prompt token ids come from the env's
+   ChatFormat, not from verl's chat template;
 2. asks ``server_manager.generate(request_id, prompt_ids=<context>, sampling_params=...)`` for one
    assistant action (bounded by ``max_new_tokens`` and by what is left of ``rollout.response_length``,
    stopping at the format's stop tokens) and hands the ``TokenOutput`` (ids + log-probs) to ``env.astep``;
@@ -123,7 +124,13 @@ class AgentrlAgentLoop(AgentLoopBase):
             )
         spec = parse_spec(kwargs[SPEC_COLUMN])
         fmt = resolve_format(spec.get("format", "auto"), self.tokenizer, self.hf_model_type)
-        env = agentrl.make(spec["env"], format=fmt, **spec.get("env_kwargs", {}))
+        env_kwargs = dict(spec.get("env_kwargs") or {})
+        if spec.get("format_reward"):
+            from agentrl.envs import env_class
+            from agentrl.train.tasks import with_boxed_bonus
+
+            env_kwargs["rubric"] = with_boxed_bonus(env_class(spec["env"]).rubric, float(spec["format_reward"]))
+        env = agentrl.make(spec["env"], format=fmt, **env_kwargs)
         gen_s = env_s = 0.0
         try:
             obs, _ = await env.areset(options={"task": spec["task"]})

@@ -48,8 +48,8 @@ class VerlSection:
     ``max_response_length``: verl's padded widths (the response is the whole multi-turn episode after
     the prompt). ``ulysses_sp``: Ulysses sequence-parallel group size (divides the attention heads).
     ``use_dynamic_bsz`` packs micro-batches up to ``max_tokens_per_gpu`` tokens; otherwise
-    ``micro_batch_size_per_gpu`` sequences. ``n_train_tasks`` / ``n_val_tasks``: tasks written to the
-    dataset (from ``task_path`` if set, else the env's generator). ``overrides``: raw verl Hydra
+    ``micro_batch_size_per_gpu`` sequences. ``n_train_tasks`` / ``n_val_tasks``: training-stream and
+    held-out tasks written to the dataset (from ``data.tasks``, as for the embedded trainer). ``overrides``: raw verl Hydra
     overrides appended last (``verl.overrides=[trainer.val_before_train=true]``).
     """
 
@@ -68,7 +68,6 @@ class VerlSection:
     agent_workers: int = 8
     n_train_tasks: int = 1024
     n_val_tasks: int = 64
-    task_path: str | None = None
     overrides: list[str] = field(default_factory=list)
 
 

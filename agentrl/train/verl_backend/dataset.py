@@ -3,7 +3,8 @@
 Columns (``RLHFDataset`` passes every column of a row to the agent loop as a keyword argument):
 
 - ``agent_name``: ``"agentrl"``, so verl runs :class:`~agentrl.train.verl_backend.agent_loop.AgentrlAgentLoop`;
-- ``agentrl``: the JSON episode spec ``{"env", "env_kwargs", "format", "task", "max_new_tokens"}``
+- ``agentrl``: the JSON episode spec ``{"env", "env_kwargs", "format", "task", "max_new_tokens",
+  "format_reward"}``
   (JSON text, so tasks of any shape fit one parquet column);
 - ``prompt``: the task's user message as ``[{"role": "user", "content": ...}]`` (verl requires the
   column; the agent loop renders the real prompt through the env's ChatFormat);
@@ -12,9 +13,8 @@ Columns (``RLHFDataset`` passes every column of a row to the agent loop as a key
   it; the reward itself is the env's, computed in the agent loop);
 - ``extra_info``: ``{"index": i, "split": split}`` (verl reads ``index`` from it).
 
-Tasks come from the env class: its offline generator (:meth:`~agentrl.envs.AgentEnv.tasks`, ``train`` and
-``test`` splits drawn separately) or a local task file (:meth:`~agentrl.envs.AgentEnv.load_tasks`, whose
-last ``n_val`` tasks are held out for validation).
+Tasks come from :class:`agentrl.train.tasks.TaskSource` (``data.tasks``: the env's generator, arithmetic,
+or a task file), exactly as for the embedded trainer.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def episode_rows(
     env_kwargs: dict[str, Any] | None = None,
     format: str = "auto",
     max_new_tokens: int | None = None,
+    format_reward: float = 0.0,
 ) -> list[dict[str, Any]]:
     """One verl dataset row per task (see module docstring)."""
     rows = []
@@ -44,6 +45,7 @@ def episode_rows(
             "format": format,
             "task": task,
             "max_new_tokens": max_new_tokens,
+            "format_reward": format_reward,
         }
         rows.append(
             {
@@ -75,29 +77,29 @@ def write_env_dataset(
     out_dir: str | Path,
     env: str,
     *,
+    tasks: str,
     n_train: int,
     n_val: int,
     seed: int = 0,
-    task_path: str | None = None,
+    level: int = 1,
+    eval_seed: int = 1_000_000,
     env_kwargs: dict[str, Any] | None = None,
     format: str = "auto",
     max_new_tokens: int | None = None,
+    format_reward: float = 0.0,
 ) -> tuple[str, str]:
-    """Write ``train.parquet`` and ``val.parquet`` for ``env`` under ``out_dir``; returns their paths."""
+    """Write ``train.parquet`` (training-stream tasks ``0..n_train-1``) and ``val.parquet`` (the ``n_val``
+    held-out tasks) for ``env`` under ``out_dir``; returns their paths. ``tasks``, ``seed``, ``level`` and
+    ``eval_seed`` mean what ``data.tasks``, ``seed``, ``data.level`` and the eval seed mean to the embedded
+    trainer (:class:`agentrl.train.tasks.TaskSource`), so both backends see the same task streams."""
     from agentrl.envs import env_class
+    from agentrl.train.tasks import TaskSource
 
-    cls = env_class(env)
-    common = dict(env_kwargs=env_kwargs, format=format, max_new_tokens=max_new_tokens)
-    if task_path is not None:  # one file: the last n_val tasks are held out
-        tasks = cls.load_tasks(task_path)
-        if len(tasks) <= n_val:
-            raise ValueError(f"{task_path} has {len(tasks)} tasks; need more than verl.n_val_tasks={n_val}")
-        train, val = tasks[: len(tasks) - n_val][:n_train], tasks[len(tasks) - n_val :]
-    else:
-        train = cls.tasks(split="train", n=n_train, seed=seed)
-        val = cls.tasks(split="test", n=n_val, seed=seed)
+    source = TaskSource(env_class(env), tasks, seed=seed, level=level, eval_seed=eval_seed)
+    common = dict(env_kwargs=env_kwargs, format=format, max_new_tokens=max_new_tokens, format_reward=format_reward)
+    train = [source.train(i, num_held_out=n_val) for i in range(n_train)]
     out = Path(out_dir)
     return (
         write_parquet(episode_rows(env, train, split="train", **common), out / "train.parquet"),
-        write_parquet(episode_rows(env, val, split="test", **common), out / "val.parquet"),
+        write_parquet(episode_rows(env, source.held_out(n_val), split="test", **common), out / "val.parquet"),
     )

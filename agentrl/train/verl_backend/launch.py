@@ -64,16 +64,20 @@ def plan(cfg: Any) -> LaunchPlan:
     env_kwargs = dict(select(cfg, "env_kwargs") or {})
     if max_turns is not None:
         env_kwargs.setdefault("max_turns", int(max_turns))
+    seed = int(select(cfg, "seed") or 0)
     train_file, val_file = write_env_dataset(
         run_dir / "verl_data",
         env,
-        n_train=int(select(cfg, "verl.n_train_tasks") or 1024),
-        n_val=int(select(cfg, "verl.n_val_tasks") or 64),
-        seed=int(select(cfg, "seed") or 0),
-        task_path=select(cfg, "verl.task_path"),
+        tasks=str(select(cfg, "data.tasks") or "env"),
+        n_train=int(select(cfg, "verl.n_train_tasks")),
+        n_val=int(select(cfg, "verl.n_val_tasks")),
+        seed=seed,
+        level=int(select(cfg, "data.level") or 1),
+        eval_seed=seed + int(select(cfg, "eval.seed_offset") or 1_000_000),
         env_kwargs=env_kwargs,
         format=str(select(cfg, "format") or "auto"),
         max_new_tokens=select(cfg, "rollout.max_new_tokens"),
+        format_reward=float(select(cfg, "data.format_reward") or 0.0),
     )
     files = ([str(Path(train_file).resolve())], [str(Path(val_file).resolve())])
     settings = verl_settings(cfg, *files)
