@@ -333,6 +333,7 @@ class Trainer:
             if key in m:
                 parts.append(f"{label} {m[key]:.3g}")
         self.console.print("  ".join(parts))
+        self.console.file.flush()
         if "eval/critic/score/mean" in m:
             self._print_eval(m)
 
@@ -341,6 +342,7 @@ class Trainer:
             f"eval @ step {self.step}: reward {m['eval/critic/score/mean']:.3f} ± {m['eval/critic/score/sem']:.3f} "
             f"(n={self.cfg.eval.num_tasks})"
         )
+        self.console.file.flush()
 
     def _summary(self, wall_s: float) -> dict[str, Any]:
         summary: dict[str, Any] = {

@@ -1,0 +1,90 @@
+"""The trainer end to end on a tiny random GPT-OSS: metrics, on-policy fix, off-policy path with KL,
+rollout correction and freezing, run-directory contents and plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import agentrl.envs.registry as registry
+from agentrl.envs.env import AgentEnv
+from agentrl.train.config import build_config
+from agentrl.train.plots import plot_runs
+from agentrl.train.trainer import Trainer
+
+
+class ParityEnv(AgentEnv):
+    """One action per episode; reward 1 when the first sampled token id is even (varies within a group)."""
+
+    single_turn = True
+
+    @classmethod
+    def generate_task(cls, rng, split="train"):
+        return {"id": str(int(rng.integers(1000))), "prompt": "Say something.", "answer": "0"}
+
+    def reward(self, ctx):
+        first = ctx.trajectory.response_ids[0] if ctx.trajectory.response_ids else 1
+        return float(first % 2 == 0), {"even": float(first % 2 == 0)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _register():
+    registry.register("parity-test", f"{__name__}:ParityEnv")
+
+
+BASE = ["env=parity-test", "model=tiny-gpt-oss", "data.tasks=env", "rollout.batch_size=2", "rollout.n=4",
+        "rollout.max_new_tokens=4", "rollout.temperature=1.0", "eval.num_tasks=4", "trainer.progress=false",
+        "trainer.max_wall_s=0", "actor.lr=1e-3"]
+
+
+def _fit(tmp_path, name, extra):
+    cfg = build_config([*BASE, f"run_dir={tmp_path / name}", *extra])
+    trainer = Trainer(cfg)
+    before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    summary = trainer.fit()
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return trainer, before, summary, records
+
+
+def test_on_policy_step_has_ratio_exactly_one(tmp_path):
+    trainer, before, summary, records = _fit(tmp_path, "onpolicy", ["trainer.total_steps=1"])
+    assert [r["step"] for r in records] == [0, 1]
+    step = records[1]
+    assert step["actor/on_policy"] == 1.0
+    assert step["actor/ppo_ratio_max"] == 1.0 and step["actor/ppo_ratio_min"] == 1.0
+    assert step["actor/pg_clipfrac"] == 0.0
+    assert step["rollout_corr/logprob_abs_diff_mean"] < 1e-3  # engine and trainer agree (fp32)
+    assert step["actor/grad_norm"] > 0
+    for key in ("critic/score/mean", "reward/even/mean", "response_length/mean", "episode/turns_mean",
+                "episode/tool_calls_mean", "episode/tool_error_rate", "episode/parse_error_rate",
+                "actor/entropy", "rollout_corr/k3_kl", "rollout_corr/logprob_abs_diff_max",
+                "timing_s/gen", "timing_s/tools", "timing_s/update_actor", "perf/gen_tokens_per_s",
+                "perf/train_tokens_per_s", "eval/critic/score/mean"):
+        assert key in step, key
+    assert "eval/critic/score/mean" in records[0]
+    assert any(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
+    run = tmp_path / "onpolicy"
+    assert (run / "config.yaml").exists() and (run / "summary.json").exists()
+    assert summary["eval_before"]["step"] == 0 and summary["eval_after"]["step"] == 1
+    assert len((run / "trajectories" / "step_000001.jsonl").read_text().splitlines()) == 8
+    assert len(plot_runs([str(run)], str(tmp_path / "plots"))) == 7
+
+
+def test_off_policy_with_kl_rollout_correction_and_freeze(tmp_path):
+    trainer, before, _, records = _fit(tmp_path, "offpolicy", [
+        "trainer.total_steps=1", "actor.ppo_epochs=2", "actor.num_mini_batches=2", "actor.micro_batch_size=2",
+        "actor.use_kl_loss=true", "actor.kl_loss_coef=0.1", "actor.freeze=[embeddings,router]",
+        "algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0", "eval.before=false",
+    ])
+    step = records[-1]
+    assert step["actor/on_policy"] == 0.0 and step["actor/optimizer_steps"] == 4.0
+    assert "actor/kl_loss" in step and step["actor/kl_loss"] >= 0
+    assert any(k.startswith("rollout_corr/rollout_is") for k in step)
+    assert any(k.startswith("rollout_corr/rollout_rs") for k in step)
+    assert "timing_s/old_log_prob" in step and "timing_s/ref" in step
+    params = dict(trainer.model.named_parameters())
+    assert torch.equal(params["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    assert not torch.equal(params["lm_head.weight"], before["lm_head.weight"])
