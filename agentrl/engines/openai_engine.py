@@ -289,7 +289,7 @@ class OpenAIEngine:
     def _body(self, model: str, prompt: Sequence[int], s: SamplingParams) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model,
-            "prompt": [int(t) for t in prompt],
+            "prompt": list(map(int, prompt)),
             "max_tokens": s.max_new_tokens,
             "temperature": s.temperature,
             "top_p": s.top_p,

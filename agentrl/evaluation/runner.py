@@ -482,6 +482,14 @@ class _EpisodeRunner:
 class _TokenRunner(_EpisodeRunner):
     """Token-in-token-out episodes with the trainer's rollout loop."""
 
+    _stop_ids: list[int] | None = None
+
+    def stop_ids(self, env: Any) -> list[int]:
+        """The format's stop ids, looked up once (openai-harmony computes them on each call)."""
+        if self._stop_ids is None:
+            self._stop_ids = list(env.format.stop_token_ids)
+        return self._stop_ids
+
     async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
         from agentrl.train.rollout import run_episode
 
@@ -490,7 +498,7 @@ class _TokenRunner(_EpisodeRunner):
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            stop_token_ids=env.format.stop_token_ids,
+            stop_token_ids=self.stop_ids(env),
             seed=cfg.seed + sample,
         )
         t0 = time.perf_counter()
