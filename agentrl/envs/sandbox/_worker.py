@@ -34,6 +34,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -294,14 +295,24 @@ class Worker:
     def workdir(self, slot):
         """An empty private directory for ``slot``, owned by its uid, mode 0700."""
         path = os.path.join(self.cfg["tmp_root"], f"slot{slot}")
-        if os.path.islink(path) or (os.path.isdir(path) and os.listdir(path)):
-            shutil.rmtree(path, ignore_errors=True)
-        if not os.path.isdir(path):
+        uid = self.cfg["uid_base"] + slot if self.cfg["drop_uid"] else os.getuid()
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and (not stat.S_ISDIR(st.st_mode) or os.listdir(path)):
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+            st = None
+        if st is None:
             os.mkdir(path, 0o700)
-        if self.cfg["drop_uid"]:
-            uid = self.cfg["uid_base"] + slot
+            st = os.lstat(path)
+        if st.st_uid != uid:
             os.chown(path, uid, uid)
-        os.chmod(path, 0o700)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(path, 0o700)
         return path
 
     def clean_shm(self, slot):
@@ -504,10 +515,11 @@ class Worker:
         finished = one_shot or exited or col["timed_out"] or col["bad_frame"]
         if finished:
             try:
-                os.killpg(pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)  # its process group (the process itself may have left it)
             except OSError:
                 pass
-            _kill(pid)
+            if not exited:
+                _kill(pid)
             col["wait_status"] = _reap(pid)
         self.kill_strays()
         # Every writer is dead now; for a live kernel, all it wrote before answering is already in the pipe.
@@ -674,8 +686,8 @@ def _drain_nonblocking(fd):
 def _is_zombie(pid_name):
     try:
         with open(f"/proc/{pid_name}/stat", "rb") as f:
-            stat = f.read()
-        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] in (b"Z", b"X")
+            data = f.read()
+        return data[data.rindex(b")") + 2 : data.rindex(b")") + 3] in (b"Z", b"X")
     except (OSError, ValueError):
         return True  # already gone
 
