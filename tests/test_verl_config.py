@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 
@@ -58,6 +60,11 @@ def test_dry_run_plan_is_valid_for_verl(tmp_path, capsys):
     assert (r.data.train_batch_size, r.actor_rollout_ref.rollout.n) == (32, 8)
     assert (r.trainer.n_gpus_per_node, r.trainer.nnodes) == (8, 2)
     assert OmegaConf.load(p.config_path) == r  # the saved file is the resolved config
+    # verl's own entry point, given our exact command, composes exactly the config we validated
+    job = subprocess.run(p.command + ["--cfg", "job"], capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none"})
+    assert job.returncode == 0, job.stderr[-2000:]
+    assert job.stdout.strip() == OmegaConf.to_yaml(r).strip()
 
     # verl's own dataset class reads our parquet, and each row carries what the agent loop needs
     from verl.utils.dataset.rl_dataset import RLHFDataset
@@ -108,7 +115,7 @@ def test_verl_rejects_incompatible_sizes_before_launch(tmp_path):
 
     with pytest.raises(VerlConfigError, match="divisible") as err:
         plan(_cfg(tmp_path, **{"rollout.batch_size": 3, "verl.use_dynamic_bsz": False}))
-    assert "rollout.batch_size x rollout.n" in str(err.value)
+    assert "rollout.batch_size x rollout.n" in str(err.value) and "real_train_batch_size" in str(err.value)
 
 
 @pytest.mark.parametrize(

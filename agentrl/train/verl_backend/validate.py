@@ -71,7 +71,7 @@ def validate_verl_config(cfg: DictConfig) -> None:
         cause = exc.__cause__ if isinstance(exc, HydraException) and exc.__cause__ is not None else exc
         raise VerlConfigError(
             f"verl's config validation failed: {cause}\n"
-            "Fix the agentrl key behind it: rollout.batch_size x rollout.n must be divisible by the GPU "
-            "count, and so must (rollout.batch_size / actor.num_mini_batches) x rollout.n; raw verl keys go "
-            "in verl.overrides=[...]."
+            "Fix the agentrl setting behind the verl key named above (e.g. rollout.batch_size x rollout.n "
+            "must be divisible by the GPU count, as must (rollout.batch_size / actor.num_mini_batches) x "
+            "rollout.n); raw verl keys can be set with verl.overrides=[...]."
         ) from exc
