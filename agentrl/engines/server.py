@@ -203,7 +203,8 @@ def turn_to_message(turn: ParsedTurn, fmt: ChatFormat, completion_ids: Sequence[
         if said:
             msg["content"] = "\n".join(said)
         elif not turn.tool_calls and not reasoning:
-            msg["content"] = fmt.decode([t for t in completion_ids if t not in fmt.stop_token_ids])
+            stops = set(fmt.stop_token_ids)
+            msg["content"] = fmt.decode([t for t in completion_ids if t not in stops])
     if turn.tool_calls:
         calls = []
         for tc in turn.tool_calls:
@@ -280,6 +281,7 @@ def create_app(
     def error(status: int, message: str, kind: str) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
+    stop_ids = list(fmt.stop_token_ids)  # looked up once: openai-harmony recomputes them on every call
     if api_key:
         app.add_middleware(_BearerAuth, expected=f"Bearer {api_key}".encode())
 
@@ -338,7 +340,7 @@ def create_app(
         if body.get("echo"):
             raise RequestError("echo is not supported")
         prompts = _prompts(body.get("prompt"), fmt)
-        s = _sampling(body, fmt.stop_token_ids, 16)
+        s = _sampling(body, stop_ids, 16)
         n = n_of(body)
         comps = await sample(prompts, s, n)
         want_lp = body.get("logprobs") is not None
@@ -382,7 +384,7 @@ def create_app(
             raise RequestError(f"tool_choice {choice!r} is not supported (use 'auto' or 'none')")
         tools = [] if choice == "none" else openai_to_tools(body.get("tools"))
         prompt = fmt.render_prompt(msgs, tools)
-        s = _sampling(body, fmt.stop_token_ids, default_max_tokens)
+        s = _sampling(body, stop_ids, default_max_tokens)
         n = n_of(body)
         comps = await sample([prompt], s, n)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
