@@ -91,3 +91,33 @@ def test_bad_requests_raise(model):
         engine.generate_sync([[]], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="max_batch_size"):
         TransformersEngine(model, max_batch_size=0)
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_shared_prefix_matches_teacher_forcing(temperature):
+    model = _tiny_llama()
+    prefix = list(range(30, 60))
+    prompts = [prefix + [7, 8, 9], prefix + [11], prefix + [12, 13, 14, 15, 16]]
+    shared = TransformersEngine(model, seed=5)
+    assert shared._shared_prefix_len(prompts) == 30
+    out = shared.generate_sync(prompts, SamplingParams(max_new_tokens=5, temperature=temperature))
+    for prompt, comp in zip(prompts, out, strict=True):
+        assert comp.logprobs == pytest.approx(_teacher_forced(model, prompt, comp.token_ids, temperature), abs=1e-4)
+    plain = TransformersEngine(model, seed=5, share_prefix=False)
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
+    assert [c.token_ids for c in plain.generate_sync(prompts, greedy)] == [
+        c.token_ids for c in shared.generate_sync(prompts, greedy)
+    ]
+
+
+def test_prefix_sharing_off_for_sliding_window(model):
+    assert TransformersEngine(model).share_prefix is False

@@ -57,6 +57,9 @@ class TransformersEngine:
     - ``model``: a transformers ``*ForCausalLM`` (any dtype) already on ``device``.
     - ``pad_token_id``: id used for left padding (never attended to, any valid id works).
     - ``max_batch_size``: most sequences in one batched forward loop; larger requests are split.
+    - ``share_prefix``: run the token prefix common to a batch's prompts (system prompt, tool docs)
+      once and copy its KV cache to every row; numerically the same model, less compute. Off
+      automatically for sliding-window models.
     - ``seed``: seeds the engine's own ``torch.Generator``; ``SamplingParams.seed`` re-seeds it for
       one batch. Re-seed between steps with :meth:`reseed` for resumable runs.
     """
@@ -68,6 +71,7 @@ class TransformersEngine:
         pad_token_id: int = 0,
         max_batch_size: int = 64,
         seed: int = 0,
+        share_prefix: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -75,6 +79,12 @@ class TransformersEngine:
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
         self.device = next(model.parameters()).device
+        config = getattr(model, "config", None)
+        sliding = getattr(config, "sliding_window", None) is not None or "sliding_attention" in (
+            getattr(config, "layer_types", None) or ()
+        )
+        self.share_prefix = share_prefix and not sliding
+        self.min_shared_prefix = 16
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._queue: list[_Request] = []
@@ -121,6 +131,21 @@ class TransformersEngine:
                     req.future.set_result(completions[offset : offset + len(req.prompts)])
                 offset += len(req.prompts)
 
+    def _shared_prefix_len(self, prompts: list[list[int]]) -> int:
+        """Length of the token prefix common to all prompts, computed once and shared through the KV
+        cache; 0 (no sharing) for a single prompt, a short prefix (< ``min_shared_prefix``), or a model
+        with sliding-window attention (padding between prefix and suffix would shift its window)."""
+        if len(prompts) < 2 or not self.share_prefix:
+            return 0
+        first = prompts[0]
+        n = min(len(p) for p in prompts) - 1  # every row keeps >= 1 suffix token (its logits)
+        for p in prompts[1:]:
+            k = 0
+            while k < n and p[k] == first[k]:
+                k += 1
+            n = k
+        return n if n >= self.min_shared_prefix else 0
+
     # ------------------------------------------------------------------ sync core
     def generate_sync(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
         """Blocking batched sampling; splits into chunks of ``max_batch_size``."""
@@ -140,13 +165,20 @@ class TransformersEngine:
         t0 = time.perf_counter()
         device = self.device
         batch = len(prompts)
-        width = max(len(p) for p in prompts)
+        shared = self._shared_prefix_len(prompts)
+        width = shared + max(len(p) - shared for p in prompts)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
         attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+        positions = torch.zeros((batch, width), dtype=torch.long, device=device)
         for i, p in enumerate(prompts):
-            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
-            attention[i, width - len(p) :] = 1
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+            # shared prefix at the left, then this row's suffix right-aligned (padding sits between them)
+            row = torch.tensor(p, dtype=torch.long, device=device)
+            input_ids[i, :shared] = row[:shared]
+            input_ids[i, width - (len(p) - shared) :] = row[shared:]
+            attention[i, :shared] = 1
+            attention[i, width - (len(p) - shared) :] = 1
+            positions[i, :shared] = torch.arange(shared, device=device)
+            positions[i, width - (len(p) - shared) :] = torch.arange(shared, len(p), device=device)
         stop = torch.tensor(sorted(set(sampling.stop_token_ids)) or [-1], dtype=torch.long, device=device)
 
         tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -158,6 +190,13 @@ class TransformersEngine:
         cache = None
         try:
             step_ids, step_pos = input_ids, positions
+            if shared:  # the common prefix once, its KV cache copied to every row
+                cache = self.model(
+                    input_ids=input_ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
+                    logits_to_keep=1,
+                ).past_key_values
+                cache.batch_repeat_interleave(batch)
+                step_ids, step_pos = input_ids[:, shared:], positions[:, shared:]
             for _ in range(sampling.max_new_tokens):
                 out = self.model(
                     input_ids=step_ids,
@@ -165,6 +204,7 @@ class TransformersEngine:
                     position_ids=step_pos,
                     past_key_values=cache,
                     use_cache=True,
+                    logits_to_keep=1,
                 )
                 cache = out.past_key_values
                 logits = out.logits[:, -1, :].float()
