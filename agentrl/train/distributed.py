@@ -17,13 +17,12 @@ How a run goes:
 - Rank 0 alone writes metrics and trajectories (all ranks' episodes, gathered).
 
 ``device=cpu`` uses the gloo backend with one process per ``trainer.n_gpus`` (for tests); ``device=cuda``
-uses NCCL with one GPU per process. Checkpoints are not written under ``n_gpus > 1`` yet: a config
-asking for them is refused with a clear error.
+uses NCCL with one GPU per process. Checkpoints gather the full states to rank 0 and keep the single-GPU
+directory layout (:meth:`DistributedTrainerMixin.save`); ``resume=RUN_DIR`` works with any ``n_gpus > 1``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import subprocess
@@ -202,6 +201,16 @@ class _NullSink:
         pass
 
 
+class _FullState:
+    """A gathered full state dict, shaped like the module/optimizer ``save_checkpoint`` expects."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+
 def check_config(cfg: Any, n_procs: int) -> None:
     """Refuse configs the distributed trainer cannot run; raises ValueError saying what to change."""
     if cfg.rollout.batch_size % n_procs:
@@ -209,10 +218,6 @@ def check_config(cfg: Any, n_procs: int) -> None:
             f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by trainer.n_gpus={n_procs} "
             "(each rank rolls out whole task groups)"
         )
-    if cfg.trainer.save_every:
-        raise ValueError("checkpoints are not written with trainer.n_gpus > 1 yet; set trainer.save_every=0")
-    if cfg.resume:
-        raise ValueError("resume= is not supported with trainer.n_gpus > 1 yet")
 
 
 def make_distributed_trainer(cfg: Any) -> Any:
@@ -303,8 +308,69 @@ class DistributedTrainerMixin:
         metrics["timing_s/step"] = max(gather_objects([time.perf_counter() - t_step]))
         return metrics
 
-    def fit(self) -> dict[str, Any]:
-        return asyncio.run(self._fit())
+    def save(self) -> None:
+        """Gather the full model and optimizer states (a collective) and let rank 0 write the checkpoint
+        in the single-GPU layout; ``model.pt`` holds plain full tensors under the HF parameter names, and
+        ``optimizer.pt`` is keyed by those names (resumable with any ``trainer.n_gpus > 1``)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        from agentrl.train.checkpoint import save_checkpoint
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        optim_state = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if rank() == 0:
+            save_checkpoint(
+                self.run_dir,
+                step=self.step,
+                data_position=self.data_position,
+                model=_FullState(model_state),
+                optimizer=_FullState(optim_state),
+                extra={
+                    "update_generator": self.update_generator.get_state().tolist(),
+                    "eval_history": {str(k): list(v) for k, v in self.eval_history.items()},
+                    "n_gpus": world_size(),
+                },
+                keep=self.cfg.trainer.keep_checkpoints,
+            )
+        dist.barrier()
+
+    def maybe_resume(self) -> None:
+        """Resume from the run's latest checkpoint written by :meth:`save` (every rank reads it)."""
+        import json
+
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from agentrl.train.checkpoint import latest_checkpoint
+
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return
+        with open(os.path.join(ckpt, "state.json"), encoding="utf-8") as f:
+            state = json.load(f)
+        if "n_gpus" not in state:
+            raise ValueError(
+                f"{ckpt} was written by the single-GPU trainer; resume it with trainer.n_gpus=1 "
+                "(its optimizer state is keyed by parameter index, not by name)"
+            )
+        options = StateDictOptions(full_state_dict=True)
+        load = lambda name: torch.load(os.path.join(ckpt, name), map_location="cpu", weights_only=True)  # noqa: E731
+        set_model_state_dict(self.model, load("model.pt"), options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, load("optimizer.pt"), options=options)
+        self.step = int(state["step"])
+        self.data_position = int(state["data_position"])
+        self.update_generator.set_state(torch.tensor(state["update_generator"], dtype=torch.uint8))
+        self.eval_history = {int(k): tuple(v) for k, v in state.get("eval_history", {}).items()}
+        self.sink.truncate_after(self.step)
+        self.console.print(f"resumed from {ckpt}: step {self.step}, data position {self.data_position}")
 
 
 def run(cfg: Any, argv: Sequence[str]) -> int:
