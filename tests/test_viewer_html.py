@@ -93,6 +93,8 @@ def test_load_and_cli(run_dir, capsys):
     assert "<b>bold</b>" not in page  # model/user text is escaped inside the JSON
     assert "http://" not in page and "https://" not in page  # nothing to fetch: opens offline
     assert main([str(run_dir / "missing.jsonl")]) == 1
+    assert main([str(run_dir), f"out={run_dir / 'two.html'}", "limit=2"]) == 0
+    assert "2 trajectories" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(

@@ -218,10 +218,10 @@ def _load_format(name: str) -> Any | None:
     return ChatTemplateFormat.from_pretrained(name)
 
 
-USAGE = """usage: agentrl view RUN_OR_JSONL [out=FILE.html] [format=harmony|none|HF_TOKENIZER_PATH] [title=TEXT]
+USAGE = """usage: agentrl view RUN_OR_JSONL [out=FILE.html] [format=harmony|none|HF_TOKENIZER_PATH] [title=TEXT] [limit=N]
 
 Writes one self-contained HTML file (default: next to the input, named trajectories.html) that opens
-offline in any browser."""
+offline in any browser. limit=N keeps the first N trajectories (the page holds every token of each)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = {}
     for arg in argv[1:]:
         key, sep, value = arg.partition("=")
-        if not sep or key not in ("out", "format", "title"):
+        if not sep or key not in ("out", "format", "title", "limit"):
             print(f"agentrl view: unexpected argument {arg!r}\n\n{USAGE}", file=sys.stderr)
             return 2
         opts[key] = value
@@ -243,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         print(f"agentrl view: {exc}", file=sys.stderr)
         return 1
+    if "limit" in opts:
+        items = items[: int(opts["limit"])]
     fmt = _load_format(opts.get("format", "harmony"))
     default_out = (
         src if src.is_dir() else src.parent
