@@ -113,6 +113,8 @@ async def test_eval_resumes_and_keeps_torn_lines(endpoint, tasks, tmp_path):
     assert lines[25][:100] in path.read_text()  # the torn line is kept, not overwritten
     with pytest.raises(ValueError, match="different config"):
         Evaluation(config(endpoint, out, temperature=0.5))
+    with pytest.raises(ValueError, match="env_kwargs"):
+        Evaluation(config(endpoint, out, env_kwargs={"max_turns": 2}))
 
 
 async def test_eval_over_chat_completions_gives_the_same_numbers(endpoint, tasks, tmp_path):

@@ -55,6 +55,7 @@ RESUME_KEYS = (
     "seed",
     "split",
     "tasks",
+    "env_kwargs",
 )
 
 
@@ -147,7 +148,8 @@ class ResultStore:
         }  # shallow: env_kwargs may hold live objects
         if cfg_path.exists():
             previous = json.loads(cfg_path.read_text())
-            diff = {k: (previous.get(k), current[k]) for k in RESUME_KEYS if previous.get(k) != current[k]}
+            now = json.loads(json.dumps({k: current[k] for k in RESUME_KEYS}, default=repr))
+            diff = {k: (previous.get(k), now[k]) for k in RESUME_KEYS if previous.get(k) != now[k]}
             if diff:
                 raise ValueError(
                     f"{out} holds a run with a different config ({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in diff.items())}); "
