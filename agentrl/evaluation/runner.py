@@ -504,7 +504,9 @@ class _TokenRunner(_EpisodeRunner):
             seed=cfg.seed + sample,
         )
         t0 = time.perf_counter()
-        traj, env_s = await run_episode(env, self.backend, sampling, task, cfg.seed + sample)
+        traj, env_s, *_ = await run_episode(
+            env, self.backend, sampling, task, cfg.seed + sample
+        )  # (trajectory, env seconds[, routing])
         traj.metadata.update(
             api="completions", latency_s=time.perf_counter() - t0, env_s=env_s, requests=traj.num_turns
         )
