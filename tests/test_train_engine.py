@@ -121,3 +121,15 @@ def test_shared_prefix_matches_teacher_forcing(temperature):
 
 def test_prefix_sharing_off_for_sliding_window(model):
     assert TransformersEngine(model).share_prefix is False
+
+
+def test_routing_recording_covers_fed_tokens(model):
+    engine = TransformersEngine(model, record_routing=True, seed=2)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    stop_free = SamplingParams(max_new_tokens=4, temperature=1.0)
+    out = engine.generate_sync(prompts, stop_free)
+    for prompt, comp in zip(prompts, out, strict=True):
+        layers, n, k = comp.routing.shape
+        assert (layers, k) == (2, 2)
+        assert n == len(prompt) + len(comp.token_ids) - 1  # the last sampled token is never fed
+        assert comp.routing.min() >= 0 and comp.routing.max() < 4

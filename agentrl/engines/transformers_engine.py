@@ -60,6 +60,10 @@ class TransformersEngine:
     - ``share_prefix``: run the token prefix common to a batch's prompts (system prompt, tool docs)
       once and copy its KV cache to every row; numerically the same model, less compute. Off
       automatically for sliding-window models.
+    - ``record_routing``: record each token's MoE experts (``agentrl.train.routing_replay``) and return
+      them in ``Completion.routing`` as ``[L, n, k]`` int64 for the ``n`` tokens fed to the model
+      (prompt, then the completion except possibly its last token), for routing replay in training.
+      Needs an MoE model; disables prefix sharing and finished-row pruning (fixed batch layout).
     - ``seed``: seeds the engine's own ``torch.Generator``; ``SamplingParams.seed`` re-seeds it for
       one batch. Re-seed between steps with :meth:`reseed` for resumable runs.
     """
@@ -72,6 +76,7 @@ class TransformersEngine:
         max_batch_size: int = 64,
         seed: int = 0,
         share_prefix: bool = True,
+        record_routing: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -83,7 +88,8 @@ class TransformersEngine:
         sliding = getattr(config, "sliding_window", None) is not None or "sliding_attention" in (
             getattr(config, "layer_types", None) or ()
         )
-        self.share_prefix = share_prefix and not sliding
+        self.record_routing = record_routing
+        self.share_prefix = share_prefix and not sliding and not record_routing
         self.min_shared_prefix = 16
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
@@ -130,6 +136,18 @@ class TransformersEngine:
                 if not req.future.done():
                     req.future.set_result(completions[offset : offset + len(req.prompts)])
                 offset += len(req.prompts)
+
+    @staticmethod
+    def _routing_per_row(recorder: Any, attention: torch.Tensor, width: int, tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Split a ``[L, B, S_rec, k]`` record into per-row ``[L, n_i, k]`` over the tokens each row really
+        fed: its prompt, then its own completion tokens (not the ones sampled after it stopped)."""
+        from agentrl.train.routing_replay import split_by_mask
+
+        routing = recorder.routing()
+        fed = attention[:, : routing.shape[2]].clone().cpu()
+        for i, toks in enumerate(tokens):
+            fed[i, width + len(toks) :] = 0
+        return split_by_mask(routing, fed)
 
     def _shared_prefix_len(self, prompts: list[list[int]]) -> int:
         """Length of the token prefix common to all prompts, computed once and shared through the KV
@@ -188,6 +206,11 @@ class TransformersEngine:
         was_training = self.model.training
         self.model.eval()
         cache = None
+        recorder = None
+        if self.record_routing:
+            from agentrl.train.routing_replay import record_routing
+
+            recorder = record_routing(self.model).__enter__()
         try:
             step_ids, step_pos = input_ids, positions
             if shared:  # the common prefix once, its KV cache copied to every row
@@ -223,6 +246,8 @@ class TransformersEngine:
                 is_stop = torch.isin(next_ids, stop).tolist()
                 keep: list[int] = []
                 for row, orig in enumerate(alive):
+                    if finish[orig] == "stop":  # only when rows are not pruned (routing recording)
+                        continue
                     tokens[orig].append(ids_list[row])
                     logps[orig].append(lp_list[row])
                     if is_stop[row]:
@@ -234,13 +259,16 @@ class TransformersEngine:
                 step_ids = next_ids[:, None]
                 step_pos = step_pos[:, -1:] + 1
                 attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
-                if len(keep) < len(alive):  # drop finished rows from the batch and the KV cache
+                if len(keep) < len(alive) and recorder is None:  # drop finished rows from batch and KV cache
                     idx = torch.tensor(keep, dtype=torch.long, device=device)
                     cache.batch_select_indices(idx)
                     step_ids, step_pos, attention = step_ids[idx], step_pos[idx], attention[idx]
                     alive = [alive[r] for r in keep]
         finally:
+            if recorder is not None:
+                recorder.__exit__(None, None, None)
             self.model.train(was_training)
+        routing = self._routing_per_row(recorder, attention, width, tokens) if recorder is not None else None
         self.stats["generate_s"] += time.perf_counter() - t0
         self.stats["generated_tokens"] += sum(len(t) for t in tokens)
         self.stats["batches"] += 1
@@ -249,6 +277,7 @@ class TransformersEngine:
                 token_ids=tokens[i],
                 logprobs=logps[i],
                 finish_reason=finish[i],
+                routing=None if routing is None else routing[i],
             )
             for i in range(batch)
         ]

@@ -35,6 +35,7 @@ class Episode:
     error: str | None = None
     tool_s: float = 0.0
     env_s: float = 0.0
+    routing: Any = None  # [L, n, k] experts of the last completion's forward (routing replay), or None
 
 
 @dataclass
@@ -90,8 +91,12 @@ class EnvPool:
         self._free = None
 
 
-async def run_episode(env: Any, engine: Any, sampling: SamplingParams, task: dict[str, Any], seed: int) -> tuple[Trajectory, float]:
-    """Drive one episode to its end; returns ``(trajectory, seconds spent in env.astep)``."""
+async def run_episode(
+    env: Any, engine: Any, sampling: SamplingParams, task: dict[str, Any], seed: int
+) -> tuple[Trajectory, float, Any]:
+    """Drive one episode to its end; returns ``(trajectory, seconds spent in env.astep, routing)`` where
+    ``routing`` is the last completion's recorded MoE routing (it covers the whole context that the
+    last action was sampled from) or None."""
     obs, _ = await env.areset(seed=seed, options={"task": task})
     env_s = 0.0
     while True:
@@ -102,7 +107,7 @@ async def run_episode(env: Any, engine: Any, sampling: SamplingParams, task: dic
         obs, _, terminated, truncated, _ = await env.astep(completion)
         env_s += time.perf_counter() - t0
         if terminated or truncated:
-            return env.trajectory, env_s
+            return env.trajectory, env_s, completion.routing
 
 
 async def collect(
@@ -121,7 +126,7 @@ async def collect(
     async def one(group: int, k: int, task_id: str, task: dict[str, Any]) -> Episode:
         env = await pool.acquire()
         try:
-            traj, env_s = await run_episode(env, engine, sampling, task, seed + group * n + k)
+            traj, env_s, routing = await run_episode(env, engine, sampling, task, seed + group * n + k)
         except Exception as exc:  # noqa: BLE001 - one bad episode must not stop training
             partial = env.trajectory or Trajectory(prompt_ids=[])
             partial.metadata["rollout_error"] = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -129,7 +134,7 @@ async def collect(
             return Episode(partial, group, task_id, usable=False, error=partial.metadata["rollout_error"])
         pool.release(env)
         tool_s = sum(rec.latency_s for turn in traj.turns for rec in turn.tools)
-        return Episode(traj, group, task_id, tool_s=tool_s, env_s=env_s)
+        return Episode(traj, group, task_id, tool_s=tool_s, env_s=env_s, routing=routing)
 
     jobs = [one(g, k, tid, task) for g, (tid, task) in enumerate(tasks) for k in range(n)]
     episodes = await asyncio.gather(*jobs)

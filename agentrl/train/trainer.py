@@ -119,8 +119,13 @@ class Trainer:
         )
         pad = getattr(self.loaded.tokenizer, "pad_token_id", None) if self.loaded.tokenizer is not None else None
         self.pad_token_id = int(pad if pad is not None else 0)
+        if cfg.actor.routing_replay:
+            from agentrl.train.routing_replay import find_routers
+
+            find_routers(self.model)  # raises a clear error for dense models
         self.engine = TransformersEngine(
-            self.model, pad_token_id=self.pad_token_id, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed
+            self.model, pad_token_id=self.pad_token_id, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed,
+            record_routing=cfg.actor.routing_replay,
         )
         self.step = 0
         self.data_position = 0
@@ -245,6 +250,7 @@ class Trainer:
                     temperature=cfg.rollout.temperature,
                     ref_model=self.ref_model,
                     generator=self.update_generator,
+                    routing=[e.routing for e in usable] if cfg.actor.routing_replay else None,
                 )
             )
         else:

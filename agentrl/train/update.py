@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from agentrl.train.algorithms import (
 )
 from agentrl.train.batch import Batch
 from agentrl.train.logprobs import model_token_logprobs
+from agentrl.train.routing_replay import align_to_mask, replay_routing
 
 
 def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -55,26 +57,37 @@ def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
 
 
 def forward_logprobs(
-    model: Any, batch: Batch, *, chunk_size: int, temperature: float, compute_entropy: bool
+    model: Any, batch: Batch, *, chunk_size: int, temperature: float, compute_entropy: bool,
+    routing: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of ``batch.responses`` under ``model``: ``[B, R]`` fp32, zero-padded
-    to the batch's full response width. Differentiable unless called under ``torch.no_grad()``."""
+    to the batch's full response width. Differentiable unless called under ``torch.no_grad()``.
+    ``routing``: per-row ``[L, n_i, k]`` recorded experts of the row's first ``n_i`` tokens, replayed
+    in this forward (MoE routing replay); other tokens route normally."""
     ids, attn, pos, start, width_r = _trimmed(batch)
-    lp, ent = model_token_logprobs(
-        model,
-        ids,
-        attn,
-        response_start=start,
-        chunk_size=chunk_size,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-        position_ids=pos,
-    )
+    replay = nullcontext()
+    if routing is not None:
+        replay = replay_routing(model, align_to_mask(routing, attn))
+    with replay:
+        lp, ent = model_token_logprobs(
+            model,
+            ids,
+            attn,
+            response_start=start,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            compute_entropy=compute_entropy,
+            position_ids=pos,
+        )
     full = batch.responses.shape[1]
     if width_r < full:
         lp = torch.nn.functional.pad(lp, (0, full - width_r))
         ent = None if ent is None else torch.nn.functional.pad(ent, (0, full - width_r))
     return lp, ent
+
+
+def _rows(routing: list[torch.Tensor] | None, rows: torch.Tensor) -> list[torch.Tensor] | None:
+    return None if routing is None else [routing[int(r)] for r in rows]
 
 
 def _micro_batches(rows: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
@@ -83,12 +96,14 @@ def _micro_batches(rows: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 
 
 @torch.no_grad()
-def batched_logprobs(model: Any, batch: Batch, *, micro_batch_size: int, chunk_size: int, temperature: float) -> torch.Tensor:
+def batched_logprobs(model: Any, batch: Batch, *, micro_batch_size: int, chunk_size: int, temperature: float,
+                     routing: list[torch.Tensor] | None = None) -> torch.Tensor:
     """No-grad ``[B, R]`` log-probs over micro-batches (old-policy or reference pass)."""
     out = torch.zeros_like(batch.rollout_log_probs)
     rows = torch.arange(len(batch))
     for mb in _micro_batches(rows, micro_batch_size):
-        lp, _ = forward_logprobs(model, batch.select(mb), chunk_size=chunk_size, temperature=temperature, compute_entropy=False)
+        lp, _ = forward_logprobs(model, batch.select(mb), chunk_size=chunk_size, temperature=temperature,
+                                 compute_entropy=False, routing=_rows(routing, mb))
         out[mb.to(out.device)] = lp
     return out
 
@@ -106,9 +121,11 @@ def update_policy(
     temperature: float,
     ref_model: Any | None = None,
     generator: torch.Generator | None = None,
+    routing: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Run ``cfg.actor.ppo_epochs`` x ``cfg.actor.num_mini_batches`` optimizer steps on ``batch`` (already
-    on the model's device). ``cfg`` is the full train config. Returns step metrics (verl names)."""
+    on the model's device). ``cfg`` is the full train config. ``routing``: per-row rollout MoE routing
+    to replay in every policy forward (routing replay), or None. Returns step metrics (verl names)."""
     actor, algo = cfg.actor, cfg.algorithm
     rc = algo.rollout_correction
     metrics: dict[str, float] = {}
@@ -133,7 +150,8 @@ def update_policy(
     train_mask = mask
     if not on_policy:
         t0 = time.perf_counter()
-        old_log_prob = batched_logprobs(model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature)
+        old_log_prob = batched_logprobs(model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
+                                        routing=routing)
         timing["timing_s/old_log_prob"] = time.perf_counter() - t0
         is_weights, train_mask, rc_metrics = rollout_correction(
             old_log_prob=old_log_prob,
@@ -169,7 +187,8 @@ def update_policy(
                 sub_mask = train_mask[rows]
                 if not sub_mask.any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
                     continue
-                log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature, compute_entropy=True)
+                log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
+                                                     compute_entropy=True, routing=_rows(routing, mb))
                 sub_weights = None if is_weights is None else is_weights[rows]
                 if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
                     sub_old = log_prob.detach()
