@@ -530,7 +530,7 @@ class _ChatRunner(_EpisodeRunner):
         agent.sampling = {
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
-            "max_tokens": cfg.max_new_tokens,
+            "max_completion_tokens": cfg.max_new_tokens,
             "seed": cfg.seed + sample,
         }
         result = await agent.run_task(task)
