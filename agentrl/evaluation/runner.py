@@ -516,11 +516,14 @@ class _TokenRunner(_EpisodeRunner):
 class _ChatRunner(_EpisodeRunner):
     """Chat-completions episodes through the product Agent (one Agent per worker env)."""
 
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._agents: dict[int, Any] = {}  # id(env) -> the Agent driving that env
+
     async def make_env(self) -> Any:
         from agentrl.runtime import Agent
 
         env = self.cls(**self.env_kwargs)
-        self._agents = getattr(self, "_agents", {})
         self._agents[id(env)] = Agent(env, self.backend, time_limit_s=None)
         return env
 
