@@ -61,7 +61,17 @@ RESUME_KEYS = (
 
 @dataclass
 class EvalConfig:
-    """What to evaluate and how. See the module docstring for ``model``/``api``."""
+    """What to evaluate and how (the keys of ``agentrl eval``; see the module docstring for ``model``/``api``).
+
+    ``n`` samples per task, ``ks`` the k of pass@k/maj@k (default: powers of two up to ``n``), ``limit``
+    tasks from ``tasks`` (a file in the env's format) or the env's offline ``split``; ``format`` the
+    ChatFormat for token APIs (``auto``: Harmony for endpoints, what fits a local model); ``concurrency``
+    episodes in flight (also the HTTP request bound), ``processes`` client processes; sampling
+    ``temperature``/``top_p``/``max_new_tokens`` per model action, ``seed`` (sample j uses ``seed + j``);
+    ``out`` the run directory; ``api_key``/``served_model`` override ``OPENAI_API_KEY``/``OPENAI_MODEL``;
+    ``retries``/``timeout_s`` per request; ``sandbox`` the code-sandbox backend shared by envs that take
+    one; ``env_kwargs`` env constructor arguments (e.g. limits).
+    """
 
     env: str
     model: str
@@ -109,7 +119,11 @@ class EvalConfig:
     def out_dir(self) -> Path:
         if self.out:
             return Path(self.out)
-        name = self.model.rstrip("/").rsplit("/", 1)[-1].replace(":", "_") or "model"
+        if self.is_endpoint:
+            name = self.served_model or self.model.split("://", 1)[1].split("/", 1)[0]
+        else:
+            name = self.model.rstrip("/").rsplit("/", 1)[-1]
+        name = name.replace(":", "_").replace("/", "_") or "model"
         return Path("runs") / "eval" / f"{self.env}-{name}"
 
 
