@@ -125,3 +125,38 @@ def test_product_agent_example_runs_against_an_endpoint(endpoint):
     assert lines[0] == "The result is \\boxed{144}."
     assert lines[1] == "[tool python] {'code': 'print(12 * 12)'} -> '144' (ok)"
     assert lines[2].startswith("[answer: 2 model requests")
+
+
+async def test_parallel_tool_calls_from_a_chat_api():
+    """A chat API that returns two tool calls in one reply (as OpenAI models do): each becomes an env step,
+    both are answered by id in order, and the next request carries both results."""
+    from fastapi import FastAPI
+
+    app, seen = FastAPI(), []
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        seen.append(body["messages"])
+        if len(seen) == 1:
+            calls = [
+                {
+                    "id": f"c{i}",
+                    "type": "function",
+                    "function": {"name": "python", "arguments": json.dumps({"code": f"print({i} * 10)"})},
+                }
+                for i in (1, 2)
+            ]
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            return {"choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}], "usage": {}}
+        results = [m["content"] for m in body["messages"] if m["role"] == "tool"]
+        message = {"role": "assistant", "content": f"\\boxed{{{'+'.join(results)}}}"}
+        return {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}], "usage": {}}
+
+    with BackgroundServer(app) as srv:
+        async with Agent(envs.make("retool"), base_url=srv.base_url, model="m") as agent:
+            result = await agent.run("Add up some numbers.")
+    assert [r.result for r in result.tool_calls] == ["10", "20"]
+    tool_msgs = [m for m in seen[1] if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in tool_msgs] == [("c1", "10"), ("c2", "20")]
+    assert result.answer == "\\boxed{10+20}" and result.stop_reason == "answer"
+    assert result.trajectory.num_turns == 3  # one env step per call, then the answer
