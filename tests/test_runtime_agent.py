@@ -160,3 +160,22 @@ async def test_parallel_tool_calls_from_a_chat_api():
     assert [(m["tool_call_id"], m["content"]) for m in tool_msgs] == [("c1", "10"), ("c2", "20")]
     assert result.answer == "\\boxed{10+20}" and result.stop_reason == "answer"
     assert result.trajectory.num_turns == 3  # one env step per call, then the answer
+
+
+async def test_reply_cut_by_length_is_recorded_as_truncation():
+    from fastapi import FastAPI
+
+    from agentrl.evaluation.metrics import episode_stats
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        message = {"role": "assistant", "content": "The answer is \\boxed{4"}
+        return {"choices": [{"index": 0, "message": message, "finish_reason": "length"}], "usage": {}}
+
+    with BackgroundServer(app) as srv:
+        async with Agent(envs.make("gsm8k"), base_url=srv.base_url, model="m") as agent:
+            result = await agent.run_task({"id": 0, "prompt": "2 + 2?", "answer": "4"})
+    assert result.stop_reason == "no_answer" and result.answer is None and result.reward == 0.0
+    assert episode_stats(result.trajectory)["errors"] == {"truncation": 1}
