@@ -1,6 +1,6 @@
 """``agentrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: per-step curves of one or more runs, overlaid.
 
-Writes one PNG per panel (``reward.png``, ``kl.png``, ``entropy.png``, ``grad_norm.png``,
+Writes one PNG per panel (``reward.png``, ``eval_reward.png``, ``kl.png``, ``entropy.png``, ``grad_norm.png``,
 ``clip_fraction.png``, ``rollout_train_gap.png``) plus ``overview.png`` with all panels, into ``--out``
 (default: the first run's ``plots/`` directory). A panel shows the first metric key of its list that a
 run logged; runs without any of them are skipped in that panel. Uses matplotlib's Agg backend (no display).
@@ -18,6 +18,7 @@ from agentrl.train.metrics import read_metrics
 #: panel file stem -> (title, candidate metric keys in order of preference)
 PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward": ("mean reward (train batch)", ("critic/score/mean",)),
+    "eval_reward": ("held-out reward (eval)", ("eval/critic/score/mean",)),
     "kl": ("KL to reference (or PPO KL)", ("actor/kl_loss", "actor/ppo_kl")),
     "entropy": ("entropy (nats/token)", ("actor/entropy",)),
     "grad_norm": ("grad norm (before clipping)", ("actor/grad_norm",)),
@@ -44,8 +45,10 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
     runs = {os.path.basename(os.path.normpath(d)) or d: read_metrics(d) for d in run_dirs}
     os.makedirs(out_dir, exist_ok=True)
     written: list[str] = []
-    overview, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax_all, (stem, (title, keys)) in zip(axes.flat, PANELS.items(), strict=True):
+    overview, axes = plt.subplots(2, 4, figsize=(20, 8))
+    for ax_unused in axes.flat[len(PANELS) :]:
+        ax_unused.axis("off")
+    for ax_all, (stem, (title, keys)) in zip(axes.flat, PANELS.items()):
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, records in runs.items():
             found = _series(records, keys)
