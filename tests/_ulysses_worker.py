@@ -1,8 +1,13 @@
-"""One torchrun rank of the Ulysses sink-attention check (CPU/gloo): verl's all-to-all + our sink slicing.
+"""One torchrun rank of the Ulysses sink-attention checks (CPU/gloo): verl's all-to-all + our sink slicing.
 
-Each rank holds a contiguous sequence chunk of q, k, v (all heads) and position ids, and the full sink
-vector; ``ulysses_attention`` must return that chunk of the full-sequence attention output, and the
-sink gradients summed over ranks must equal the full-sequence sink gradient. Rank 0 writes the errors.
+1. Attention alone (``HKV`` KV heads each): each rank holds a contiguous sequence chunk of q, k, v (all
+   heads) and position ids, and the full sink vector; ``ulysses_attention`` must return that chunk of the
+   full-sequence output, and the sink gradients summed over ranks must equal the full-sequence ones.
+2. A tiny GPT-OSS with ``attn_implementation="agentrl_sink"`` (the registered Ulysses-aware kernel; run
+   with ``TRITON_INTERPRET=1``), two packed sequences sliced by verl's ``ulysses_pad_and_slice_inputs``:
+   logits and sink gradients must equal those of the same model without sequence parallelism.
+
+Rank 0 writes the errors as JSON.
 
 usage: torchrun --standalone --nproc_per_node=2 tests/_ulysses_worker.py OUT.json HKV [HKV ...]
 """
@@ -53,10 +58,44 @@ def check(hkv: int) -> dict:
             "local_dsink_nonzero": int((local_sinks.grad != 0).sum())}
 
 
+def check_model() -> dict:
+    from verl.utils.ulysses import gather_outputs_and_unpad, ulysses_pad_and_slice_inputs
+
+    from agentrl.train.models import tiny_gpt_oss
+    from agentrl.train.verl_backend.ulysses import register_ulysses_sink_attention
+
+    register_ulysses_sink_attention()
+    model = tiny_gpt_oss(num_layers=2, hidden=64, heads=4, kv_heads=2, vocab=256, seed=0,
+                         attn_implementation="agentrl_sink")
+    sinks = [layer.self_attn.sinks for layer in model.model.layers]
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (1, 13))
+    pos = torch.cat([torch.arange(8), torch.arange(5)])[None]  # two packed sequences; 13 pads to 14
+    weights = torch.randn(1, 13, 256)
+
+    set_ulysses_sequence_parallel_group(None)
+    ref = model(input_ids=ids, position_ids=pos).logits
+    ref_grads = torch.autograd.grad((ref * weights).sum(), sinks)
+
+    set_ulysses_sequence_parallel_group(dist.group.WORLD)
+    ids_l, pos_l, pad = ulysses_pad_and_slice_inputs(ids, pos, sp_size=dist.get_world_size())
+    local = model(input_ids=ids_l, position_ids=pos_l).logits
+    full = gather_outputs_and_unpad(local, gather_dim=1, unpad_dim=1, padding_size=pad, grad_scaler=False)
+    grads = torch.autograd.grad((full * weights).sum(), sinks)
+    for g in grads:  # each rank holds d(sink) of its own heads; the data-parallel reduction sums them
+        dist.all_reduce(g)
+    errors = torch.tensor([float((full - ref).detach().abs().max()),
+                           max(float((g - r).abs().max()) for g, r in zip(grads, ref_grads, strict=True))])
+    dist.all_reduce(errors, op=dist.ReduceOp.MAX)
+    return {"logits_err": errors[0].item(), "dsink_err": errors[1].item(),
+            "dsink_norm": float(torch.stack([g.norm() for g in ref_grads]).norm())}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     set_ulysses_sequence_parallel_group(dist.group.WORLD)
     results = {hkv: check(int(hkv)) for hkv in sys.argv[2:]}
+    results["model"] = check_model()
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f)
