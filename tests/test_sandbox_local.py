@@ -6,6 +6,7 @@ import asyncio
 import base64
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -208,6 +209,28 @@ def test_unsafe_local_warns_and_is_not_isolated():
         assert box.run("while True: pass", timeout_s=0.3).status == "timeout"
     finally:
         box.close()
+
+
+@needs_bwrap
+def test_network_namespace_alone_isolates_without_seccomp():
+    """Defense in depth: with the seccomp filter off, the empty network namespace still reaches nothing."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    box = SyncSandbox("local", workers=1, seccomp=False)
+    try:
+        code = (
+            "import socket\n"
+            f"for addr in [('127.0.0.1', {port}), ('1.1.1.1', 80)]:\n"
+            "    try:\n        socket.create_connection(addr, timeout=1); print('CONNECTED')\n"
+            "    except OSError as e:\n        print(type(e).__name__)"
+        )
+        r = box.run(code)
+        assert r.stdout == "ConnectionRefusedError\nOSError\n", r  # nothing listens there; no route out
+    finally:
+        box.close()
+        server.close()
 
 
 @needs_bwrap
