@@ -5,17 +5,20 @@ Runs in one process, side by side, on this machine's cores (2 on the reference m
 1. pool, stateless: ``LocalSandbox()`` (default size: 2 workers per core), trivial snippets with 8 per core in
    flight -> exec/s;
 2. pool, stateful: sequential runs in one session -> p50 latency, ms;
-3. baseline: a fresh ``bwrap ... python3 -I -c CODE`` per execution (same namespaces, binds and interpreter as
-   the pool), with as many in flight as the pool -> exec/s (it gains from concurrency: its time is spent
-   waiting on namespace setup and teardown in the kernel as much as on CPU);
+3. baselines, with as many in flight as the pool (a fresh sandbox gains from concurrency: its time goes as
+   much to kernel waits for namespace setup and teardown as to CPU) -> exec/s:
+   a. fresh bwrap per execution with the pool's isolation: same namespaces, binds and interpreter, and the
+      ``python3 -I -c`` process loads the same seccomp filter, sets the same rlimits and drops to a non-root
+      uid before running the snippet (what each pool child inherits from its worker). This is the baseline
+      of the summary line;
+   b. the same without seccomp, rlimits and uid drop (namespaces only: a weaker sandbox, for reference);
 4. ``agentrl serve sandbox`` in a subprocess, driven over loopback HTTP by 16 concurrent clients -> req/s.
 
-Phases 1 and 3 alternate in ``--rounds`` rounds and are averaged, so that load from other processes on a shared
-machine falls on both alike. Both phases also count the CPU time they consume (this process, plus the pool's
-sandboxes or the fresh bwrap processes with all their children), which gives the cost of one execution
-independently of other load, and the pool's implied rate on ``cores`` dedicated cores (``cores / CPU s per
-exec``). The fresh baseline is not CPU-bound (namespace setup and teardown wait in the kernel), so only its
-wall-clock rate is meaningful.
+Phases 1, 3a and 3b alternate in ``--rounds`` rounds and are averaged, so that load from other processes on a
+shared machine falls on all alike. The pool phase also counts the CPU time it consumes (this process plus every
+process of the pool's sandboxes), which gives the cost of one execution, and the pool's implied rate on
+``cores`` dedicated cores (``cores / CPU s per exec``). The fresh baselines are not CPU-bound, so only their
+wall-clock rates are meaningful.
 
 Every output is checked for correctness. The last line is the summary:
 ``sandbox: pool_exec_per_s=<n> stateful_p50_ms=<n> fresh_exec_per_s=<n> ratio=<pool/fresh>``.
@@ -33,10 +36,12 @@ import socket
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 
 import httpx
 
+from agentrl.envs.sandbox import _worker
 from agentrl.envs.sandbox import isolation as iso
 from agentrl.envs.sandbox.cgroups import descendants
 from agentrl.envs.sandbox.local import LocalSandbox
@@ -63,12 +68,6 @@ def pool_cpu_s(sb: LocalSandbox) -> float:
         if worker.proc is not None:
             total += sum(_proc_cpu_s(pid) for pid in descendants(worker.proc.pid))
     return total
-
-
-def fresh_cpu_s() -> float:
-    """CPU seconds used so far by this process and its reaped children (the fresh bwrap runs)."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
 
 
 async def bench_pool_stateless(sb: LocalSandbox, seconds: float, in_flight: int) -> tuple[float, int]:
@@ -100,7 +99,13 @@ async def bench_pool_stateful(sb: LocalSandbox, n: int) -> float:
     return statistics.median(latencies) * 1000
 
 
-async def bench_fresh_bwrap(seconds: float, concurrency: int) -> tuple[float, int]:
+def fresh_argv(same_isolation: bool) -> list[str]:
+    """bwrap with the pool's namespaces, binds and interpreter, running SNIPPET in a fresh ``python3 -I -c``.
+
+    With ``same_isolation`` the fresh process also does what a pool worker does once and each pool child
+    inherits: load the same seccomp filter, set the same rlimits and, as root, drop to a non-root uid. Without
+    it, the sandbox has the namespaces only.
+    """
     cfg = iso.worker_config(
         drop_uid=False,
         uid_base=0,
@@ -113,7 +118,39 @@ async def bench_fresh_bwrap(seconds: float, concurrency: int) -> tuple[float, in
     argv = iso.bwrap_command(
         "/usr/bin/python3", cfg, as_root=os.geteuid() == 0, tmpfs_bytes=256 << 20, ro_binds=()
     )
-    argv = argv[: argv.index("/usr/bin/python3")] + ["/usr/bin/python3", "-I", "-c", SNIPPET]
+    script = SNIPPET
+    if same_isolation:
+        script = textwrap.dedent(
+            f"""
+            import errno, os, resource, seccomp
+            flt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+            eperm = seccomp.ERRNO(errno.EPERM)
+            for name in {_worker._DENIED!r}:
+                try:
+                    flt.add_rule(eperm, name)
+                except (RuntimeError, ValueError, OSError):
+                    pass
+            flt.add_rule(eperm, "socket", seccomp.Arg(0, seccomp.NE, 1))
+            flt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+            for flag in {_worker._CLONE_NS_FLAGS!r}:
+                flt.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+            flt.load()
+            for res, value in ((resource.RLIMIT_AS, 1 << 30), (resource.RLIMIT_NPROC, 64),
+                               (resource.RLIMIT_FSIZE, 64 << 20), (resource.RLIMIT_NOFILE, 256),
+                               (resource.RLIMIT_CORE, 0), (resource.RLIMIT_CPU, 6)):
+                resource.setrlimit(res, (value, value))
+            if os.getuid() == 0:
+                os.setgroups([])
+                os.setresgid(2**31 - 2, 2**31 - 2, 2**31 - 2)
+                os.setresuid(2**31 - 2, 2**31 - 2, 2**31 - 2)
+            exec(compile({SNIPPET!r}, "<cell>", "exec"))
+            """
+        )
+    return argv[: argv.index("/usr/bin/python3")] + ["/usr/bin/python3", "-I", "-c", script]
+
+
+async def bench_fresh_bwrap(seconds: float, concurrency: int, same_isolation: bool) -> tuple[float, int]:
+    argv = fresh_argv(same_isolation)
     done = 0
     deadline = time.perf_counter() + seconds
 
@@ -187,9 +224,10 @@ async def main(argv: list[str]) -> int:
     p.add_argument("--skip-http", action="store_true")
     args = p.parse_args(argv)
 
-    pool_rates, fresh_rates = [], []
-    pool_cpu = fresh_cpu = 0.0
-    pool_n = fresh_n = 0
+    pool_rates: list[float] = []
+    fresh_rates: dict[bool, list[float]] = {True: [], False: []}
+    pool_cpu = 0.0
+    pool_n = 0
     in_flight = 8 * args.cores
     async with LocalSandbox(workers=2 * args.cores) as sb:
         await bench_pool_stateless(sb, 1.0, in_flight)  # warm-up
@@ -199,29 +237,30 @@ async def main(argv: list[str]) -> int:
             pool_cpu += pool_cpu_s(sb) - c0
             pool_rates.append(rate)
             pool_n += n
-            c0 = fresh_cpu_s()
-            rate, n = await bench_fresh_bwrap(args.seconds, in_flight)
-            fresh_cpu += fresh_cpu_s() - c0
-            fresh_rates.append(rate)
-            fresh_n += n
+            for same_isolation in (True, False):
+                rate, _ = await bench_fresh_bwrap(args.seconds, in_flight, same_isolation)
+                fresh_rates[same_isolation].append(rate)
         stateful = await bench_pool_stateful(sb, 500)
-    pool, fresh = statistics.mean(pool_rates), statistics.mean(fresh_rates)
-    pool_ms, fresh_ms = 1000 * pool_cpu / pool_n, 1000 * fresh_cpu / fresh_n
+    pool = statistics.mean(pool_rates)
+    fresh, fresh_ns_only = statistics.mean(fresh_rates[True]), statistics.mean(fresh_rates[False])
+    pool_ms = 1000 * pool_cpu / pool_n
     print(
         f"pool stateless: {pool:.0f} exec/s ({2 * args.cores} workers, {in_flight} in flight); rounds: "
         + ", ".join(f"{r:.0f}" for r in pool_rates),
         flush=True,
     )
     print(f"pool stateful: p50 {stateful:.2f} ms per run (500 sequential runs in one session)", flush=True)
+    for same_isolation, label in ((True, "the pool's isolation"), (False, "namespaces only")):
+        rates = fresh_rates[same_isolation]
+        print(
+            f"fresh bwrap per execution, {label}: {statistics.mean(rates):.0f} exec/s ({in_flight} in flight); "
+            "rounds: " + ", ".join(f"{r:.0f}" for r in rates),
+            flush=True,
+        )
     print(
-        f"fresh bwrap per execution: {fresh:.0f} exec/s ({in_flight} in flight); rounds: "
-        + ", ".join(f"{r:.0f}" for r in fresh_rates),
-        flush=True,
-    )
-    print(
-        f"CPU per execution (this process + the sandboxes' processes; kernel work done elsewhere, such as "
-        f"namespace teardown, is not counted): pool {pool_ms:.2f} ms, fresh bwrap {fresh_ms:.2f} ms; "
-        f"pool capacity on {args.cores} dedicated cores: {args.cores * 1000 / pool_ms:.0f} exec/s",
+        f"pool CPU per execution (this process + every process of the sandboxes): {pool_ms:.2f} ms; capacity on "
+        f"{args.cores} dedicated cores: {args.cores * 1000 / pool_ms:.0f} exec/s; pool / namespaces-only fresh "
+        f"bwrap: {pool / fresh_ns_only:.1f}",
         flush=True,
     )
     if not args.skip_http:
