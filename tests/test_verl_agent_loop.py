@@ -86,7 +86,7 @@ def test_agent_loop_through_verl_matches_our_rollout(tmp_path):
         spec = parse_spec(row["agentrl"])
         env = agentrl.make(env_name, format=fmt, max_turns=max_turns)
         sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=fmt.stop_token_ids)
-        ours, _ = asyncio.run(run_episode(env, Replay(recording.completions), sampling, spec["task"], seed=0))
+        ours = asyncio.run(run_episode(env, Replay(recording.completions), sampling, spec["task"], seed=0))[0]
         width = len(ours.response_ids)
         prompt_mask = b["attention_mask"][i, :256].bool()
         assert b["prompts"][i][prompt_mask].tolist() == ours.prompt_ids
@@ -99,3 +99,23 @@ def test_agent_loop_through_verl_matches_our_rollout(tmp_path):
         # multi-turn: sampled tokens (mask 1, real log-probs) and env tokens (mask 0, log-prob 0)
         assert sum(ours.response_mask) == max_turns * max_new and 0 in ours.response_mask
         assert any(lp != 0.0 for lp in ours.rollout_logprobs)
+
+
+def test_trajectory_to_output_contract():
+    import numpy as np
+
+    from agentrl.harmony.trajectory import Trajectory
+    from agentrl.train.verl_backend.agent_loop import trajectory_to_output
+
+    traj = Trajectory(prompt_ids=[1, 2], response_ids=[3, 4, 5], response_mask=[1, 0, 1],
+                      rollout_logprobs=[-0.5, 0.0, -0.25], reward=0.75)
+    routing = np.arange(6 * 2).reshape(6, 2)  # the server recorded one row too many
+    out = trajectory_to_output(traj, {"generate_sequences": 1.0}, routed_experts=routing)
+    assert (out.prompt_ids, out.response_ids, out.response_mask) == ([1, 2], [3, 4, 5], [1, 0, 1])
+    assert out.response_logprobs == [-0.5, 0.0, -0.25] and out.reward_score == 0.75
+    assert out.routed_experts.shape == (5, 2) and out.num_turns == 1
+    no_lp = trajectory_to_output(traj, {}, logprobs=False)  # the server sent none: not zeros
+    assert no_lp.response_logprobs is None and no_lp.routed_experts is None
+    traj.response_mask = [1, 0]
+    with pytest.raises(ValueError, match="lengths disagree"):
+        trajectory_to_output(traj, {})

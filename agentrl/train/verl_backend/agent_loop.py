@@ -14,8 +14,10 @@ verl's ``AgentLoopWorker`` instantiates :class:`AgentrlAgentLoop` for every data
 3. appends the env's observation tokens and repeats until the env terminates or truncates.
 
 The returned ``AgentLoopOutput`` is ``env.trajectory`` field for field: ``prompt_ids``, ``response_ids``,
-``response_mask`` (1 = sampled, 0 = env tokens), ``response_logprobs`` (the server's, 0.0 on env tokens),
-``reward_score`` (the env's reward, so verl needs no reward function), ``num_turns`` (verl's count of
+``response_mask`` (1 = sampled, 0 = env tokens), ``response_logprobs`` (the server's, 0.0 on env tokens;
+``None`` when the server returned none, i.e. ``rollout.calculate_log_probs=false``),
+``routed_experts`` (the server's MoE routing, when it records it), ``reward_score`` (the env's reward, so
+verl needs no reward function), ``num_turns`` (verl's count of
 messages: the prompt, each model action, each env answer) and ``metrics``. Nothing is re-tokenised.
 The env's episode budget is set to ``len(prompt) + rollout.response_length`` tokens so the response
 always fits verl's padded width; a prompt longer than ``rollout.prompt_length`` raises.
@@ -75,14 +77,22 @@ def verl_num_turns(traj: Trajectory) -> int:
     return 1 + sum(1 + (t.env_span[1] > t.env_span[0]) for t in traj.turns)
 
 
-def trajectory_to_output(traj: Trajectory, metrics: dict[str, float]) -> AgentLoopOutput:
-    """The verl ``AgentLoopOutput`` carrying ``traj`` unchanged (see module docstring)."""
+def trajectory_to_output(
+    traj: Trajectory, metrics: dict[str, float], *, logprobs: bool = True, routed_experts: Any = None
+) -> AgentLoopOutput:
+    """The verl ``AgentLoopOutput`` carrying ``traj`` unchanged (see module docstring); ``logprobs=False``
+    (the server returned none) gives ``response_logprobs=None`` rather than the env's 0.0 placeholders.
+    ``routed_experts``: the last generation's MoE routing from the server (routing replay), cut to the
+    sequence length as verl's own loops do."""
     traj.validate()
+    if routed_experts is not None:
+        routed_experts = routed_experts[: len(traj.prompt_ids) + len(traj.response_ids)]
     return AgentLoopOutput(
         prompt_ids=list(traj.prompt_ids),
         response_ids=list(traj.response_ids),
         response_mask=list(traj.response_mask),
-        response_logprobs=list(traj.rollout_logprobs),
+        response_logprobs=list(traj.rollout_logprobs) if logprobs else None,
+        routed_experts=routed_experts,
         reward_score=float(traj.reward),
         num_turns=verl_num_turns(traj),
         metrics=AgentLoopMetrics(**metrics),
@@ -145,7 +155,7 @@ class AgentrlAgentLoop(AgentLoopBase):
             request_id = uuid4().hex  # one id per episode: sticky server, prefix cache
             max_new = int(spec.get("max_new_tokens") or self.response_length)
             params = dict(sampling_params, stop_token_ids=list(fmt.stop_token_ids))
-            done = False
+            done, logprobs, routed = False, True, None
             while not done:
                 budget = self.response_length - (len(context) - len(prompt))
                 if budget < 1:
@@ -161,6 +171,8 @@ class AgentrlAgentLoop(AgentLoopBase):
                 )
                 t1 = time.perf_counter()
                 ids = [int(t) for t in out.token_ids]
+                logprobs = logprobs and out.log_probs is not None
+                routed = out.routed_experts if out.routed_experts is not None else routed
                 obs, _, terminated, truncated, _ = await env.astep(_Action(ids, out.log_probs))
                 env_s += time.perf_counter() - t1
                 gen_s += t1 - t0
@@ -169,4 +181,5 @@ class AgentrlAgentLoop(AgentLoopBase):
             traj = env.trajectory
         finally:
             await env.aclose()
-        return trajectory_to_output(traj, {"generate_sequences": gen_s, "tool_calls": env_s})
+        metrics = {"generate_sequences": gen_s, "tool_calls": env_s}
+        return trajectory_to_output(traj, metrics, logprobs=logprobs, routed_experts=routed)
