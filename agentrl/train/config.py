@@ -110,6 +110,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     logprob_chunk_size: int = 1024
+    share_prompt_prefix: bool = True  # run the rows' common prompt prefix once (dense, non-sliding models)
     gradient_checkpointing: bool = False
     freeze: list[str] = field(default_factory=list)
     routing_replay: bool = False

@@ -48,7 +48,7 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
     overview, axes = plt.subplots(2, 4, figsize=(20, 8))
     for ax_unused in axes.flat[len(PANELS) :]:
         ax_unused.axis("off")
-    for ax_all, (stem, (title, keys)) in zip(axes.flat, PANELS.items()):
+    for ax_all, (stem, (title, keys)) in zip(axes.flat[: len(PANELS)], PANELS.items(), strict=True):
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, records in runs.items():
             found = _series(records, keys)

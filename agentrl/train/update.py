@@ -34,6 +34,7 @@ from agentrl.train.algorithms import (
 )
 from agentrl.train.batch import Batch
 from agentrl.train.logprobs import model_token_logprobs
+from agentrl.train.prefix_sharing import shared_prefix_logprobs
 from agentrl.train.routing_replay import align_to_mask, replay_routing
 
 
@@ -58,12 +59,19 @@ def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
 
 def forward_logprobs(
     model: Any, batch: Batch, *, chunk_size: int, temperature: float, compute_entropy: bool,
-    routing: list[torch.Tensor] | None = None,
+    routing: list[torch.Tensor] | None = None, share_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of ``batch.responses`` under ``model``: ``[B, R]`` fp32, zero-padded
     to the batch's full response width. Differentiable unless called under ``torch.no_grad()``.
     ``routing``: per-row ``[L, n_i, k]`` recorded experts of the row's first ``n_i`` tokens, replayed
-    in this forward (MoE routing replay); other tokens route normally."""
+    in this forward (MoE routing replay); other tokens route normally. ``share_prefix``: compute the
+    rows' common prompt prefix once (:mod:`agentrl.train.prefix_sharing`) when the model allows it."""
+    if share_prefix and routing is None:
+        shared = shared_prefix_logprobs(
+            model, batch, chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy
+        )
+        if shared is not None:
+            return shared
     ids, attn, pos, start, width_r = _trimmed(batch)
     replay = nullcontext()
     if routing is not None:
@@ -97,13 +105,13 @@ def _micro_batches(rows: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 
 @torch.no_grad()
 def batched_logprobs(model: Any, batch: Batch, *, micro_batch_size: int, chunk_size: int, temperature: float,
-                     routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+                     routing: list[torch.Tensor] | None = None, share_prefix: bool = False) -> torch.Tensor:
     """No-grad ``[B, R]`` log-probs over micro-batches (old-policy or reference pass)."""
     out = torch.zeros_like(batch.rollout_log_probs)
     rows = torch.arange(len(batch))
     for mb in _micro_batches(rows, micro_batch_size):
         lp, _ = forward_logprobs(model, batch.select(mb), chunk_size=chunk_size, temperature=temperature,
-                                 compute_entropy=False, routing=_rows(routing, mb))
+                                 compute_entropy=False, routing=_rows(routing, mb), share_prefix=share_prefix)
         out[mb.to(out.device)] = lp
     return out
 
@@ -144,6 +152,7 @@ def update_policy(
     on_policy = is_on_policy(actor.ppo_epochs, actor.num_mini_batches)
     metrics["actor/on_policy"] = float(on_policy)
     chunk, micro = actor.logprob_chunk_size, actor.micro_batch_size
+    share = actor.share_prompt_prefix
 
     old_log_prob = None
     is_weights = None
@@ -151,7 +160,7 @@ def update_policy(
     if not on_policy:
         t0 = time.perf_counter()
         old_log_prob = batched_logprobs(model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
-                                        routing=routing)
+                                        routing=routing, share_prefix=share)
         timing["timing_s/old_log_prob"] = time.perf_counter() - t0
         is_weights, train_mask, rc_metrics = rollout_correction(
             old_log_prob=old_log_prob,
@@ -166,7 +175,8 @@ def update_policy(
     ref_log_prob = None
     if ref_model is not None:
         t0 = time.perf_counter()
-        ref_log_prob = batched_logprobs(ref_model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature)
+        ref_log_prob = batched_logprobs(ref_model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
+                                        share_prefix=share)
         timing["timing_s/ref"] = time.perf_counter() - t0
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -188,7 +198,7 @@ def update_policy(
                 if not sub_mask.any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
                     continue
                 log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
-                                                     compute_entropy=True, routing=_rows(routing, mb))
+                                                     compute_entropy=True, routing=_rows(routing, mb), share_prefix=share)
                 sub_weights = None if is_weights is None else is_weights[rows]
                 if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
                     sub_old = log_prob.detach()
