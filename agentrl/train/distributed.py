@@ -288,6 +288,8 @@ class DistributedTrainerMixin:
         timing = average_metrics({
             "timing_s/rollout": result.wall_s,
             "timing_s/gen": result.gen_s,
+            "timing_s/tools": sum(e.tool_s for e in result.episodes),
+            "timing_s/env": sum(e.env_s for e in result.episodes),
             "perf/gen_tokens_per_s": result.generated_tokens / max(result.gen_s, 1e-9),
         })
         metrics.update(timing)
@@ -298,9 +300,10 @@ class DistributedTrainerMixin:
         unusable = torch.tensor([not (e.usable and sum(e.trajectory.response_mask) > 0) for e in result.episodes])
         batch.response_mask[unusable] = 0
         batch = batch.to(self.model.device)
+        routing = [e.routing for e in result.episodes] if cfg.actor.routing_replay else None
         update = update_policy(model=self.model, optimizer=self.optimizer, batch=batch, cfg=cfg,
                                temperature=cfg.rollout.temperature, ref_model=self.ref_model,
-                               generator=self.update_generator)
+                               generator=self.update_generator, routing=routing)
         metrics.update(average_metrics(update))
         self.step = step
         self.data_position += cfg.rollout.batch_size
