@@ -145,6 +145,14 @@ def test_files_in_and_out(sb):
     assert r.files["missing.txt"] is None and r.files["big"] is None  # over the 4x output-limit budget
 
 
+def test_per_run_memory_limit_only_lowers(sb):
+    code = "x = bytearray(300 * 1024**2)\nprint('allocated')"
+    assert sb.run(code).stdout == "allocated\n"
+    assert sb.run(code, memory_mb=200).status == "oom"
+    assert sb.run(code, memory_mb=10**6).stdout == "allocated\n"  # capped at the pool's 1024 MiB, not raised
+    assert sb.run("x = bytearray(1500 * 1024**2)", memory_mb=10**6).status == "oom"
+
+
 def test_misuse_raises_clear_errors(sb):
     with pytest.raises(SandboxError, match="unknown sandbox session"):
         sb.run("1", session="nope")

@@ -201,6 +201,12 @@ def test_verl_style_payload_with_extra_fields(url):
     assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "7\n"
 
 
+def test_memory_limit_mb_is_honoured(url):
+    payload = {"code": "x = bytearray(300 * 1024**2)", "language": "python", "memory_limit_MB": 200}
+    body = httpx.post(f"{url}/run_code", json=payload).json()
+    assert body["status"] == "Failed" and "MemoryError" in body["run_result"]["stderr"], body
+
+
 def test_concurrent_load_200_requests_16_clients(url):
     kwargs = [
         {

@@ -5,8 +5,8 @@ its stdin/stdout (frames: 4-byte big-endian length + UTF-8 JSON) and forks a chi
 costs a fork instead of an interpreter start. It must stay importable by old Pythons (3.8+): no third-party
 imports except libseccomp's binding, loaded only when asked for.
 
-Requests (``op``): ``run`` {code, stdin, timeout, slot, files, fetch_files}: slot 0 is stateless (a fresh
-child per run); slot k >= 1 is a stateful kernel (a long-lived child keeping globals, started on first use);
+Requests (``op``): ``run`` {code, stdin, timeout, slot, files, fetch_files, memory_bytes}: slot 0 is
+stateless (a fresh child per run; ``memory_bytes`` may lower its address-space limit); slot k >= 1 is a stateful kernel (a long-lived child keeping globals, started on first use);
 ``close`` {slot}. Each run answers {stdout, stderr, exit_code, status, duration_s, truncated, display,
 message, error, files, reset}.
 
@@ -431,6 +431,9 @@ class Worker:
         if pid == 0:
             try:
                 setup_child(self.cfg, 0, (stdin_fd, out_w, err_w, res_w), cpu_s, workdir)
+                if req.get("memory_bytes"):  # a per-run limit may only lower the pool's
+                    limit = min(req["memory_bytes"], self.cfg["limits"]["as_bytes"])
+                    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
                 namespace = fresh_main()
                 fetch = req.get("fetch_files", ())
                 result = execute(req["code"], namespace, False, self.cap, req.get("files"), fetch, compiled)

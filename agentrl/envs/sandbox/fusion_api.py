@@ -1,6 +1,7 @@
 """SandboxFusion's HTTP API, as pydantic models: the request and response bodies of ``POST /run_code`` and
 ``POST /run_jupyter`` (field names and enum values as in the ``sandbox-fusion`` client, version 0.3.7),
-plus the mapping between them and :class:`~agentrl.envs.sandbox.base.ExecResult`.
+plus the mapping between them and :class:`~agentrl.envs.sandbox.base.ExecResult`. ``memory_limit_MB`` is
+from SandboxFusion's server models (the client package omits it; verl sends it).
 
 Shared by our server (``agentrl serve sandbox``) and our client (:mod:`.fusion`). Unknown request fields
 (e.g. verl's ``memory_limit_MB``) are ignored.
@@ -36,6 +37,7 @@ class RunCodeRequest(BaseModel):
     compile_timeout: float = 10
     run_timeout: float = 10
     stdin: str | None = None
+    memory_limit_MB: int = -1  # -1: the server's default
     files: dict[str, str | None] = Field(default_factory=dict)  # path -> base64 content
     fetch_files: list[str] = Field(default_factory=list)
 
@@ -53,6 +55,7 @@ class RunJupyterRequest(BaseModel):
     cells: list[str]
     cell_timeout: float = 0  # 0: only total_timeout applies
     total_timeout: float = 45
+    memory_limit_MB: int = -1  # accepted; sessions keep the pool's limit
     kernel: Literal["python3"] = "python3"
     files: dict[str, str] = Field(default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)

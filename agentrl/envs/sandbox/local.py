@@ -376,12 +376,15 @@ class LocalSandbox:
         stdin: str = "",
         files: Mapping[str, bytes] | None = None,
         fetch_files: Sequence[str] = (),
+        memory_mb: int | None = None,
     ) -> ExecResult:
         """Run ``code``; see :class:`agentrl.envs.sandbox.base.SandboxBackend`.
 
         Extras of this backend: ``files`` (path -> content, relative to the run's working directory) are
         written before the code runs and ``fetch_files`` are read back into ``ExecResult.files`` (base64),
         both with the code's privileges; fetched files share a budget of 4x ``output_limit_bytes``.
+        ``memory_mb`` lowers the address-space limit of a stateless run below the pool's (never raises it;
+        ignored for sessions, whose kernel keeps the pool's limit).
         """
         self._check_open()
         if not isinstance(code, str) or not isinstance(stdin, str):
@@ -405,6 +408,7 @@ class LocalSandbox:
             "slot": slot,
             "files": {p: base64.b64encode(data).decode("ascii") for p, data in (files or {}).items()},
             "fetch_files": list(fetch_files),
+            "memory_bytes": (memory_mb << 20) if memory_mb and memory_mb > 0 else None,
         }
         start = time.monotonic()
         worker.load += 1

@@ -156,7 +156,10 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
         timeout = _timeout(req.run_timeout, settings)
         async with execution_slot():
             result = await backend.run(
-                req.code, timeout_s=timeout, stdin=req.stdin or "", **_file_kwargs(files, req.fetch_files)
+                req.code,
+                timeout_s=timeout,
+                stdin=req.stdin or "",
+                **_local_kwargs(files, req.fetch_files, req.memory_limit_MB),
             )
         resp = api.run_code_response(result)
         resp.files = {k: v for k, v in result.files.items() if v is not None}
@@ -182,7 +185,7 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
                         timed_out = True
                         break
                     last = i == len(req.cells) - 1
-                    extra = _file_kwargs(files if i == 0 else {}, req.fetch_files if last else [])
+                    extra = _local_kwargs(files if i == 0 else {}, req.fetch_files if last else [])
                     result = await backend.run(cell, session=session, timeout_s=limit, **extra)
                     cells.append(api.cell_result(result))
                     fetched.update({k: v for k, v in result.files.items() if v is not None})
@@ -223,9 +226,11 @@ def _decode_files(files: dict[str, str | None]) -> tuple[dict[str, bytes], str]:
     return out, ""
 
 
-def _file_kwargs(files: dict[str, bytes], fetch: list[str]) -> dict[str, Any]:
-    # Only the local backend takes files; pass them only when there are some.
+def _local_kwargs(files: dict[str, bytes], fetch: list[str], memory_mb: int = -1) -> dict[str, Any]:
+    # Only the local backend takes these; pass them only when they are used.
     extra: dict[str, Any] = {}
+    if memory_mb > 0:
+        extra["memory_mb"] = memory_mb
     if files:
         extra["files"] = files
     if fetch:
