@@ -9,8 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 profile="${1:-train}"
 case "$profile" in
-  train) extras="train,kernels"; apt_pkgs="bubblewrap python3 python3-seccomp" ;;
-  test)  extras="train,kernels,dev,verl,e2b"; apt_pkgs="bubblewrap python3 python3-seccomp chromium" ;;
+  train) extras="train,kernels"; apt_pkgs="bubblewrap python3 python3-seccomp python3-numpy python3-sympy" ;;
+  test)  extras="train,kernels,dev,verl,e2b"; apt_pkgs="bubblewrap python3 python3-seccomp python3-numpy python3-sympy chromium" ;;
   *) echo "usage: scripts/install.sh [train|test]" >&2; exit 2 ;;
 esac
 
