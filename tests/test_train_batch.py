@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from agentrl.envs.builtin.retool import ReToolEnv
 from agentrl.harmony.trajectory import Trajectory
@@ -36,12 +35,17 @@ def test_collate_rejects_inconsistent_trajectories():
 
 
 def test_task_streams_are_positional_and_disjoint():
-    src = TaskSource(ReToolEnv, "arithmetic", seed=3, level=2)
-    assert src.train(5) == TaskSource(ReToolEnv, "arithmetic", seed=3, level=2).train(5)
-    held = src.held_out(4)
-    assert held == src.held_out(4) and len(held) == 4
+    src = TaskSource(ReToolEnv, "arithmetic", seed=3, level=1, num_held_out=60)
+    assert src.train(5) == TaskSource(ReToolEnv, "arithmetic", seed=3, level=1, num_held_out=60).train(5)
+    held = src.held_out()
+    assert held == src.held_out() and len(held) == 60
+    held_prompts = {t["prompt"] for t in held}
+    assert len(held_prompts) == 60  # distinct
+    assert not held_prompts & {src.train(i)["prompt"] for i in range(200)}  # never trained on
     env_src = TaskSource(ReToolEnv, "env", seed=0)
     assert "prompt" in env_src.train(0) and env_src.train(0) != env_src.train(1)
+    with pytest.raises(ValueError, match="distinct held-out"):
+        TaskSource(ReToolEnv, "arithmetic", seed=0, level=1, num_held_out=82)
     with pytest.raises(ValueError, match="no such file"):
         TaskSource(ReToolEnv, "/nonexistent/tasks.jsonl", seed=0)
 

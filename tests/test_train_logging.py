@@ -14,7 +14,8 @@ from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
 from agentrl.harmony.types import ParsedTurn, ParseError, ParseErrorKind
 from agentrl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from agentrl.train.metrics import MetricsSink, episode_metrics, mean_and_sem, read_metrics
-from agentrl.train.plots import PANELS, main as plot_main
+from agentrl.train.plots import PANELS
+from agentrl.train.plots import main as plot_main
 from agentrl.train.rollout import Episode
 
 

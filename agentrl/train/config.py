@@ -43,11 +43,11 @@ class RolloutConfig:
 
     batch_size: int = 4
     n: int = 4
-    max_new_tokens: int = 64
-    temperature: float = 0.7
+    max_new_tokens: int = 48
+    temperature: float = 0.5
     top_p: float = 1.0
     top_k: int = 0
-    max_turns: int | None = 2
+    max_turns: int | None = 1
     max_batch_size: int = 64
     concurrency: int = 64
 

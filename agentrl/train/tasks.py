@@ -10,7 +10,9 @@
   ``eval.num_tasks`` rows are held out for evaluation, the rest are the training stream (cycled).
 
 Task ``i`` of the training stream is a pure function of ``(seed, i)``, so a resumed run continues the
-stream exactly. Held-out tasks use another seed stream (generators) or rows (files).
+stream exactly. Held-out tasks use another seed stream (generators) or rows (files), and a generated
+training task whose prompt equals a held-out prompt is redrawn, so evaluation questions are never
+trained on (with ``arithmetic`` level 1, 81 possible questions, that matters).
 """
 
 from __future__ import annotations
@@ -49,8 +51,11 @@ def arithmetic_task(rng: np.random.Generator, level: int = 1) -> dict[str, Any]:
 class TaskSource:
     """``train(i)`` -> task ``i`` of the training stream; ``held_out(n)`` -> the fixed evaluation tasks."""
 
-    def __init__(self, env_cls: type, source: str, *, seed: int, level: int = 1, eval_seed: int = 1_000_000) -> None:
+    def __init__(
+        self, env_cls: type, source: str, *, seed: int, level: int = 1, eval_seed: int = 1_000_000, num_held_out: int = 0
+    ) -> None:
         self.env_cls, self.source, self.seed, self.level, self.eval_seed = env_cls, source, seed, level, eval_seed
+        self.num_held_out = num_held_out
         self._rows: list[dict[str, Any]] | None = None
         if source not in TASK_SOURCES:
             try:
@@ -59,22 +64,45 @@ class TaskSource:
                 raise ValueError(f"data.tasks={source!r}: no such file; use env, arithmetic or a task file path") from None
             if not self._rows:
                 raise ValueError(f"data.tasks={source!r} holds no tasks")
+        self._held_out_prompts = {str(t.get("prompt")) for t in self.held_out()}
 
     def _generate(self, rng: np.random.Generator, split: str) -> dict[str, Any]:
         if self.source == "arithmetic":
             return arithmetic_task(rng, self.level)
         return self.env_cls.generate_task(rng, split)
 
-    def train(self, index: int, num_held_out: int = 0) -> dict[str, Any]:
+    def train(self, index: int) -> dict[str, Any]:
         if self._rows is not None:
-            pool = self._rows[num_held_out:] or self._rows
+            pool = self._rows[self.num_held_out :] or self._rows
             return dict(pool[index % len(pool)])
-        return self._generate(np.random.default_rng([self.seed, 0, index]), "train")
+        rng = np.random.default_rng([self.seed, 0, index])
+        for _ in range(10_000):
+            task = self._generate(rng, "train")
+            if str(task.get("prompt")) not in self._held_out_prompts:
+                return task
+        raise ValueError(
+            f"could not draw a training task outside the {self.num_held_out} held-out ones; "
+            "lower eval.num_tasks or raise data.level"
+        )
 
-    def held_out(self, n: int) -> list[dict[str, Any]]:
+    def held_out(self) -> list[dict[str, Any]]:
+        """The fixed evaluation tasks (``num_held_out`` of them)."""
+        n = self.num_held_out
         if self._rows is not None:
             return [dict(t) for t in self._rows[:n]]
-        return [self._generate(np.random.default_rng([self.eval_seed, 1, i]), "test") for i in range(n)]
+        tasks: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        rng = np.random.default_rng([self.eval_seed, 1])
+        for _ in range(100 * n + 100):  # distinct questions, so every held-out task counts once
+            if len(tasks) == n:
+                break
+            task = self._generate(rng, "test")
+            if str(task.get("prompt")) not in seen:
+                seen.add(str(task.get("prompt")))
+                tasks.append(task)
+        if len(tasks) < n:
+            raise ValueError(f"only {len(tasks)} distinct held-out tasks exist here; lower eval.num_tasks to that")
+        return tasks
 
 
 def with_boxed_bonus(rubric: Callable[[Any], tuple[float, dict[str, float]]] | None, weight: float) -> Callable:

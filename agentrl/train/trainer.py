@@ -88,7 +88,7 @@ class Trainer:
         except KeyError as exc:
             raise ValueError(str(exc.args[0])) from None
         self.tasks = TaskSource(self.env_cls, cfg.data.tasks, seed=cfg.seed, level=cfg.data.level,
-                                eval_seed=cfg.seed + cfg.eval.seed_offset)
+                                eval_seed=cfg.seed + cfg.eval.seed_offset, num_held_out=cfg.eval.num_tasks)
         t0 = time.perf_counter()
         self.loaded = load_model(
             cfg.model,
@@ -153,10 +153,10 @@ class Trainer:
         return self.env_cls(format=self.format, **kwargs)
 
     def train_task(self, index: int) -> tuple[str, dict[str, Any]]:
-        return f"train-{index}", self.tasks.train(index, num_held_out=self.cfg.eval.num_tasks)
+        return f"train-{index}", self.tasks.train(index)
 
     def eval_tasks(self) -> list[tuple[str, dict[str, Any]]]:
-        return [(f"test-{i}", t) for i, t in enumerate(self.tasks.held_out(self.cfg.eval.num_tasks))]
+        return [(f"test-{i}", t) for i, t in enumerate(self.tasks.held_out())]
 
     def sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout
