@@ -135,7 +135,7 @@ class TrainerConfig:
     included; a step is only started if the slowest step so far plus the final evaluation still fit,
     otherwise training ends early (final eval and checkpoint still happen; summary says so)."""
 
-    total_steps: int = 30
+    total_steps: int = 20
     max_wall_s: float = 1080.0
     save_every: int = 1
     keep_checkpoints: int = 1
