@@ -248,10 +248,14 @@ def update_policy(
                 for k, v in pg_metrics.items():
                     collected[k].append(v)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip) if params else torch.tensor(0.0)
-            if torch.isfinite(grad_norm):
-                optimizer.step()
-            else:
+            if not torch.isfinite(grad_norm):
                 collected["actor/nonfinite_grad_steps"].append(1.0)
+            elif float(grad_norm) == 0.0:
+                # no learning signal (e.g. every GRPO group scored alike): stepping Adam anyway would keep
+                # moving the weights along its stale momentum, so the step is skipped
+                collected["actor/zero_grad_steps_skipped"].append(1.0)
+            else:
+                optimizer.step()
             collected["actor/grad_norm"].append(distributed.full_value(grad_norm))
     timing["timing_s/update_actor"] = time.perf_counter() - t0
     n_steps = actor.ppo_epochs * actor.num_mini_batches
