@@ -44,7 +44,7 @@ class RolloutConfig:
     batch_size: int = 4
     n: int = 4
     max_new_tokens: int = 48
-    temperature: float = 0.5
+    temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = 0
     max_turns: int | None = 1
@@ -92,7 +92,7 @@ class ActorConfig:
     ``micro_batch_size`` sequences per forward/backward (gradient accumulation). ``freeze``: parameter
     groups kept fixed. ``routing_replay``: replay the old-log-prob pass's MoE routing in the update."""
 
-    lr: float = 5e-5
+    lr: float = 2e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
