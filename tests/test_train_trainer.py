@@ -22,7 +22,8 @@ class ParityEnv(AgentEnv):
 
     @classmethod
     def generate_task(cls, rng, split="train"):
-        return {"id": str(int(rng.integers(1000))), "prompt": "Say something.", "answer": "0"}
+        n = int(rng.integers(10**6))
+        return {"id": str(n), "prompt": f"Say something about {n}.", "answer": "0"}
 
     def reward(self, ctx):
         first = ctx.trajectory.response_ids[0] if ctx.trajectory.response_ids else 1
