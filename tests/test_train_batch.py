@@ -42,6 +42,8 @@ def test_task_streams_are_positional_and_disjoint():
     held_prompts = {t["prompt"] for t in held}
     assert len(held_prompts) == 60  # distinct
     assert not held_prompts & {src.train(i)["prompt"] for i in range(200)}  # never trained on
+    assert src.held_out(10) == held[:10]
+    assert src.train(7, num_held_out=10) == TaskSource(ReToolEnv, "arithmetic", seed=3, num_held_out=10).train(7)
     env_src = TaskSource(ReToolEnv, "env", seed=0)
     assert "prompt" in env_src.train(0) and env_src.train(0) != env_src.train(1)
     with pytest.raises(ValueError, match="distinct held-out"):

@@ -64,30 +64,37 @@ class TaskSource:
                 raise ValueError(f"data.tasks={source!r}: no such file; use env, arithmetic or a task file path") from None
             if not self._rows:
                 raise ValueError(f"data.tasks={source!r} holds no tasks")
-        self._held_out_prompts = {str(t.get("prompt")) for t in self.held_out()}
+        self._excluded: dict[int, set[str]] = {}
+        if num_held_out and self._rows is None:  # fail early if there are not enough distinct tasks
+            self._excluded[num_held_out] = {str(t.get("prompt")) for t in self.held_out()}
 
     def _generate(self, rng: np.random.Generator, split: str) -> dict[str, Any]:
         if self.source == "arithmetic":
             return arithmetic_task(rng, self.level)
         return self.env_cls.generate_task(rng, split)
 
-    def train(self, index: int) -> dict[str, Any]:
+    def train(self, index: int, num_held_out: int | None = None) -> dict[str, Any]:
+        """Task ``index`` of the training stream, never one of the first ``num_held_out`` (default: the
+        constructor's) held-out tasks."""
+        n = self.num_held_out if num_held_out is None else num_held_out
         if self._rows is not None:
-            pool = self._rows[self.num_held_out :] or self._rows
+            pool = self._rows[n:] or self._rows
             return dict(pool[index % len(pool)])
+        if n not in self._excluded:
+            self._excluded[n] = {str(t.get("prompt")) for t in self.held_out(n)}
         rng = np.random.default_rng([self.seed, 0, index])
         for _ in range(10_000):
             task = self._generate(rng, "train")
-            if str(task.get("prompt")) not in self._held_out_prompts:
+            if str(task.get("prompt")) not in self._excluded[n]:
                 return task
         raise ValueError(
-            f"could not draw a training task outside the {self.num_held_out} held-out ones; "
-            "lower eval.num_tasks or raise data.level"
+            f"could not draw a training task outside the {n} held-out ones; lower eval.num_tasks or raise data.level"
         )
 
-    def held_out(self) -> list[dict[str, Any]]:
-        """The fixed evaluation tasks (``num_held_out`` of them)."""
-        n = self.num_held_out
+    def held_out(self, n: int | None = None) -> list[dict[str, Any]]:
+        """The fixed evaluation tasks: the first ``n`` (default: the constructor's ``num_held_out``) of a
+        fixed sequence of distinct tasks, so a smaller ``n`` gives a prefix of a larger one."""
+        n = self.num_held_out if n is None else n
         if self._rows is not None:
             return [dict(t) for t in self._rows[:n]]
         tasks: list[dict[str, Any]] = []
