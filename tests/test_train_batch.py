@@ -61,3 +61,14 @@ def test_arithmetic_answers_are_right(level):
         task = arithmetic_task(rng, level)
         expr = task["prompt"].removeprefix("What is ").removesuffix("?")
         assert str(eval(expr)) == task["answer"]  # noqa: S307
+
+
+def test_boxed_bonus_adds_a_component():
+    from types import SimpleNamespace
+
+    from agentrl.train.tasks import with_boxed_bonus
+
+    reward = with_boxed_bonus(lambda ctx: (1.0, {"correct": 1.0}), 0.25)
+    assert reward(SimpleNamespace(final="so \\boxed{12}")) == (1.25, {"correct": 1.0, "boxed": 1.0})
+    assert reward(SimpleNamespace(final="12")) == (1.0, {"correct": 1.0, "boxed": 0.0})
+    assert with_boxed_bonus(None, 0.5)(SimpleNamespace(final=None)) == (0.0, {"boxed": 0.0})

@@ -169,6 +169,8 @@ class Trainer:
         )
 
     def _save_trajectories(self, name: str, episodes: list[Episode]) -> None:
+        if not self.cfg.trainer.save_trajectories:
+            return
         path = os.path.join(self.run_dir, "trajectories", f"{name}.jsonl")
         with open(path + ".tmp", "w", encoding="utf-8") as f:
             for e in episodes:
