@@ -292,7 +292,10 @@ class Trainer:
                         progress.update(task, completed=self.step)
                     if out_of_time:
                         self.stopped_early = True
-                        self.console.print(f"trainer.max_wall_s={cfg.trainer.max_wall_s:g} reached: stopping after step {self.step}")
+                        self.console.print(
+                            f"trainer.max_wall_s={cfg.trainer.max_wall_s:g} reached: stopping after step {self.step} "
+                            "(trainer.max_wall_s=0 removes the limit)"
+                        )
                         break
         finally:
             await pool.aclose()
