@@ -100,3 +100,10 @@ def test_routing_replay_run(tmp_path):
     # replaying the rollout's experts, the old-policy pass reproduces the rollout log-probs
     assert step["rollout_corr/logprob_abs_diff_max"] < 1e-3
 
+
+
+def test_wall_time_budget_stops_after_a_step_with_final_eval(tmp_path):
+    _, _, summary, records = _fit(tmp_path, "budget", ["trainer.total_steps=5", "trainer.max_wall_s=0.001"])
+    assert summary["steps"] == 1 and summary["stopped_early_by_max_wall_s"]
+    assert summary["eval_after"]["step"] == 1
+    assert (tmp_path / "budget" / "checkpoints" / "step_000001" / "state.json").exists()
