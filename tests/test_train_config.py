@@ -61,3 +61,10 @@ def test_resume_uses_saved_config_plus_overrides(tmp_path):
     assert cfg.run_dir == str(run) and cfg.resume == str(run)
     with pytest.raises(ConfigError, match="no config.yaml"):
         load_run_config([f"resume={tmp_path / 'missing'}"])
+
+
+def test_cli_unknown_env_and_model_suggest(tmp_path, capsys):
+    assert main(["env=retol", f"run_dir={tmp_path / 'a'}", "trainer.tensorboard=false"]) == 2
+    assert "Did you mean retool" in capsys.readouterr().err
+    assert main(["env=retool", "model=smollm2-135", f"run_dir={tmp_path / 'b'}", "trainer.tensorboard=false"]) == 2
+    assert "Did you mean 'smollm2-135m'" in capsys.readouterr().err

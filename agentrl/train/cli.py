@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         return run(cfg, argv)
     from agentrl.train.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except (ValueError, RuntimeError) as exc:  # bad env/model/device names and missing packages
+        print(f"agentrl train: {exc}", file=sys.stderr)
+        return 2
     summary = trainer.fit()
     print(json.dumps(summary, indent=2))
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import difflib
 import json
 import os
 import random
@@ -85,8 +86,11 @@ class Trainer:
 
         try:
             self.env_cls = registry.env_class(cfg.env)
-        except KeyError as exc:
-            raise ValueError(str(exc.args[0])) from None
+        except KeyError:
+            names = sorted(registry.registered())
+            close = difflib.get_close_matches(cfg.env, names, n=2)
+            hint = f" Did you mean {' or '.join(close)}?" if close else ""
+            raise ValueError(f"unknown env {cfg.env!r}.{hint} Registered envs: {', '.join(names)}") from None
         self.tasks = TaskSource(self.env_cls, cfg.data.tasks, seed=cfg.seed, level=cfg.data.level,
                                 eval_seed=cfg.seed + cfg.eval.seed_offset, num_held_out=cfg.eval.num_tasks)
         t0 = time.perf_counter()
