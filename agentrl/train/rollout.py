@@ -96,7 +96,9 @@ async def run_episode(
 ) -> tuple[Trajectory, float, Any]:
     """Drive one episode to its end; returns ``(trajectory, seconds spent in env.astep, routing)`` where
     ``routing`` is the last completion's recorded MoE routing (it covers the whole context that the
-    last action was sampled from) or None."""
+    last action was sampled from) or None. In a multi-turn episode the tokens of earlier turns are
+    thus replayed with the routing the last turn's prefill computed for them, which can differ from
+    the routing they were sampled under (each turn re-runs the context; there is no cross-turn cache)."""
     obs, _ = await env.areset(seed=seed, options={"task": task})
     env_s = 0.0
     while True:
