@@ -16,12 +16,12 @@ nvidia-smi -L
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
 MODEL="--layers 8 --hidden 1024 --heads 16 --experts 8 --vocab 201088"
 # 1) parity at step 1 (rollout on each rank, same episodes for both updates) + a timed second step
-timeout 170 python3 -m torch.distributed.run --standalone --nproc_per_node=2 tests/_fsdp2_parity_worker.py \
+timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=2 tests/_fsdp2_parity_worker.py \
   --device cuda --dtype bfloat16 $MODEL --tasks-per-rank 8 --n 4 --new-tokens 64 --micro-batch 16 \
   --out "$OUT/parity_bf16.json" 2>&1 | tail -40
 # 2) the CLI: agentrl train ... trainer.n_gpus=1 (plain trainer) vs trainer.n_gpus=2 (torchrun + FSDP2)
 for n in 1 2; do
-  timeout 110 python3 -m agentrl.cli train env=gsm8k model=tiny-gpt-oss device=cuda dtype=bfloat16 trainer.n_gpus=$n \
+  timeout 75 python3 -m agentrl.cli train env=gsm8k model=tiny-gpt-oss device=cuda dtype=bfloat16 trainer.n_gpus=$n \
     trainer.total_steps=3 trainer.save_every=0 trainer.progress=false trainer.tensorboard=false eval.num_tasks=0 \
     rollout.batch_size=16 rollout.n=4 rollout.max_new_tokens=64 actor.micro_batch_size=16 \
     model_kwargs.num_layers=8 model_kwargs.hidden=1024 model_kwargs.heads=16 model_kwargs.experts=8 \
