@@ -17,7 +17,7 @@ python3 -c 'import torch, transformers; print("torch", torch.__version__, "trans
 MODEL="--layers 8 --hidden 1024 --heads 16 --experts 8 --vocab 201088"
 # 1) parity at step 1 (rollout on each rank, same episodes for both updates) + a timed second step
 timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=2 tests/_fsdp2_parity_worker.py \
-  --device cuda --dtype bfloat16 $MODEL --tasks-per-rank 8 --n 4 --new-tokens 64 --micro-batch 16 \
+  --device cuda --dtype bfloat16 $MODEL --tasks-per-rank 8 --group-size 4 --new-tokens 64 --micro-batch 16 \
   --out "$OUT/parity_bf16.json" 2>&1 | tail -40
 # 2) the CLI: agentrl train ... trainer.n_gpus=1 (plain trainer) vs trainer.n_gpus=2 (torchrun + FSDP2)
 for n in 1 2; do

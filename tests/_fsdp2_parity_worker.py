@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--tasks-per-rank", type=int, default=2)
-    ap.add_argument("--n", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=6)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
@@ -95,7 +95,7 @@ def main() -> None:
 
     # step 1, parity: rollout on each rank (different prompts and lengths), the same episodes for both updates
     with distributed.unsharded(model):
-        mine = sample_episodes(model, tasks=args.tasks_per_rank, n=args.n, prompt_len=5 + rank, vocab=args.vocab,
+        mine = sample_episodes(model, tasks=args.tasks_per_rank, n=args.group_size, prompt_len=5 + rank, vocab=args.vocab,
                                new_tokens=args.new_tokens + rank, seed=100 + rank)
     everyone = distributed.gather_objects([(t, rank * 1000 + g) for t, g in mine])
     ref_metrics = update(reference, everyone)  # single-process update, identical on every rank
@@ -107,13 +107,13 @@ def main() -> None:
 
     # step 2, timing: a whole step (rollout + update) of world x tasks_per_rank tasks, on one device vs sharded
     t0 = sync()
-    batch_all = sample_episodes(reference, tasks=world * args.tasks_per_rank, n=args.n, prompt_len=5,
+    batch_all = sample_episodes(reference, tasks=world * args.tasks_per_rank, n=args.group_size, prompt_len=5,
                                 vocab=args.vocab, new_tokens=args.new_tokens, seed=7)
     t1 = sync()
     update(reference, batch_all)
     t2 = sync()
     with distributed.unsharded(model):
-        mine = sample_episodes(model, tasks=args.tasks_per_rank, n=args.n, prompt_len=5, vocab=args.vocab,
+        mine = sample_episodes(model, tasks=args.tasks_per_rank, n=args.group_size, prompt_len=5, vocab=args.vocab,
                                new_tokens=args.new_tokens, seed=200 + rank)
     t3 = sync()
     update(model, mine)
