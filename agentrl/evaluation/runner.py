@@ -25,6 +25,7 @@ is refused.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import inspect
@@ -484,15 +485,16 @@ def _final(traj: Trajectory) -> str | None:
     return next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)
 
 
-class _EpisodeRunner:
+class _EpisodeRunner(abc.ABC):
     def __init__(self, cls: type, env_kwargs: dict[str, Any], cfg: EvalConfig, backend: Any):
         self.cls, self.env_kwargs, self.cfg, self.backend = cls, env_kwargs, cfg, backend
 
     async def make_env(self) -> Any:
         return self.cls(**self.env_kwargs)
 
+    @abc.abstractmethod
     async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
-        raise NotImplementedError
+        """Run one episode of ``task`` (sample index ``sample``) in ``env`` and return its trajectory."""
 
 
 class _TokenRunner(_EpisodeRunner):

@@ -160,6 +160,15 @@ class HarmonyFormat(ChatFormat):
 
         return oh.RenderConversationConfig(auto_drop_analysis=(analysis or self.analysis) == "drop")
 
+    def _conversation(self, messages, tools, instructions, reasoning_effort):
+        import openai_harmony as oh
+
+        return oh.Conversation.from_messages(
+            self.to_harmony_messages(
+                messages, tools, instructions=instructions, reasoning_effort=reasoning_effort
+            )
+        )
+
     def render_prompt(
         self,
         messages: Sequence[Message],
@@ -174,11 +183,7 @@ class HarmonyFormat(ChatFormat):
         format's policy for this call)."""
         import openai_harmony as oh
 
-        conv = oh.Conversation.from_messages(
-            self.to_harmony_messages(
-                messages, tools, instructions=instructions, reasoning_effort=reasoning_effort
-            )
-        )
+        conv = self._conversation(messages, tools, instructions, reasoning_effort)
         return self.encoding.render_conversation_for_completion(
             conv, oh.Role.ASSISTANT, self._config(analysis)
         )
@@ -194,13 +199,7 @@ class HarmonyFormat(ChatFormat):
     ) -> list[int]:
         """Whole-conversation ids as openai-harmony's ``render_conversation_for_training`` (a trailing final
         message ends with ``<|return|>``)."""
-        import openai_harmony as oh
-
-        conv = oh.Conversation.from_messages(
-            self.to_harmony_messages(
-                messages, tools, instructions=instructions, reasoning_effort=reasoning_effort
-            )
-        )
+        conv = self._conversation(messages, tools, instructions, reasoning_effort)
         return self.encoding.render_conversation_for_training(conv, self._config(analysis))
 
     def render_message(self, message: Message) -> list[int]:

@@ -28,6 +28,8 @@ a pre-hook on its MLP reads the ``[B, S]`` layout of the call. Nothing global is
 
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,7 +52,7 @@ def find_routers(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     return found
 
 
-class _RouterPatch:
+class _RouterPatch(abc.ABC):
     """Shared plumbing: patch each router's forward and hook its MLP for the ``[B, S]`` layout."""
 
     def __init__(self, model: nn.Module):
@@ -59,8 +61,9 @@ class _RouterPatch:
         self._layout: list[tuple[int, int] | None] = [None] * len(self.pairs)
         self._handles: list = []
 
+    @abc.abstractmethod
     def _wrap(self, layer: int, router: nn.Module, original):
-        raise NotImplementedError
+        """The replacement forward for ``router`` (layer ``layer``); ``original`` is its own forward."""
 
     def __enter__(self):
         self._saved: list = []
