@@ -157,6 +157,8 @@ def update_policy(
     old_log_prob = None
     is_weights = None
     train_mask = mask
+    rc_options = dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+                      rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
     if not on_policy:
         t0 = time.perf_counter()
         old_log_prob = batched_logprobs(model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
@@ -166,10 +168,7 @@ def update_policy(
             old_log_prob=old_log_prob,
             rollout_log_prob=batch.rollout_log_probs,
             response_mask=mask,
-            rollout_is=rc.rollout_is,
-            rollout_is_threshold=rc.rollout_is_threshold,
-            rollout_rs=rc.rollout_rs,
-            rollout_rs_threshold=rc.rollout_rs_threshold,
+            **rc_options,
         )
         metrics.update(rc_metrics)
     ref_log_prob = None
@@ -207,10 +206,7 @@ def update_policy(
                         old_log_prob=sub_old,
                         rollout_log_prob=sub.rollout_log_probs,
                         response_mask=sub_mask,
-                        rollout_is=rc.rollout_is,
-                        rollout_is_threshold=rc.rollout_is_threshold,
-                        rollout_rs=rc.rollout_rs,
-                        rollout_rs_threshold=rc.rollout_rs_threshold,
+                        **rc_options,
                     )
                     for k, v in rc_metrics.items():
                         collected[k].append(v)
