@@ -181,15 +181,20 @@ def test_adapter_and_server_follow_verls_weight_sync(tiny):
                                     image_data=[object()]))
 
 
-def test_weight_sync_refuses_what_it_cannot_load(tiny):
+def test_weight_sync_refusals_and_routing_capture(tiny):
+    import dataclasses
+
     import torch
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.rollout.base import get_rollout_class
 
     from agentrl.engines.base import SamplingParams
+    from agentrl.train.verl_backend.rollout import call_local
+    from agentrl.train.verl_backend.rollout_server import AgentrlRolloutServer
 
     vcfg = tiny["config"]
-    config = omega_conf_to_dataclass(vcfg.actor_rollout_ref.rollout)
+    config = dataclasses.replace(omega_conf_to_dataclass(vcfg.actor_rollout_ref.rollout),
+                                 enable_rollout_routing_replay=True)
     rollout = get_rollout_class("agentrl", "async")(
         config=config, model_config=omega_conf_to_dataclass(vcfg.actor_rollout_ref.model), device_mesh=None,
         replica_rank=7,
@@ -214,6 +219,18 @@ def test_weight_sync_refuses_what_it_cannot_load(tiny):
         rollout.generate_batch([[1, 2]], SamplingParams(), [1])
     update(weights.items())
     assert rollout.synced and rollout.global_steps == 1
+
+    # routing replay: the MoE experts chosen for every token fed, as verl's [tokens, layers, top_k]
+    async def call(method, *args):
+        return call_local(None, 7, method, *args)
+
+    server = AgentrlRolloutServer(config, 7, [], rollout.describe(), call=call)
+    prompt = [200006, 17360, 200008, 1000]
+    out = asyncio.run(server.generate(prompt_ids=prompt, request_id="moe", sampling_params={
+        "temperature": 1.0, "max_tokens": 4, "stop_token_ids": [], "logprobs": True}))
+    assert len(out.token_ids) == 4 and out.extra_fields["global_steps"] == 1
+    assert out.routed_experts.shape == (len(prompt) + 4 - 1, LAYERS, 2)  # the last sampled token was not fed
+    assert ((out.routed_experts >= 0) & (out.routed_experts < 4)).all()
 
 
 def test_split_moe_experts_are_packed_back():
