@@ -361,14 +361,16 @@ def test_dry_run_states_the_rollout_backend_and_why(tmp_path, monkeypatch, capsy
 
     monkeypatch.setattr(rollout_backend, "installed_version", installed.get)
     cfg = {"env": register_multi_turn(), "model": "Qwen/Qwen3-0.6B", "run_dir": str(tmp_path / "run"),
-           "rollout": {"batch_size": 4, "n": 2}, "algorithm": {"adv_estimator": "grpo"},
+           "rollout": {"batch_size": 4, "n": 2, "max_batch_size": 64}, "algorithm": {"adv_estimator": "grpo"},
            "trainer": {"n_gpus_per_node": 1, "nnodes": 1}, "verl": {"rollout": requested, "n_train_tasks": 4, "n_val_tasks": 1}}
     assert main(cfg, dry_run=True) == 0
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     at = lines.index(f"rollout backend: {name}")
     assert lines[at + 1] == f"  why: {plan(cfg).rollout.reason}" and reason in lines[at + 1]
-    assert plan(cfg).resolved.actor_rollout_ref.rollout.name == name
+    resolved = plan(cfg).resolved.actor_rollout_ref.rollout
+    assert resolved.name == name
+    assert resolved.max_num_seqs == (64 if name == "agentrl" else 256)  # rollout.max_batch_size; verl's default
     if installed.get(name) or name == "agentrl":
         assert "warning" not in printed
         return

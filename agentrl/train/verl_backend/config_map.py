@@ -14,7 +14,8 @@ one optimizer step, else ``vanilla`` (verl's vanilla is already dual-clip); ``ro
 ``attn_implementation`` (default ``agentrl_sink`` for GPT-OSS models) -> ``override_config``;
 ``verl.rollout`` -> ``actor_rollout_ref.rollout.name`` as resolved on this machine by
 :func:`~agentrl.train.verl_backend.rollout_backend.choose_rollout` (``auto``: vllm or sglang, whichever is
-installed).
+installed); with ``verl.rollout=agentrl``, ``rollout.max_batch_size`` -> ``rollout.max_num_seqs`` (the most
+sequences the engine samples in one batch).
 """
 
 from __future__ import annotations
@@ -280,6 +281,9 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
     out: dict[str, Any] = {"data.train_files": list(train_files), "data.val_files": list(val_files)}
     out.update(FIXED)
     out["actor_rollout_ref.rollout.name"] = rollout_choice(cfg).name
+    if out["actor_rollout_ref.rollout.name"] == ROLLOUT_NAME and select(cfg, "rollout.max_batch_size") is not None:
+        # the transformers engine's batch bound, as in the embedded trainer (vLLM/SGLang keep verl's own)
+        out["actor_rollout_ref.rollout.max_num_seqs"] = int(select(cfg, "rollout.max_batch_size"))
     for ours, theirs, transform in MAPPING:
         value = select(cfg, ours)
         if value is not None:
