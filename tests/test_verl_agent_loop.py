@@ -49,7 +49,7 @@ def test_agent_loop_through_verl_matches_our_rollout(tmp_path):
     from agentrl.episodes import TokenPolicy, run_episode
     from agentrl.harmony import HarmonyFormat
     from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
-    from agentrl.train.models import tiny_gpt_oss
+    from agentrl.models.tiny import tiny_gpt_oss
     from agentrl.train.verl_backend.agent_loop import parse_spec
     from agentrl.train.verl_backend.config_map import verl_overrides
     from agentrl.train.verl_backend.dataset import write_env_dataset

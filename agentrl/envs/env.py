@@ -47,27 +47,17 @@ from agentrl.envs.spaces import as_token_array, observation_space, token_ids_spa
 from agentrl.envs.tasks import load_task_file
 from agentrl.envs.tools.base import Tool
 from agentrl.envs.tools.dispatch import Sessions, ToolBox
+from agentrl.harmony.factory import default_format
 from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
 from agentrl.harmony.types import Message, ParsedTurn, ParseErrorKind
 
-_DEFAULT_FORMAT: ChatFormat | None = None
 #: Parse-error kinds that map to a more specific entry of the error taxonomy (the rest are ``parse_error``).
 _PARSE_ERROR_KINDS = {
     ParseErrorKind.TRUNCATED: "truncation",
     ParseErrorKind.BAD_JSON: "bad_arguments",
     ParseErrorKind.UNKNOWN_RECIPIENT: "unknown_tool",
 }
-
-
-def default_format() -> ChatFormat:
-    """The shared default :class:`~agentrl.harmony.HarmonyFormat` (built once per process)."""
-    global _DEFAULT_FORMAT
-    if _DEFAULT_FORMAT is None:
-        from agentrl.harmony import HarmonyFormat
-
-        _DEFAULT_FORMAT = HarmonyFormat()
-    return _DEFAULT_FORMAT
 
 
 @dataclass(frozen=True)

@@ -238,17 +238,6 @@ def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:
     return list(zip(ids, tasks, strict=True))
 
 
-def _make_format(name: str) -> Any:
-    """``auto``/``harmony``: HarmonyFormat; anything else: an HF tokenizer path for ChatTemplateFormat."""
-    if name in ("auto", "harmony"):
-        from agentrl.harmony import HarmonyFormat
-
-        return HarmonyFormat()
-    from agentrl.harmony import ChatTemplateFormat  # type: ignore[attr-defined]
-
-    return ChatTemplateFormat.from_pretrained(name)
-
-
 class Evaluation:
     """One ``agentrl eval`` invocation. ``await run()`` returns the metrics dict (also in ``metrics.json``).
 
@@ -431,7 +420,9 @@ class Evaluation:
             from agentrl.engines.openai_engine import Endpoint, OpenAIEngine
 
             engine = await stack.enter_async_context(OpenAIEngine(self._endpoint(Endpoint)))
-            fmt = _make_format(cfg.format)
+            from agentrl.harmony import make_format
+
+            fmt = make_format(cfg.format)
         else:
             from agentrl.engines.server import load_local_engine
 

@@ -352,7 +352,7 @@ class DistributedTrainerMixin:
             set_optimizer_state_dict,
         )
 
-        from agentrl.train.checkpoint import latest_checkpoint
+        from agentrl.models.checkpoints import latest_checkpoint
 
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is None:

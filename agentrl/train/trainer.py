@@ -35,28 +35,14 @@ from omegaconf import DictConfig, OmegaConf
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.transformers_engine import TransformersEngine
 from agentrl.episodes import EnvPool, EpisodeResult
+from agentrl.models.checkpoints import latest_checkpoint
+from agentrl.models.loading import load_model
 from agentrl.train.batch import collate
-from agentrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
 from agentrl.train.metrics import MetricsSink, episode_metrics
-from agentrl.train.model_loading import LoadedModel, load_model
 from agentrl.train.rollout import rollout
 from agentrl.train.tasks import TaskSource, with_boxed_bonus
 from agentrl.train.update import update_policy
-
-
-def make_format(name: str, loaded: LoadedModel) -> Any:
-    """The ChatFormat for ``format=name`` (``auto`` picks what fits the model)."""
-    if name == "auto":
-        name = loaded.format_name
-    if name == "harmony":
-        from agentrl.harmony import HarmonyFormat
-
-        return HarmonyFormat()
-    if loaded.tokenizer is None:
-        raise ValueError(f"format={name} needs an HF tokenizer, but model has none (it speaks Harmony)")
-    from agentrl.harmony import ChatTemplateFormat
-
-    return ChatTemplateFormat(loaded.tokenizer)
 
 
 def default_run_dir(cfg: DictConfig) -> str:
@@ -105,7 +91,7 @@ class Trainer:
         )
         self.load_s = time.perf_counter() - t0
         self.model = self.loaded.model
-        self.format = make_format(cfg.format, self.loaded)
+        self.format = self.loaded.chat_format(cfg.format)
         self.ref_model = None
         if cfg.actor.use_kl_loss:  # the initial weights, frozen (copied before any checkpoint is loaded)
             self.ref_model = copy.deepcopy(self.model).eval()
@@ -125,7 +111,7 @@ class Trainer:
         pad = getattr(self.loaded.tokenizer, "pad_token_id", None) if self.loaded.tokenizer is not None else None
         self.pad_token_id = int(pad if pad is not None else 0)
         if cfg.actor.routing_replay:
-            from agentrl.train.routing_replay import find_routers
+            from agentrl.models.routing import find_routers
 
             find_routers(self.model)  # raises a clear error for dense models
         self.engine = TransformersEngine(

@@ -34,6 +34,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
 from agentrl.episodes import Action, EpisodeLimits, EpisodeState, run_episode
+from agentrl.harmony import FORMAT_NAMES, make_format
 from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.trajectory import Trajectory
 from agentrl.train.verl_backend.config_map import AGENT_NAME
@@ -46,21 +47,13 @@ _FORMATS: dict[tuple[str, int], ChatFormat] = {}
 
 def resolve_format(kind: str, tokenizer: Any, hf_model_type: str | None) -> ChatFormat:
     """The ChatFormat for ``kind`` (``harmony``, ``chat_template`` or ``auto``: Harmony for GPT-OSS
-    models, the tokenizer's chat template otherwise), built once per process and tokenizer."""
-    if kind == "auto":
-        kind = "harmony" if hf_model_type == "gpt_oss" else "chat_template"
+    models, the tokenizer's chat template otherwise; :func:`agentrl.harmony.make_format`), built once per
+    process and tokenizer."""
+    if kind not in FORMAT_NAMES:
+        raise ValueError(f"unknown format {kind!r} in the agentrl episode spec; use {', '.join(FORMAT_NAMES)}")
     key = (kind, id(tokenizer))
     if key not in _FORMATS:
-        if kind == "harmony":
-            from agentrl.envs import default_format
-
-            _FORMATS[key] = default_format()
-        elif kind == "chat_template":
-            from agentrl.harmony import ChatTemplateFormat
-
-            _FORMATS[key] = ChatTemplateFormat(tokenizer)
-        else:
-            raise ValueError(f"unknown format {kind!r} in the agentrl episode spec; use auto, harmony or chat_template")
+        _FORMATS[key] = make_format(kind, tokenizer=tokenizer, model_type=hf_model_type)
     return _FORMATS[key]
 
 
