@@ -42,7 +42,7 @@ def tiny(tmp_path_factory):
     """A tiny GPT-OSS checkpoint directory (config + Harmony tokenizer: what verl's workers read), the
     dataset, and verl's composed config for ``verl.rollout=agentrl``."""
     from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
-    from agentrl.train.models import tiny_gpt_oss
+    from agentrl.models.tiny import tiny_gpt_oss
     from agentrl.train.verl_backend.dataset import write_env_dataset
 
     root = tmp_path_factory.mktemp("verl_rollout")
@@ -57,7 +57,7 @@ def tiny(tmp_path_factory):
 
 def _actor(seed):
     """The "trained" model a verl actor would hold: the same architecture, weights from ``seed``."""
-    from agentrl.train.models import tiny_gpt_oss
+    from agentrl.models.tiny import tiny_gpt_oss
 
     return tiny_gpt_oss(num_layers=LAYERS, hidden=HIDDEN, seed=seed)
 
@@ -285,7 +285,7 @@ def test_full_verl_path_on_ray(tiny):
                 config=self.config, model_config=omega_conf_to_dataclass(model_cfg), device_mesh=None)
 
         def train_to(self, seed):  # stands in for optimizer steps: the actor's weights change
-            from agentrl.train.models import tiny_gpt_oss
+            from agentrl.models.tiny import tiny_gpt_oss
 
             self.actor = tiny_gpt_oss(num_layers=LAYERS, hidden=HIDDEN, seed=seed)
 
