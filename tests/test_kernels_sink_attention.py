@@ -99,6 +99,36 @@ def test_gqa_head_packed_tiles_match_reference(monkeypatch, pack, hkv, window):
              max_seqlen=max(lens))
 
 
+@pytest.mark.parametrize("variant", ["tma_fwd", "atomic_dq", "atomic_dq_packed_heads"])
+@pytest.mark.parametrize("layout", ["dense", "packed", "dense_transposed"])
+def test_kernel_variants_match_reference(monkeypatch, variant, layout):
+    """The forward through tensor descriptors (TMA) and the backward with dQ by atomics, on odd
+    shapes: dense, packed with empty sequences, and [B, N, H, D] memory seen as [B, H, N, D]."""
+    from agentrl.kernels.sink_attention import CONFIG_OVERRIDES, KernelConfig
+
+    pack = variant == "atomic_dq_packed_heads"
+    cfg = KernelConfig(16, 16, 4, 1, pack, tma=variant == "tma_fwd", atomic_dq=variant != "tma_fwd")
+    for kind in ("fwd", "dkdv", "dq"):
+        monkeypatch.setitem(CONFIG_OVERRIDES, kind, cfg)
+    torch.manual_seed(13)
+    for window in (None, 5):
+        if layout == "packed":
+            lens = [7, 0, 1, 21]
+            cu = torch.tensor([0, 7, 7, 8, 29], dtype=torch.int32, device=DEV)
+            q = torch.randn(29, 8, 16, device=DEV)
+            k = torch.randn(29, 2, 16, device=DEV)
+            v = torch.randn(29, 2, 16, device=DEV)
+            _compare(q, k, v, torch.randn(8, device=DEV) * 4, FP32_TOL, causal=True, window=window,
+                     cu_seqlens=cu, max_seqlen=max(lens))
+        elif layout == "dense_transposed":
+            q = torch.randn(2, 19, 8, 16, device=DEV).transpose(1, 2)
+            k = torch.randn(2, 19, 2, 16, device=DEV).transpose(1, 2)
+            v = torch.randn(2, 19, 2, 16, device=DEV).transpose(1, 2)
+            _compare(q, k, v, torch.randn(8, device=DEV) * 4, FP32_TOL, causal=True, window=window)
+        else:
+            _compare(*_dense(1, 8, 2, 23, 23, 16, 4.0, torch.float32), FP32_TOL, causal=True, window=window)
+
+
 def test_group_not_a_power_of_two_and_bf16_sinks():
     """GQA group of 3 (head packing must fall back to one head per tile); sinks stored in bf16."""
     torch.manual_seed(12)
