@@ -22,8 +22,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from agentrl.kernels import sink_attention, sink_attention_reference  # noqa: E402
-from agentrl.kernels import _dispatch, _fa4  # noqa: E402
+from agentrl.kernels import _dispatch, _fa4, sink_attention, sink_attention_reference  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 

@@ -41,9 +41,31 @@ class KernelConfig:
     atomic_dq: bool = False
 
 
-# Benchmarks and tests may override the heuristic per kernel ("fwd", "dkdv", "dq"), or per kernel
-# and mask ("fwd/full", "fwd/window", ...; these win); None means the heuristic.
+# Benchmarks and tests may override the heuristic per kernel ("fwd", "dkdv", "dq"), per kernel and
+# case ("fwd/full", "dkdv/window", "dq/decode") or per kernel, case and head_dim ("fwd/full/d64");
+# the most specific key wins, None means the heuristic. ``$AGENTRL_SINK_CONFIGS`` names a JSON file
+# of such overrides (see :func:`load_config_overrides`), read when this module is imported.
 CONFIG_OVERRIDES: dict[str, KernelConfig | None] = {"fwd": None, "dkdv": None, "dq": None}
+
+
+def load_config_overrides(path: str) -> dict[str, KernelConfig]:
+    """Read ``{"fwd/full/d64": [block_m, block_n, num_warps, num_stages, pack, tma, atomic_dq], ...}``
+    (trailing fields optional) from a JSON file, e.g. written by ``benchmarks/sink_attention_bench.py
+    --sweep-out``, into :data:`CONFIG_OVERRIDES`; returns what was loaded."""
+    import json
+
+    with open(path) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object of kernel configs, got {type(raw).__name__}")
+    loaded = {}
+    for key, fields in raw.items():
+        if key.split("/")[0] not in ("fwd", "dkdv", "dq") or not isinstance(fields, list) or not 4 <= len(fields) <= 7:
+            raise ValueError(f"{path}: bad entry {key!r}: {fields!r}; keys start with fwd/dkdv/dq and values "
+                             "are [block_m, block_n, num_warps, num_stages, pack?, tma?, atomic_dq?]")
+        loaded[key] = KernelConfig(*fields)
+    CONFIG_OVERRIDES.update(loaded)
+    return loaded
 
 
 def _interpreting() -> bool:
@@ -71,11 +93,11 @@ def _kernels():
 def _pick(kind: str, head_dim: int, max_q: int, group: int, window: int | None) -> KernelConfig:
     """Tile configuration per kernel; the GPU choices come from sweeps on an H200 (see
     benchmarks/RESULTS.md)."""
-    case = "window" if window is not None else "full"
-    override = CONFIG_OVERRIDES.get(f"{kind}/{case}") or CONFIG_OVERRIDES.get(kind)
-    if override is not None:
-        return override
     decode = max_q * group <= 64
+    case = "decode" if decode else "window" if window is not None else "full"
+    for key in (f"{kind}/{case}/d{head_dim}", f"{kind}/{case}", kind):
+        if CONFIG_OVERRIDES.get(key) is not None:
+            return CONFIG_OVERRIDES[key]
     pack = group > 1 and (window is not None or decode)
     if _interpreting():
         return KernelConfig(16, 16, 4, 1, pack)
@@ -94,6 +116,10 @@ def _pick(kind: str, head_dim: int, max_q: int, group: int, window: int | None) 
     if window is not None:
         return KernelConfig(64, 64, 4, 3, pack)
     return KernelConfig(64, 64, 8 if wide else 4, 3)
+
+
+if os.environ.get("AGENTRL_SINK_CONFIGS"):
+    load_config_overrides(os.environ["AGENTRL_SINK_CONFIGS"])
 
 
 def _pack(cfg: KernelConfig, group: int) -> int:
