@@ -211,7 +211,7 @@ def check(paths):
 # whole backward with the other kernel at its default.
 SWEEP = {
     ("fwd", "full"): [(128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3, False, True), (128, 128, 8, 3, False, True),
-                      (128, 64, 4, 3, False, True), (128, 128, 8, 2, False, True)],
+                      (128, 64, 4, 3, False, True), (128, 128, 8, 2, False, True), (256, 64, 8, 3, False, True)],
     ("fwd", "window"): [(64, 32, 4, 3, True), (64, 32, 4, 3, True, True), (128, 32, 4, 3, True, True),
                         (64, 16, 4, 3, True, True)],
     ("dkdv", "full"): [(64, 64, 4, 3), (64, 64, 4, 3, False, False, True), (64, 128, 8, 3, False, False, True),
