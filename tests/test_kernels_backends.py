@@ -48,11 +48,24 @@ def test_auto_follows_the_measured_table_when_fa4_can_run(monkeypatch):
     assert _choose(window=None, n_k=16384) == "fa4"  # full causal: FA4 measured faster
     assert _choose(window=128, n_k=16384) == "triton"  # GPT-OSS sliding window: ours
     assert _choose(window=128, n_k=16384, needs_grad=False) == "triton"
+    assert _choose(window=256, n_k=16384) == "triton"  # between 128 and 512: interpolated, still ours
+    assert _choose(window=512, n_k=16384) == "fa4"  # FA4 measured faster from about 400 keys on
+    assert _choose(window=2048, n_q=2048, n_k=2048) == "fa4"
     assert _choose(window=20000, n_k=16384) == "fa4"  # a window covering every key is full attention
     assert _choose(window=None, n_q=1, n_k=16384) == "triton"  # decoding
     assert _choose(window=None, causal=False) == "triton"  # not measured: ours
     assert _choose("triton", window=None, n_k=16384) == "triton"
     assert _choose("fa4", window=128) == "fa4"
+
+
+def test_measured_ratio_interpolates_between_measured_windows():
+    fwd_128, bwd_128 = _dispatch.MEASURED[(128, 16384)]
+    fwd_512, bwd_512 = _dispatch.MEASURED[(512, 16384)]
+    fwd_256, bwd_256 = _dispatch.measured_ratio(256, 16384)
+    assert fwd_256 == pytest.approx((fwd_128 + fwd_512) / 2) and bwd_256 == pytest.approx((bwd_128 + bwd_512) / 2)
+    assert _dispatch.measured_ratio(1, 16384) == _dispatch.MEASURED[(128, 16384)]
+    assert _dispatch.measured_ratio(10**6, 16384) == _dispatch.MEASURED[(None, 16384)]
+    assert _dispatch.measured_ratio(None, 3000) == _dispatch.MEASURED[(None, 4096)]
 
 
 def test_auto_uses_ours_where_fa4_cannot_run(monkeypatch):

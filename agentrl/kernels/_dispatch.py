@@ -7,9 +7,10 @@
   queries against a cache, where our kernel packs the GQA group into one tile);
 * otherwise the faster of the two for the call's shape, from :data:`MEASURED`: FA4's time over ours,
   measured on an H200 by ``benchmarks/sink_attention_bench.py --table`` (bf16, 64 query and 8 KV
-  heads, head_dim 64). A call is matched to the nearest measured window (in log2; "full" for
-  no window or a window covering every key) and sequence length, using the forward+backward
-  figure when autograd will need a backward and the forward figure otherwise.
+  heads, head_dim 64), read at the nearest measured length and interpolated in log2(window) (see
+  :func:`measured_ratio`), using the forward+backward figure when autograd will need a backward
+  and the forward figure otherwise. Today that is ours for windows up to about 300 keys, FA4
+  for longer windows and full causal attention.
 
 ``AGENTRL_SINK_BACKEND`` (``auto`` / ``triton`` / ``fa4``) sets the default of ``backend=None``.
 """
@@ -23,14 +24,19 @@ import torch
 
 BACKENDS = ("auto", "triton", "fa4")
 
-# FA4 time / Triton time (> 1: ours is faster), keyed by (window or None for full causal, tokens per
-# sequence): (forward, forward+backward). H200, bf16, Hq=64, Hkv=8, D=64, B*N = 16384 tokens.
-# Source: benchmarks/RESULTS.md, section "Sink attention: FA4 beside ours".
+# FA4 time / Triton time (> 1: ours is faster), keyed by (window, or None for full causal; tokens
+# per sequence): (forward, forward+backward). Measured 2026-12-01 on one H200 (bf16, Hq=64, Hkv=8,
+# D=64; B=1 at N=16384 and B=4 at N=4096) by benchmarks/sink_attention_bench.py --table, our kernels
+# at their tuned configs; see benchmarks/RESULTS.md, "Sink attention: FA4 beside ours".
 MEASURED: dict[tuple[int | None, int], tuple[float, float]] = {
-    (None, 16384): (0.77, 0.70),
-    (None, 4096): (0.79, 0.73),
-    (128, 16384): (1.29, 1.21),
-    (128, 4096): (1.28, 1.33),
+    (None, 16384): (0.85, 0.72),
+    (128, 16384): (1.29, 1.33),
+    (512, 16384): (0.92, 0.86),
+    (2048, 16384): (0.71, 0.75),
+    (None, 4096): (0.90, 0.73),
+    (128, 4096): (1.30, 1.27),
+    (512, 4096): (0.95, 0.87),
+    (2048, 4096): (0.71, 0.74),
 }
 
 
@@ -41,21 +47,28 @@ def default_backend() -> str:
     return name
 
 
-def _nearest(window: int | None, n: int) -> tuple[float, float]:
-    def dist(key):
-        w, kn = key
-        dw = 0.0 if w == window else (math.inf if (w is None) != (window is None) else
-                                      abs(math.log2(w) - math.log2(window)))
-        return dw, abs(math.log2(kn) - math.log2(max(n, 1)))
-
-    return MEASURED[min(MEASURED, key=dist)]
+def measured_ratio(window: int | None, n_k: int) -> tuple[float, float]:
+    """FA4/ours (forward, forward+backward) for a mask and length: the measured length nearest in
+    log2, then linear in log2(window) between the measured windows, full attention counting as a
+    window of ``n`` keys (and any window covering every key as full attention)."""
+    lengths = sorted({n for _, n in MEASURED})
+    n = min(lengths, key=lambda m: abs(math.log2(m) - math.log2(max(n_k, 1))))
+    points = sorted((n if w is None else w, MEASURED[(w, n)]) for w, m in MEASURED if m == n)
+    w = n if window is None or window >= n_k else window
+    if w <= points[0][0]:
+        return points[0][1]
+    if w >= points[-1][0]:
+        return points[-1][1]
+    for (w0, r0), (w1, r1) in zip(points, points[1:]):
+        if w0 <= w <= w1:
+            t = (math.log2(w) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
+            return tuple(a + t * (b - a) for a, b in zip(r0, r1))
+    return points[-1][1]  # pragma: no cover - the loop covers every w between the ends
 
 
 def fa4_is_faster(window: int | None, n_k: int, needs_grad: bool) -> bool:
     """From the measured table: is FA4 faster than ours for this mask and length?"""
-    if window is not None and window >= n_k:
-        window = None  # the window covers every key: full causal attention
-    fwd, fwdbwd = _nearest(window, n_k)
+    fwd, fwdbwd = measured_ratio(window, n_k)
     return (fwdbwd if needs_grad else fwd) < 1.0
 
 

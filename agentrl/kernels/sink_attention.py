@@ -107,7 +107,7 @@ def _pick(kind: str, head_dim: int, max_q: int, group: int, window: int | None) 
     if kind == "fwd":
         if window is not None:
             return KernelConfig(64, 32, 4, 3, pack)
-        return KernelConfig(128, 64, 8, 3) if wide else KernelConfig(128, 128, 4, 3)
+        return KernelConfig(128, 64, 8, 3) if wide else KernelConfig(128, 128, 4, 3, tma=True)
     if kind == "dq":
         if window is not None:
             return KernelConfig(64, 32, 4, 3, pack)
