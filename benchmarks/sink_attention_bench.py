@@ -210,27 +210,30 @@ def check(paths):
 # (block_m, block_n, num_warps, num_stages, pack, tma, atomic_dq); dkdv/dq variants are timed as the
 # whole backward with the other kernel at its default.
 SWEEP = {
-    ("fwd", "full"): [(128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3, False, True), (128, 128, 8, 3, False, True),
-                      (128, 64, 4, 3, False, True), (128, 128, 8, 2, False, True), (256, 64, 8, 3, False, True)],
-    ("fwd", "window"): [(64, 32, 4, 3, True), (64, 32, 4, 3, True, True), (128, 32, 4, 3, True, True),
-                        (64, 16, 4, 3, True, True)],
-    ("dkdv", "full"): [(64, 64, 4, 3), (64, 64, 4, 3, False, False, True), (64, 128, 8, 3, False, False, True),
-                       (128, 128, 8, 3, False, False, True), (64, 128, 4, 3, False, False, True),
-                       (128, 64, 8, 3, False, False, True)],
-    ("dkdv", "window"): [(64, 64, 4, 3, True), (64, 64, 4, 3, True, False, True), (128, 64, 4, 3, True, False, True),
-                         (128, 128, 8, 3, True, False, True), (64, 32, 4, 3, True, False, True)],
-    ("dq", "full"): [(64, 64, 4, 3), (128, 64, 8, 3)],
+    ("fwd", "full"): [(128, 128, 4, 3), (128, 128, 4, 3, False, True), (128, 128, 4, 4, False, True),
+                      (128, 64, 4, 4, False, True), (128, 128, 4, 2, False, True), (128, 128, 8, 3, False, True)],
+    ("fwd", "window"): [(64, 32, 4, 3, True), (64, 32, 4, 3, True, True), (128, 32, 4, 3, True, True)],
+    ("dkdv", "full"): [(64, 64, 4, 3), (64, 64, 4, 3, False, True), (64, 64, 4, 4, False, True),
+                       (64, 128, 8, 3, False, True), (64, 64, 4, 3, False, True, True),
+                       (64, 128, 8, 3, False, True, True), (128, 128, 8, 3, False, True, True),
+                       (64, 64, 4, 3, False, False, True)],
+    ("dkdv", "window"): [(64, 64, 4, 3, True), (64, 64, 4, 3, True, False, True), (128, 128, 8, 3, True, False, True)],
+    ("dq", "full"): [(64, 64, 4, 3), (64, 64, 4, 3, False, True), (128, 64, 8, 3, False, True),
+                     (64, 128, 4, 3, False, True)],
     ("dq", "window"): [(64, 32, 4, 3, True), (128, 32, 4, 3, True)],
 }
 
 
-def sweep(deadline):
+def sweep(deadline, cases=("full", "window")):
     """Time each variant at B=1, N=16384 after checking it at N=1000 against the reference; returns
     the fastest config per kernel and case (dkdv/dq: the fastest whole backward)."""
     from agentrl.kernels.sink_attention import CONFIG_OVERRIDES, KernelConfig, _launch_bwd, _Layout
 
     results, best = [], {}
     for case, window in (("full", None), ("window", WINDOW)):
+        if case not in cases:
+            continue
+
         def key(kind, case=case):
             return f"{kind}/{case}/d{D}"
 
@@ -313,6 +316,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-seconds", type=float, default=200)
     ap.add_argument("--sweep-out", default=None, help="write the fastest configs (JSON) here")
+    ap.add_argument("--sweep-cases", default="full,window", help="masks to sweep: full,window")
     ap.add_argument("--configs", default=None, help="kernel configs JSON to use (e.g. from --sweep-out)")
     ap.add_argument("--table", action="store_true", help="also windows 512 and 2048 (dispatch table)")
     ap.add_argument("--no-mix", action="store_true", help="skip the GPT-OSS layer mix")
@@ -341,7 +345,7 @@ def main():
         f"paths={paths} argv={sys.argv[1:]}")
     t0 = time.time()
     if args.sweep:
-        results, best = sweep(time.time() + args.sweep_seconds)
+        results, best = sweep(time.time() + args.sweep_seconds, args.sweep_cases.split(","))
         log(f"sweep best: {json.dumps(best)} ({time.time() - t0:.0f}s)")
         if args.sweep_out:
             Path(args.sweep_out).write_text(json.dumps(best, indent=1))

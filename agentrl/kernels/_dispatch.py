@@ -59,10 +59,10 @@ def measured_ratio(window: int | None, n_k: int) -> tuple[float, float]:
         return points[0][1]
     if w >= points[-1][0]:
         return points[-1][1]
-    for (w0, r0), (w1, r1) in zip(points, points[1:]):
+    for (w0, r0), (w1, r1) in zip(points, points[1:], strict=False):
         if w0 <= w <= w1:
             t = (math.log2(w) - math.log2(w0)) / (math.log2(w1) - math.log2(w0))
-            return tuple(a + t * (b - a) for a, b in zip(r0, r1))
+            return tuple(a + t * (b - a) for a, b in zip(r0, r1, strict=True))
     return points[-1][1]  # pragma: no cover - the loop covers every w between the ends
 
 

@@ -26,8 +26,10 @@ class KernelConfig:
     ``pack``: put the query heads of a GQA group into one tile's rows (``block_m // group``
     positions each), so that they share K/V tiles and one causal/window range; pays off for
     sliding windows and decoding. Ignored unless the group is a power of two up to ``block_m``.
-    ``tma`` (forward): load K/V tiles through tensor descriptors (TMA on Hopper) instead of
-    pointers; ignored where descriptors cannot describe the tensors (unaligned strides).
+    ``tma``: load tiles through tensor descriptors (TMA on Hopper) instead of pointers: K/V in the
+    forward and dq kernels, q/dO in the dkdv kernel (one head per tile only), where dQ by atomics
+    then also goes through a bulk tensor reduction (dense layouts). Ignored where descriptors
+    cannot describe the tensors (unaligned strides).
     ``atomic_dq`` (dkdv): compute dQ inside the dK/dV kernel with fp32 atomics (one recomputation
     of P instead of two; dQ then depends on the order of the atomic adds, d sink does not).
     """
@@ -162,19 +164,20 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _kv_descriptors(k, v, lay: _Layout, block_n: int):
-    """Tensor descriptors of K and V for the forward's TMA loads (block ``[1, 1, block_n, D]`` over
-    dense ``[B, H, N, D]``, ``[block_n, 1, D]`` over packed ``[total, H, D]``), or ``(None, None)``
-    when TMA cannot address them (16-byte aligned base and strides needed)."""
+def _descriptors(tensors, lay: _Layout, block_rows: int):
+    """Tensor descriptors for TMA tiles of ``block_rows`` tokens of one head (block
+    ``[1, 1, block_rows, D]`` over dense ``[B, H, N, D]``, ``[block_rows, 1, D]`` over packed
+    ``[total, H, D]``), or ``None`` when TMA cannot address one of them (16-byte aligned base and
+    strides needed)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     descs = []
-    for t in (k, v):
+    for t in tensors:
         if t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride()[:-1]) or t.numel() == 0:
-            return None, None
-        block = [block_n, 1, lay.head_dim] if lay.varlen else [1, 1, block_n, lay.head_dim]
+            return None
+        block = [block_rows, 1, lay.head_dim] if lay.varlen else [1, 1, block_rows, lay.head_dim]
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block))
-    return tuple(descs)
+    return descs
 
 
 def _launch_fwd(q, k, v, sinks, cu_q, cu_k, lay: _Layout, causal, window, scale):
@@ -187,7 +190,7 @@ def _launch_fwd(q, k, v, sinks, cu_q, cu_k, lay: _Layout, causal, window, scale)
     pack = _pack(cfg, group)
     k_desc = v_desc = None
     if cfg.tma:
-        k_desc, v_desc = _kv_descriptors(k, v, lay, cfg.block_n)
+        k_desc, v_desc = _descriptors((k, v), lay, cfg.block_n) or (None, None)
     grid = (triton_cdiv(lay.n_q, cfg.block_m // pack), lay.batch * lay.hq // pack)
     dummy = lse  # any tensor: pointer arguments behind a false constexpr are never read
     kern.sink_fwd_kernel[grid](
@@ -223,27 +226,33 @@ def _launch_bwd(do, q, k, v, sinks, out, lse, dlse, cu_q, cu_k, lay: _Layout, ca
     group = lay.hq // lay.hkv
     common = dict(HEAD_D=lay.head_dim, CAUSAL=causal, WINDOW=window is not None, VARLEN=lay.varlen)
     cfg = _pick("dkdv", lay.head_dim, lay.n_q, group, window)
+    pack = _pack(cfg, group)
     # atomic dQ: an fp32 buffer (zeroed) that the dK/dV kernel adds into; else a separate dQ kernel
     dq = torch.zeros_like(q, dtype=torch.float32) if cfg.atomic_dq else torch.empty_like(q)
+    descs = _descriptors((q, do, dq), lay, cfg.block_m) if cfg.tma and pack == 1 else None
+    q_desc, do_desc, dq_desc = descs or (None, None, None)
+    # the bulk reduction (TMA) of dQ: dense layouts on a GPU (the interpreter has no reductions)
+    dq_tma = descs is not None and cfg.atomic_dq and not lay.varlen and not _interpreting()
     kern.sink_bwd_dkdv_kernel[(triton_cdiv(lay.n_k, cfg.block_n), lay.batch * lay.hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq, cu_q_arg, cu_k_arg,
+        q, k, v, do, lse, delta, dk, dv, dq, cu_q_arg, cu_k_arg, q_desc, do_desc, dq_desc if dq_tma else None,
         *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dk),
         *lay.strides(dv), *lay.strides(dq), *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hkv, group,
         scale * kern.LOG2E, scale, window or 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PACK=_pack(cfg, group), ATOMIC_DQ=cfg.atomic_dq, **common,
+        PACK=pack, ATOMIC_DQ=cfg.atomic_dq, TMA=descs is not None, DQ_TMA=dq_tma, **common,
     )
     if cfg.atomic_dq:
         dq = dq.to(q.dtype)
     else:
         cfg = _pick("dq", lay.head_dim, lay.n_q, group, window)
         pack = _pack(cfg, group)
+        kv_descs = _descriptors((k, v), lay, cfg.block_n) if cfg.tma else None
         kern.sink_bwd_dq_kernel[(triton_cdiv(lay.n_q, cfg.block_m // pack), lay.batch * lay.hq // pack)](
-            q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg,
+            q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg, *(kv_descs or (None, None)),
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dq),
             *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hq, group, scale * kern.LOG2E, scale, window or 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            PACK=pack, **common,
+            PACK=pack, TMA=kv_descs is not None, **common,
         )
     dsink = None
     if sinks is not None:
