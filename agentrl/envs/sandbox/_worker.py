@@ -538,6 +538,9 @@ class Worker:
                 f"{opts},mode=0700,uid={uid},gid={uid}",
             )
             _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts + ",mode=1777")
+            _mount(
+                "mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, None
+            )  # its own queues
         if cgroup_procs is not None:
             os.write(cgroup_procs, b"0")
         try:  # the code, never the worker, is the OOM killer's choice
@@ -923,7 +926,7 @@ class Worker:
 
         Checks what the next run would meet: no process but the worker's and live kernels'; the finished run's uid
         holds nothing (then it is reused, last); the finished run's memory (anonymous and shared) released;
-        nothing in the sandbox's own /tmp, /dev/shm, SysV IPC tables or abstract/pathname unix sockets (code
+        nothing in the sandbox's own /tmp, /dev/shm, SysV IPC tables, POSIX message queues or unix sockets (code
         never runs there: anything found is an escape from the per-run namespaces); no leaked worker fds.
         """
         t0 = time.monotonic()
@@ -1003,7 +1006,7 @@ def _uid_has_processes(uid):
 def _sandbox_leftovers():
     """What code left in the sandbox's shared places (empty by construction; a finding means an escape)."""
     found = []
-    for path in ("/tmp", "/dev/shm"):
+    for path in ("/tmp", "/dev/shm", "/dev/mqueue"):
         try:
             if os.listdir(path):
                 found.append(f"files in the sandbox's {path}")

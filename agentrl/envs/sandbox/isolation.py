@@ -131,6 +131,7 @@ def bwrap_command(python: str, *, mode: str, source_fd: int, ro_binds: tuple[str
     cmd += ["--dev", "/dev", "--proc", "/proc"]
     cmd += ["--perms", "0755", "--size", str(_SHARED_TMPFS_BYTES), "--tmpfs", "/tmp"]
     cmd += ["--perms", "0755", "--size", str(_SHARED_TMPFS_BYTES), "--tmpfs", "/dev/shm"]
+    cmd += ["--mqueue", "/dev/mqueue"]
     cmd += ["--ro-bind-data", str(source_fd), WORKER_PATH_INSIDE]
     cmd += ["--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8"]
     cmd += ["--cap-drop", "ALL"]

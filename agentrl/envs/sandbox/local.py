@@ -100,6 +100,8 @@ class _Worker:
         self.generation = 0
         self.sessions: set[str] = set()
         self.retired = False
+        #: The worker's latest health frame: {health, problems, cleanup_s}.
+        self.last_health: dict[str, Any] = {}
         self.proc: asyncio.subprocess.Process | None = None
         self._stderr_task: asyncio.Task | None = None
 
@@ -117,7 +119,9 @@ class _Worker:
         if s.mode == "root":  # a uid is never reused while anything of its previous holder may remain
             leftover = uid_processes(self.code_uids)
             deadline = time.monotonic() + 5.0
-            while leftover and time.monotonic() < deadline:  # a killed sandbox's processes may still be exiting
+            while (
+                leftover and time.monotonic() < deadline
+            ):  # a killed sandbox's processes may still be exiting
                 await asyncio.sleep(0.01)
                 leftover = uid_processes(self.code_uids)
             if leftover:
@@ -184,6 +188,7 @@ class _Worker:
             raise SandboxUnavailable(
                 iso.explain_start_failure(f"{ready['error']} {stderr}", as_root=_is_root())
             )
+        self.last_health = health
         if not health.get("health"):
             await self.kill()
             raise SandboxUnavailable(f"a fresh sandbox failed its own health check: {health.get('problems')}")
@@ -271,6 +276,7 @@ class _Worker:
             self._abandon()
             raise
         else:
+            self.last_health = health
             if not health.get("health") and self.s.on_unhealthy is not None:
                 self.s.on_unhealthy(self, "; ".join(health.get("problems") or ["unknown"]))
         finally:
@@ -666,6 +672,23 @@ class LocalSandbox:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    async def health(self) -> list[dict[str, Any]]:
+        """Each worker's state once its pending cleanup is done: ``index``, ``alive``, ``retired``, ``sessions``
+        (live ones it holds) and ``last`` (its latest health frame: ``health``, ``problems``, ``cleanup_s``)."""
+        out = []
+        for worker in self._workers + self._retiring:
+            async with worker.lock:
+                out.append(
+                    {
+                        "index": worker.index,
+                        "alive": worker.alive,
+                        "retired": worker.retired,
+                        "sessions": len(worker.sessions),
+                        "last": dict(worker.last_health),
+                    }
+                )
+        return out
 
     @property
     def num_workers(self) -> int:
