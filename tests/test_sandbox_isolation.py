@@ -503,7 +503,7 @@ def test_inode_flood_at_default_limits_in_a_session_and_runs():
     with SyncSandbox("local", workers=1) as box:
         keeper = box.create_session()
         assert box.run("kept = 1", session=keeper).ok
-        for i in range(5):
+        for _ in range(5):
             flooder = box.create_session()
             r = box.run(textwrap.dedent(INODE_FLOOD), session=flooder, timeout_s=60)
             assert r.ok and "links" in r.stdout, r

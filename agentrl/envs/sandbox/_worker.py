@@ -519,6 +519,8 @@ class Worker:
         self.refusal = None  # why this worker takes no new work (its health check failed)
         self.baseline_fds = None
         self.pending_uid = self.pending_cgroup = self.pending_dir = None  # left by the last request
+        self.strays_killed = False  # the last request already killed every stray process
+        self.oom_seen = {}  # cgroup -> OOM kills counted so far
 
     # -- the child's confinement
     def confine(self, uid, fds, cgroup_procs, cpu_s, memory_bytes, own_net, name):
@@ -617,7 +619,7 @@ class Worker:
             memory = min(int(req["memory_bytes"]), memory)
         if self.cgroups is not None:
             self.cgroups.set_run_limit(memory)
-            ooms = self.cgroups.oom_kills("run")
+            self.pending_cgroup = "run"
         if self.mode == "none":
             self.make_unsafe_workdir("run")
         self.pending_dir = "run"
@@ -648,8 +650,7 @@ class Worker:
         finally:
             for fd in (out_r, err_r, res_r, pidfd):
                 _close(fd)
-        if self.cgroups is not None and self.cgroups.oom_kills("run") > ooms:
-            col["oom_killed"] = True
+        col["oom_killed"] = self.oom_killed("run", col["wait_status"])
         return self.finish(col, start, req["timeout"], memory, session=False)
 
     def start_kernel(self, key):
@@ -708,7 +709,6 @@ class Worker:
             kernel = self.start_kernel(key)
         else:
             _signal(kernel.pid, signal.SIGCONT)  # frozen since its last call, background threads included
-        ooms = self.cgroups.oom_kills(kernel.cgroup) if kernel.cgroup else 0
         _drain_nonblocking(kernel.out_r)
         _drain_nonblocking(kernel.err_r)
         fetch = req.get("fetch_files", ())
@@ -732,8 +732,7 @@ class Worker:
             False,
             fetch,
         )
-        if kernel.cgroup and self.cgroups.oom_kills(kernel.cgroup) > ooms:
-            col["oom_killed"] = True
+        col["oom_killed"] = self.oom_killed(kernel.cgroup, col["wait_status"])
         if col["reset"]:
             if col["wait_status"] is None:  # it answered, but with a corrupt frame: end it
                 try:
@@ -752,6 +751,19 @@ class Worker:
             # print into later calls, outside any time limit.
             _signal(kernel.pid, signal.SIGSTOP)
         return self.finish(col, start, req["timeout"], self.cfg["limits"]["as_bytes"], session=True)
+
+    def oom_killed(self, cgroup, wait_status):
+        """Whether the OOM killer ended a process of ``cgroup`` during the last run (read only after a SIGKILL
+        or when the run's result is missing, the only ways an OOM kill shows)."""
+        if self.cgroups is None or cgroup is None:
+            return False
+        if wait_status is not None and not (
+            os.WIFSIGNALED(wait_status) and os.WTERMSIG(wait_status) == signal.SIGKILL
+        ):
+            return False
+        count = self.cgroups.oom_kills(cgroup)
+        before, self.oom_seen[cgroup] = self.oom_seen.get(cgroup, 0), count
+        return count > before
 
     def collect(self, pid, pidfd, out_r, err_r, res_r, deadline, one_shot, fetch):
         """Gather output until the run finishes (a one-shot child exits, a kernel answers) or the deadline.
@@ -797,7 +809,7 @@ class Worker:
             if not exited:
                 _kill(pid)
             col["wait_status"] = _reap(pid)
-        self.kill_strays()
+        self.strays_killed = self.kill_strays()
         # Every writer is dead now; for a live kernel, all it wrote before answering is already in the pipe.
         drain_deadline = time.monotonic() + 2.0
         for fd in (out_r, err_r):
@@ -931,22 +943,27 @@ class Worker:
         """
         t0 = time.monotonic()
         problems = []
-        if not self.kill_strays():
+        strays_killed, self.strays_killed = self.strays_killed, False
+        if not (strays_killed or self.kill_strays()):  # a run's collect() already did it
             problems.append("processes of the last run survived SIGKILL")
         uid, self.pending_uid = self.pending_uid, None
         if uid is not None and self.mode == "root":
-            if _uid_has_processes(uid):
-                problems.append(f"uid {uid} still has processes")
+            # Only pid 1, the worker and live kernels remain (the worker sees every process), and no kernel has
+            # this uid: nothing of its holder is left, so it may serve again, after all the others.
+            if problems or any(k.uid == uid for k in self.kernels.values()):
+                problems.append(f"uid {uid} may still have processes")
             else:
                 self.free_uids.append(uid)
         cgroup, self.pending_cgroup = self.pending_cgroup, None
-        if self.cgroups is not None:
-            for name in [cgroup] if cgroup else ["run"]:
+        if self.cgroups is not None and cgroup is not None:  # a finished run, or an ended session
+            for name in [cgroup]:
                 held = self._settle(name)
                 if held > 1 << 20:
                     problems.append(f"{held} bytes of memory still held by the finished {name}")
-                elif name != "run" and not self.cgroups.remove(name):
-                    problems.append(f"could not remove cgroup {name}")
+                elif name != "run":
+                    self.oom_seen.pop(name, None)
+                    if not self.cgroups.remove(name):
+                        problems.append(f"could not remove cgroup {name}")
         name, self.pending_dir = self.pending_dir, None
         if self.mode == "none":
             if name:
@@ -990,17 +1007,6 @@ def _internal_reply(detail):
         "files": {},
         "reset": False,
     }
-
-
-def _uid_has_processes(uid):
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat("/proc/" + name).st_uid == uid:
-                    return True
-            except OSError:
-                pass
-    return False
 
 
 def _sandbox_leftovers():
