@@ -119,7 +119,9 @@ class TransformersEngine:
             batch: list[_Request] = []
             size = 0
             for req in list(self._queue):
-                if _sampling_key(req.sampling) == key and (not batch or size + len(req.prompts) <= self.max_batch_size):
+                if _sampling_key(req.sampling) == key and (
+                    not batch or size + len(req.prompts) <= self.max_batch_size
+                ):
                     batch.append(req)
                     size += len(req.prompts)
                     self._queue.remove(req)
@@ -138,7 +140,9 @@ class TransformersEngine:
                 offset += len(req.prompts)
 
     @staticmethod
-    def _routing_per_row(recorder: Any, attention: torch.Tensor, width: int, tokens: list[list[int]]) -> list[torch.Tensor]:
+    def _routing_per_row(
+        recorder: Any, attention: torch.Tensor, width: int, tokens: list[list[int]]
+    ) -> list[torch.Tensor]:
         """Split a ``[L, B, S_rec, k]`` record into per-row ``[L, n_i, k]`` over the tokens each row really
         fed: its prompt, then its own completion tokens (not the ones sampled after it stopped)."""
         from agentrl.train.routing_replay import split_by_mask
@@ -169,7 +173,11 @@ class TransformersEngine:
         """Blocking batched sampling; splits into chunks of ``max_batch_size``."""
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            out.extend(self._generate_chunk([list(p) for p in prompts[start : start + self.max_batch_size]], sampling))
+            out.extend(
+                self._generate_chunk(
+                    [list(p) for p in prompts[start : start + self.max_batch_size]], sampling
+                )
+            )
         return out
 
     @torch.no_grad()
@@ -215,7 +223,9 @@ class TransformersEngine:
             step_ids, step_pos = input_ids, positions
             if shared:  # the common prefix once, its KV cache copied to every row
                 cache = self.model(
-                    input_ids=input_ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
+                    input_ids=input_ids[:1, :shared],
+                    position_ids=positions[:1, :shared],
+                    use_cache=True,
                     logits_to_keep=1,
                 ).past_key_values
                 cache.batch_repeat_interleave(batch)

@@ -111,7 +111,11 @@ def list_checkpoints(run_dir: str) -> list[str]:
     root = checkpoint_root(run_dir)
     if not os.path.isdir(root):
         return []
-    names = [n for n in os.listdir(root) if _STEP_DIR.match(n) and os.path.exists(os.path.join(root, n, "state.json"))]
+    names = [
+        n
+        for n in os.listdir(root)
+        if _STEP_DIR.match(n) and os.path.exists(os.path.join(root, n, "state.json"))
+    ]
     return sorted(names, key=lambda n: int(_STEP_DIR.match(n).group(1)))
 
 
@@ -132,7 +136,9 @@ def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim
     """Restore model, optimizer and RNG states from checkpoint directory ``path``; returns state.json."""
     device = next(model.parameters()).device
     model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True))
-    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device, weights_only=True))
+    optimizer.load_state_dict(
+        torch.load(os.path.join(path, "optimizer.pt"), map_location=device, weights_only=True)
+    )
     set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=False))
     with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
         return json.load(f)

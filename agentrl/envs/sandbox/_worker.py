@@ -540,9 +540,10 @@ class Worker:
                 f"{opts},mode=0700,uid={uid},gid={uid}",
             )
             _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts + ",mode=1777")
-            _mount(
-                "mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, None
-            )  # its own queues
+            if (
+                own_net
+            ):  # a session lists its own POSIX queues in /dev/mqueue (a stateless run skips the cost)
+                _mount("mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         if cgroup_procs is not None:
             os.write(cgroup_procs, b"0")
         try:  # the code, never the worker, is the OOM killer's choice

@@ -64,6 +64,8 @@ class ExecResult:
             was reset); empty when there is nothing to say.
         files: files fetched after the run, for backends that support ``fetch_files``: path -> base64 of the
             content, or None if the file was missing or too large.
+        error: for an uncaught exception, ``{"ename": <type name>, "evalue": <str of it>}`` if the backend
+            records it (the local pool does); otherwise None.
     """
 
     stdout: str
@@ -75,6 +77,7 @@ class ExecResult:
     display: str | None = None
     message: str = ""
     files: dict[str, str | None] = field(default_factory=dict)
+    error: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:

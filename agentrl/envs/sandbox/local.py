@@ -283,11 +283,12 @@ class _Worker:
             self.lock.release()
 
     async def _read_frame(self) -> dict[str, Any]:
-        if self.proc is None or self.proc.stdout is None:
+        proc = self.proc
+        if proc is None or proc.stdout is None:
             raise ConnectionError("the sandbox worker is gone")
-        head = await self.proc.stdout.readexactly(4)
+        head = await proc.stdout.readexactly(4)
         (size,) = _HEADER.unpack(head)
-        obj = json.loads(await self.proc.stdout.readexactly(size))
+        obj = json.loads(await proc.stdout.readexactly(size))
         if not isinstance(obj, dict):
             raise ValueError("worker frame is not an object")
         return obj
@@ -731,6 +732,7 @@ class LocalSandbox:
             display=resp["display"],
             message="; ".join(n for n in notes if n),
             files=resp["files"],
+            error=resp["error"],
         )
 
 
@@ -769,6 +771,13 @@ def _invalid_reply(resp: dict[str, Any]) -> str | None:
         return "display"
     if not all(type(k) is str and (v is None or type(v) is str) for k, v in resp["files"].items()):
         return "files"
+    error = resp["error"]
+    if error is not None and not (
+        type(error) is dict
+        and set(error) == {"ename", "evalue"}
+        and all(type(v) is str for v in error.values())
+    ):
+        return "error"
     event = resp["event"]
     if event is not None:
         if type(event) is not dict or event.get("kind") not in _EVENT_FIELDS:

@@ -59,7 +59,9 @@ def resolve_format(kind: str, tokenizer: Any, hf_model_type: str | None) -> Chat
 
             _FORMATS[key] = ChatTemplateFormat(tokenizer)
         else:
-            raise ValueError(f"unknown format {kind!r} in the agentrl episode spec; use auto, harmony or chat_template")
+            raise ValueError(
+                f"unknown format {kind!r} in the agentrl episode spec; use auto, harmony or chat_template"
+            )
     return _FORMATS[key]
 
 
@@ -139,7 +141,9 @@ class AgentrlAgentLoop(AgentLoopBase):
             from agentrl.envs import env_class
             from agentrl.train.tasks import with_boxed_bonus
 
-            env_kwargs["rubric"] = with_boxed_bonus(env_class(spec["env"]).rubric, float(spec["format_reward"]))
+            env_kwargs["rubric"] = with_boxed_bonus(
+                env_class(spec["env"]).rubric, float(spec["format_reward"])
+            )
         env = agentrl.make(spec["env"], format=fmt, **env_kwargs)
         gen_s = env_s = 0.0
         try:
