@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import sandbox_fusion as sf
-
 from test_sandbox_server import _serve
+
 from agentrl.envs.sandbox.server import SandboxServerConfig, field_docs, parse_args
 
 if shutil.which("bwrap") is None:
@@ -132,9 +132,9 @@ def test_official_client_with_the_token_in_the_path(server):
         sf.RunJupyterRequest(cells=["x = 2", "x * 21"]), endpoint=f"{server}/{TOKEN}", max_attempts=1
     )
     assert jupyter.cells[1].display[0]["text/plain"] == "42"
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="401"):  # the client raises a bare Exception naming the status
         sf.run_code(req, endpoint=f"{server}/wrong-token", max_attempts=1)
-    with pytest.raises(Exception):
+    with pytest.raises(Exception, match="401"):
         sf.run_code(req, endpoint=server, max_attempts=1)
     assert httpx.get(f"{server}/{TOKEN}/v1/ping").json() == "pong"
     assert httpx.post(f"{server}/{TOKEN}x/run_code", json={"code": "1"}).status_code == 401
