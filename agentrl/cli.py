@@ -15,10 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("agentrl.evaluation.cli:main", "evaluate a model on an env: agentrl eval env=gsm8k model=..."),
     "view": ("agentrl.viewer.html:main", "write a static HTML trajectory viewer: agentrl view RUN_OR_JSONL"),
     "serve sandbox": ("agentrl.envs.sandbox.server:main", "SandboxFusion-compatible code sandbox server"),
-    "serve model": (
-        "agentrl.engines.server:main",
-        "OpenAI-compatible token server on a local transformers model",
-    ),
+    "serve model": ("agentrl.engines.server:main", "OpenAI-compatible token server on a local transformers model"),
 }
 
 

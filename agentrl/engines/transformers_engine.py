@@ -60,7 +60,7 @@ class TransformersEngine:
     - ``share_prefix``: run the token prefix common to a batch's prompts (system prompt, tool docs)
       once and copy its KV cache to every row; numerically the same model, less compute. Off
       automatically for sliding-window models.
-    - ``record_routing``: record each token's MoE experts (``agentrl.train.routing_replay``) and return
+    - ``record_routing``: record each token's MoE experts (``agentrl.models.routing``) and return
       them in ``Completion.routing`` as ``[L, n, k]`` int64 for the ``n`` tokens fed to the model
       (prompt, then the completion except possibly its last token), for routing replay in training.
       Needs an MoE model; disables prefix sharing and finished-row pruning (fixed batch layout).
@@ -119,9 +119,7 @@ class TransformersEngine:
             batch: list[_Request] = []
             size = 0
             for req in list(self._queue):
-                if _sampling_key(req.sampling) == key and (
-                    not batch or size + len(req.prompts) <= self.max_batch_size
-                ):
+                if _sampling_key(req.sampling) == key and (not batch or size + len(req.prompts) <= self.max_batch_size):
                     batch.append(req)
                     size += len(req.prompts)
                     self._queue.remove(req)
@@ -140,12 +138,10 @@ class TransformersEngine:
                 offset += len(req.prompts)
 
     @staticmethod
-    def _routing_per_row(
-        recorder: Any, attention: torch.Tensor, width: int, tokens: list[list[int]]
-    ) -> list[torch.Tensor]:
+    def _routing_per_row(recorder: Any, attention: torch.Tensor, width: int, tokens: list[list[int]]) -> list[torch.Tensor]:
         """Split a ``[L, B, S_rec, k]`` record into per-row ``[L, n_i, k]`` over the tokens each row really
         fed: its prompt, then its own completion tokens (not the ones sampled after it stopped)."""
-        from agentrl.train.routing_replay import split_by_mask
+        from agentrl.models.routing import split_by_mask
 
         routing = recorder.routing()
         fed = attention[:, : routing.shape[2]].clone().cpu()
@@ -173,11 +169,7 @@ class TransformersEngine:
         """Blocking batched sampling; splits into chunks of ``max_batch_size``."""
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            out.extend(
-                self._generate_chunk(
-                    [list(p) for p in prompts[start : start + self.max_batch_size]], sampling
-                )
-            )
+            out.extend(self._generate_chunk([list(p) for p in prompts[start : start + self.max_batch_size]], sampling))
         return out
 
     @torch.no_grad()
@@ -216,16 +208,14 @@ class TransformersEngine:
         cache = None
         recorder = None
         if self.record_routing:
-            from agentrl.train.routing_replay import record_routing
+            from agentrl.models.routing import record_routing
 
             recorder = record_routing(self.model).__enter__()
         try:
             step_ids, step_pos = input_ids, positions
             if shared:  # the common prefix once, its KV cache copied to every row
                 cache = self.model(
-                    input_ids=input_ids[:1, :shared],
-                    position_ids=positions[:1, :shared],
-                    use_cache=True,
+                    input_ids=input_ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
                     logits_to_keep=1,
                 ).past_key_values
                 cache.batch_repeat_interleave(batch)

@@ -22,9 +22,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         try:
             import pyarrow.parquet as pq
         except ImportError as e:  # pragma: no cover - depends on the install
-            raise ImportError(
-                f"reading {p.name} needs pyarrow: pip install pyarrow (or convert it to JSONL)"
-            ) from e
+            raise ImportError(f"reading {p.name} needs pyarrow: pip install pyarrow (or convert it to JSONL)") from e
 
         return pq.read_table(p).to_pylist()
     text = p.read_text(encoding="utf-8")

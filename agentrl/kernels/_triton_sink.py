@@ -42,16 +42,8 @@ def _seq_bounds(CU_Q, CU_K, b, n_q_dense, n_k_dense, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _kv_ranges(
-    m0,
-    n_k,
-    off,
-    window,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+def _kv_ranges(m0, n_k, off, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """KV blocks seen by query rows [m0, m0+BLOCK_M): [lo, full_lo) masked, [full_lo, full_hi)
     unmasked, [full_hi, hi) masked. All block starts are multiples of BLOCK_N."""
     lo = 0
@@ -71,17 +63,8 @@ def _kv_ranges(
 
 
 @triton.jit
-def _q_ranges(
-    n0,
-    n_q,
-    n_k,
-    off,
-    window,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+def _q_ranges(n0, n_q, n_k, off, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """Query blocks that see keys [n0, n0+BLOCK_N), split like :func:`_kv_ranges` (starts are
     multiples of BLOCK_M)."""
     lo = 0
@@ -125,27 +108,9 @@ def _row_map(p0, h0, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_ptr,
-    v_ptr,
-    stride_kn,
-    stride_vn,
-    rows_pos,
-    start,
-    end,
-    n_k,
-    qk_scale2,
-    window,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, start, end, n_k,
+               qk_scale2, window, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, MASKED: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     for start_n in range(start, end, BLOCK_N):
@@ -173,44 +138,12 @@ def _fwd_inner(
 
 
 @triton.jit
-def sink_fwd_kernel(
-    Q,
-    K,
-    V,
-    SINK,
-    Out,
-    LSE,
-    CU_Q,
-    CU_K,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    sv_b,
-    sv_h,
-    sv_n,
-    so_b,
-    so_h,
-    so_n,
-    sl_b,
-    sl_h,
-    n_q_dense,
-    n_k_dense,
-    H,
-    GROUP,
-    qk_scale2,
-    window,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    VARLEN: tl.constexpr,
-    HAS_SINK: tl.constexpr,
-    PACK: tl.constexpr,
-):
+def sink_fwd_kernel(Q, K, V, SINK, Out, LSE, CU_Q, CU_K,
+                    sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
+                    sl_b, sl_h, n_q_dense, n_k_dense, H, GROUP, qk_scale2, window,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                    HAS_SINK: tl.constexpr, PACK: tl.constexpr):
     """Grid: (position blocks of BLOCK_M // PACK, B * H // PACK)."""
     BLOCK_P: tl.constexpr = BLOCK_M // PACK
     # Longest blocks first: under causal masking the last query blocks do the most work.
@@ -246,69 +179,12 @@ def sink_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = _kv_ranges(p0, n_k, off, window, BLOCK_P, BLOCK_N, CAUSAL, WINDOW)
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptr,
-        v_ptr,
-        sk_n,
-        sv_n,
-        rows_pos,
-        lo,
-        full_lo,
-        n_k,
-        qk_scale2,
-        window,
-        BLOCK_N,
-        HEAD_D,
-        True,
-        CAUSAL,
-        WINDOW,
-    )
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptr,
-        v_ptr,
-        sk_n,
-        sv_n,
-        rows_pos,
-        full_lo,
-        full_hi,
-        n_k,
-        qk_scale2,
-        window,
-        BLOCK_N,
-        HEAD_D,
-        False,
-        CAUSAL,
-        WINDOW,
-    )
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptr,
-        v_ptr,
-        sk_n,
-        sv_n,
-        rows_pos,
-        full_hi,
-        hi,
-        n_k,
-        qk_scale2,
-        window,
-        BLOCK_N,
-        HEAD_D,
-        True,
-        CAUSAL,
-        WINDOW,
-    )
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, lo, full_lo, n_k,
+                               qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_lo, full_hi,
+                               n_k, qk_scale2, window, BLOCK_N, HEAD_D, False, CAUSAL, WINDOW)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_hi, hi, n_k,
+                               qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only without a sink and with no visible key
     out = acc / l_i[:, None]
@@ -319,33 +195,11 @@ def sink_fwd_kernel(
 
 
 @triton.jit
-def sink_bwd_preprocess_kernel(
-    Out,
-    DO,
-    LSE,
-    DLSE,
-    SINK,
-    DELTA,
-    SINKTERM,
-    CU_Q,
-    CU_K,
-    so_b,
-    so_h,
-    so_n,
-    sdo_b,
-    sdo_h,
-    sdo_n,
-    sl_b,
-    sl_h,
-    n_q_dense,
-    n_k_dense,
-    H,
-    BLOCK_M: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    VARLEN: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-    HAS_SINK: tl.constexpr,
-):
+def sink_bwd_preprocess_kernel(Out, DO, LSE, DLSE, SINK, DELTA, SINKTERM, CU_Q, CU_K,
+                               so_b, so_h, so_n, sdo_b, sdo_h, sdo_n, sl_b, sl_h,
+                               n_q_dense, n_k_dense, H,
+                               BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, VARLEN: tl.constexpr,
+                               HAS_DLSE: tl.constexpr, HAS_SINK: tl.constexpr):
     """DELTA_i = dO_i . O_i - dL_i and SINKTERM_i = p_i * DELTA_i (p_i = exp(sigma - L_i)), one per row,
     so that d(sigma) = -sum_i SINKTERM_i is a deterministic reduction done outside."""
     pid_m = tl.program_id(0)
@@ -363,12 +217,8 @@ def sink_bwd_preprocess_kernel(
     o_ptr = Out + b64 * so_b + h.to(tl.int64) * so_h + q_start.to(tl.int64) * so_n
     do_ptr = DO + b64 * sdo_b + h.to(tl.int64) * sdo_h + q_start.to(tl.int64) * sdo_n
     l_off = b64 * sl_b + h.to(tl.int64) * sl_h + q_start + rows
-    o = tl.load(o_ptr + rows[:, None] * so_n + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(
-        tl.float32
-    )
-    do = tl.load(do_ptr + rows[:, None] * sdo_n + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(
-        tl.float32
-    )
+    o = tl.load(o_ptr + rows[:, None] * so_n + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + rows[:, None] * sdo_n + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + l_off, mask=row_ok, other=0.0)
@@ -380,33 +230,10 @@ def sink_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(
-    dk,
-    dv,
-    k,
-    v,
-    q_rows,
-    do_rows,
-    l_rows,
-    start,
-    end,
-    sq_n,
-    sdo_n,
-    cols,
-    n_q,
-    n_k,
-    off,
-    qk_scale2,
-    window,
-    BLOCK_M: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    PACK: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    LSE,
-    DELTA,
-):
+def _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, start, end, sq_n, sdo_n, cols,
+                    n_q, n_k, off, qk_scale2, window, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
+                    PACK: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                    LSE, DELTA):
     """Accumulate dK, dV of one KV tile over query position blocks [start, end). ``q_rows``,
     ``do_rows``, ``l_rows``: base pointers/offsets of the head(s), a scalar for PACK == 1 and one per
     row otherwise; positions are added here."""
@@ -448,52 +275,13 @@ def _bwd_dkdv_inner(
 
 
 @triton.jit
-def sink_bwd_dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    CU_Q,
-    CU_K,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    sv_b,
-    sv_h,
-    sv_n,
-    sdo_b,
-    sdo_h,
-    sdo_n,
-    sdk_b,
-    sdk_h,
-    sdk_n,
-    sdv_b,
-    sdv_h,
-    sdv_n,
-    sl_b,
-    sl_h,
-    n_q_dense,
-    n_k_dense,
-    HKV,
-    GROUP,
-    qk_scale2,
-    sm_scale,
-    window,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    VARLEN: tl.constexpr,
-    PACK: tl.constexpr,
-):
+def sink_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+                         sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdo_b, sdo_h, sdo_n,
+                         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sl_b, sl_h,
+                         n_q_dense, n_k_dense, HKV, GROUP, qk_scale2, sm_scale, window,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                         PACK: tl.constexpr):
     """One program per (KV block, batch, KV head); it covers the GROUP query heads that share the KV
     head (PACK of them per tile), so dK and dV are summed over the group without atomics."""
     BLOCK_P: tl.constexpr = BLOCK_M // PACK
@@ -532,121 +320,26 @@ def sink_bwd_dkdv_kernel(
             q_rows = q_base + heads64 * sq_h
             do_rows = do_base + heads64 * sdo_h
             l_rows = l_base + heads64 * sl_h
-        dk, dv = _bwd_dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_rows,
-            do_rows,
-            l_rows,
-            lo,
-            full_lo,
-            sq_n,
-            sdo_n,
-            cols,
-            n_q,
-            n_k,
-            off,
-            qk_scale2,
-            window,
-            BLOCK_M,
-            HEAD_D,
-            PACK,
-            True,
-            CAUSAL,
-            WINDOW,
-            LSE,
-            DELTA,
-        )
-        dk, dv = _bwd_dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_rows,
-            do_rows,
-            l_rows,
-            full_lo,
-            full_hi,
-            sq_n,
-            sdo_n,
-            cols,
-            n_q,
-            n_k,
-            off,
-            qk_scale2,
-            window,
-            BLOCK_M,
-            HEAD_D,
-            PACK,
-            False,
-            CAUSAL,
-            WINDOW,
-            LSE,
-            DELTA,
-        )
-        dk, dv = _bwd_dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_rows,
-            do_rows,
-            l_rows,
-            full_hi,
-            hi,
-            sq_n,
-            sdo_n,
-            cols,
-            n_q,
-            n_k,
-            off,
-            qk_scale2,
-            window,
-            BLOCK_M,
-            HEAD_D,
-            PACK,
-            True,
-            CAUSAL,
-            WINDOW,
-            LSE,
-            DELTA,
-        )
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, lo, full_lo, sq_n, sdo_n,
+                                 cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK, True,
+                                 CAUSAL, WINDOW, LSE, DELTA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, full_lo, full_hi, sq_n, sdo_n,
+                                 cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK,
+                                 False, CAUSAL, WINDOW, LSE, DELTA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, full_hi, hi, sq_n, sdo_n,
+                                 cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK, True,
+                                 CAUSAL, WINDOW, LSE, DELTA)
     dk = dk * sm_scale
     dk_ptr = DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_n
     dv_ptr = DV + b64 * sdv_b + hk.to(tl.int64) * sdv_h + k_start.to(tl.int64) * sdv_n
-    tl.store(
-        dk_ptr + cols[:, None] * sdk_n + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=col_ok[:, None]
-    )
-    tl.store(
-        dv_ptr + cols[:, None] * sdv_n + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok[:, None]
-    )
+    tl.store(dk_ptr + cols[:, None] * sdk_n + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptr + cols[:, None] * sdv_n + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
 @triton.jit
-def _bwd_dq_inner(
-    dq,
-    q,
-    do,
-    lse2,
-    delta,
-    k_ptr,
-    v_ptr,
-    stride_kn,
-    stride_vn,
-    rows_pos,
-    start,
-    end,
-    n_k,
-    qk_scale2,
-    window,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-):
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, start, end, n_k,
+                  qk_scale2, window, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     for start_n in range(start, end, BLOCK_N):
@@ -670,48 +363,13 @@ def _bwd_dq_inner(
 
 
 @triton.jit
-def sink_bwd_dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DELTA,
-    DQ,
-    CU_Q,
-    CU_K,
-    sq_b,
-    sq_h,
-    sq_n,
-    sk_b,
-    sk_h,
-    sk_n,
-    sv_b,
-    sv_h,
-    sv_n,
-    sdo_b,
-    sdo_h,
-    sdo_n,
-    sdq_b,
-    sdq_h,
-    sdq_n,
-    sl_b,
-    sl_h,
-    n_q_dense,
-    n_k_dense,
-    H,
-    GROUP,
-    qk_scale2,
-    sm_scale,
-    window,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_D: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    VARLEN: tl.constexpr,
-    PACK: tl.constexpr,
-):
+def sink_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+                       sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdo_b, sdo_h, sdo_n,
+                       sdq_b, sdq_h, sdq_n, sl_b, sl_h, n_q_dense, n_k_dense, H, GROUP,
+                       qk_scale2, sm_scale, window,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
+                       PACK: tl.constexpr):
     """Grid: (position blocks of BLOCK_M // PACK, B * H // PACK)."""
     BLOCK_P: tl.constexpr = BLOCK_M // PACK
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -730,16 +388,10 @@ def sink_bwd_dq_kernel(
     tok64 = (q_start + pos).to(tl.int64)
     offs_d = tl.arange(0, HEAD_D)
     row_ok = pos < n_q
-    q = tl.load(
-        (Q + b64 * sq_b + heads64 * sq_h + tok64 * sq_n)[:, None] + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    do = tl.load(
-        (DO + b64 * sdo_b + heads64 * sdo_h + tok64 * sdo_n)[:, None] + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
+    q = tl.load((Q + b64 * sq_b + heads64 * sq_h + tok64 * sq_n)[:, None] + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load((DO + b64 * sdo_b + heads64 * sdo_h + tok64 * sdo_n)[:, None] + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
     l_off = b64 * sl_b + heads64 * sl_h + tok64
     lse2 = tl.load(LSE + l_off, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + l_off, mask=row_ok, other=0.0)
@@ -748,72 +400,12 @@ def sink_bwd_dq_kernel(
     rows_pos = pos + off
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _kv_ranges(p0, n_k, off, window, BLOCK_P, BLOCK_N, CAUSAL, WINDOW)
-    dq = _bwd_dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_ptr,
-        v_ptr,
-        sk_n,
-        sv_n,
-        rows_pos,
-        lo,
-        full_lo,
-        n_k,
-        qk_scale2,
-        window,
-        BLOCK_N,
-        HEAD_D,
-        True,
-        CAUSAL,
-        WINDOW,
-    )
-    dq = _bwd_dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_ptr,
-        v_ptr,
-        sk_n,
-        sv_n,
-        rows_pos,
-        full_lo,
-        full_hi,
-        n_k,
-        qk_scale2,
-        window,
-        BLOCK_N,
-        HEAD_D,
-        False,
-        CAUSAL,
-        WINDOW,
-    )
-    dq = _bwd_dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_ptr,
-        v_ptr,
-        sk_n,
-        sv_n,
-        rows_pos,
-        full_hi,
-        hi,
-        n_k,
-        qk_scale2,
-        window,
-        BLOCK_N,
-        HEAD_D,
-        True,
-        CAUSAL,
-        WINDOW,
-    )
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, lo, full_lo, n_k,
+                       qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_lo, full_hi, n_k,
+                       qk_scale2, window, BLOCK_N, HEAD_D, False, CAUSAL, WINDOW)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_hi, hi, n_k,
+                       qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
     dq = dq * sm_scale
     dq_rows = DQ + b64 * sdq_b + heads64 * sdq_h + tok64 * sdq_n
     tl.store(dq_rows[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])

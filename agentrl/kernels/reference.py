@@ -78,9 +78,9 @@ def sink_attention_reference(
     cu_k = cu_q if cu_seqlens_k is None else [int(x) for x in cu_seqlens_k.tolist()]
     outs, lses = [], []
     for i in range(len(cu_q) - 1):
-        qs = q64[cu_q[i] : cu_q[i + 1]].transpose(0, 1)[None]
-        ks = k64[cu_k[i] : cu_k[i + 1]].transpose(0, 1)[None]
-        vs = v64[cu_k[i] : cu_k[i + 1]].transpose(0, 1)[None]
+        qs = q64[cu_q[i]:cu_q[i + 1]].transpose(0, 1)[None]
+        ks = k64[cu_k[i]:cu_k[i + 1]].transpose(0, 1)[None]
+        vs = v64[cu_k[i]:cu_k[i + 1]].transpose(0, 1)[None]
         o, lse = _dense_reference(qs, ks, vs, s64, causal, window, scale)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])

@@ -53,11 +53,9 @@ def _kernels():
         import triton.language.standard as std
 
         if type(std.sum).__name__ != "InterpretedFunction":
-            raise RuntimeError(
-                "TRITON_INTERPRET=1 was set after triton had been imported (triton's own "
-                "functions are compiled, not interpreted); set it in the environment "
-                "before the process imports triton"
-            )
+            raise RuntimeError("TRITON_INTERPRET=1 was set after triton had been imported (triton's own "
+                               "functions are compiled, not interpreted); set it in the environment "
+                               "before the process imports triton")
     return _triton_sink
 
 
@@ -139,35 +137,13 @@ def _launch_fwd(q, k, v, sinks, cu_q, cu_k, lay: _Layout, causal, window, scale)
     grid = (triton_cdiv(lay.n_q, cfg.block_m // pack), lay.batch * lay.hq // pack)
     dummy = lse  # any tensor: pointer arguments behind a false constexpr are never read
     kern.sink_fwd_kernel[grid](
-        q,
-        k,
-        v,
-        sinks if sinks is not None else dummy,
-        out,
-        lse,
-        cu_q if cu_q is not None else dummy,
-        cu_k if cu_k is not None else dummy,
-        *lay.strides(q),
-        *lay.strides(k),
-        *lay.strides(v),
-        *lay.strides(out),
-        *lay.lse_strides(lse),
-        lay.n_q,
-        lay.n_k,
-        lay.hq,
-        lay.hq // lay.hkv,
-        scale * kern.LOG2E,
-        window or 0,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        HEAD_D=lay.head_dim,
-        CAUSAL=causal,
-        WINDOW=window is not None,
-        VARLEN=lay.varlen,
-        HAS_SINK=sinks is not None,
-        PACK=pack,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        q, k, v, sinks if sinks is not None else dummy, out, lse,
+        cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
+        *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out), *lay.lse_strides(lse),
+        lay.n_q, lay.n_k, lay.hq, lay.hq // lay.hkv, scale * kern.LOG2E, window or 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_D=lay.head_dim, CAUSAL=causal,
+        WINDOW=window is not None, VARLEN=lay.varlen, HAS_SINK=sinks is not None, PACK=pack,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -182,25 +158,10 @@ def _launch_bwd(do, q, k, v, sinks, out, lse, dlse, cu_q, cu_k, lay: _Layout, ca
     cu_k_arg = cu_k if cu_k is not None else dummy
     pre_m = 64 if not _interpreting() else 16
     kern.sink_bwd_preprocess_kernel[(triton_cdiv(lay.n_q, pre_m), lay.batch * lay.hq)](
-        out,
-        do,
-        lse,
-        dlse if dlse is not None else dummy,
-        sinks if sinks is not None else dummy,
-        delta,
-        sinkterm if sinkterm is not None else dummy,
-        cu_q_arg,
-        cu_k_arg,
-        *lay.strides(out),
-        *lay.strides(do),
-        *lay.lse_strides(lse),
-        lay.n_q,
-        lay.n_k,
-        lay.hq,
-        BLOCK_M=pre_m,
-        HEAD_D=lay.head_dim,
-        VARLEN=lay.varlen,
-        HAS_DLSE=dlse is not None,
+        out, do, lse, dlse if dlse is not None else dummy, sinks if sinks is not None else dummy,
+        delta, sinkterm if sinkterm is not None else dummy, cu_q_arg, cu_k_arg,
+        *lay.strides(out), *lay.strides(do), *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hq,
+        BLOCK_M=pre_m, HEAD_D=lay.head_dim, VARLEN=lay.varlen, HAS_DLSE=dlse is not None,
         HAS_SINK=sinks is not None,
     )
     dq = torch.empty_like(q)
@@ -210,68 +171,21 @@ def _launch_bwd(do, q, k, v, sinks, out, lse, dlse, cu_q, cu_k, lay: _Layout, ca
     common = dict(HEAD_D=lay.head_dim, CAUSAL=causal, WINDOW=window is not None, VARLEN=lay.varlen)
     cfg = _pick("dkdv", lay.head_dim, lay.n_q, group, window)
     kern.sink_bwd_dkdv_kernel[(triton_cdiv(lay.n_k, cfg.block_n), lay.batch * lay.hkv)](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dk,
-        dv,
-        cu_q_arg,
-        cu_k_arg,
-        *lay.strides(q),
-        *lay.strides(k),
-        *lay.strides(v),
-        *lay.strides(do),
-        *lay.strides(dk),
-        *lay.strides(dv),
-        *lay.lse_strides(lse),
-        lay.n_q,
-        lay.n_k,
-        lay.hkv,
-        group,
-        scale * kern.LOG2E,
-        scale,
-        window or 0,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        PACK=_pack(cfg, group),
-        **common,
+        q, k, v, do, lse, delta, dk, dv, cu_q_arg, cu_k_arg,
+        *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dk),
+        *lay.strides(dv), *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hkv, group,
+        scale * kern.LOG2E, scale, window or 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PACK=_pack(cfg, group), **common,
     )
     cfg = _pick("dq", lay.head_dim, lay.n_q, group, window)
     pack = _pack(cfg, group)
     kern.sink_bwd_dq_kernel[(triton_cdiv(lay.n_q, cfg.block_m // pack), lay.batch * lay.hq // pack)](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dq,
-        cu_q_arg,
-        cu_k_arg,
-        *lay.strides(q),
-        *lay.strides(k),
-        *lay.strides(v),
-        *lay.strides(do),
-        *lay.strides(dq),
-        *lay.lse_strides(lse),
-        lay.n_q,
-        lay.n_k,
-        lay.hq,
-        group,
-        scale * kern.LOG2E,
-        scale,
-        window or 0,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        PACK=pack,
-        **common,
+        q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg,
+        *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dq),
+        *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hq, group, scale * kern.LOG2E, scale, window or 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PACK=pack, **common,
     )
     dsink = None
     if sinks is not None:
@@ -301,9 +215,8 @@ class _SinkAttentionFn(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dlse = dlse.contiguous() if dlse is not None else None
-        dq, dk, dv, dsink = _launch_bwd(
-            dout, q, k, v, sinks32, out, lse, dlse, cu_q, cu_k, lay, causal, window, scale
-        )
+        dq, dk, dv, dsink = _launch_bwd(dout, q, k, v, sinks32, out, lse, dlse, cu_q, cu_k, lay, causal,
+                                        window, scale)
         if dsink is not None:
             dsink = dsink.to(sink_dtype)
         return dq, dk, dv, dsink, None, None, None, None, None, None
@@ -311,10 +224,8 @@ class _SinkAttentionFn(torch.autograd.Function):
 
 def _check_cu(name: str, cu: torch.Tensor, total: int, device) -> torch.Tensor:
     if cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"{name} must be a 1-D int32/int64 tensor [batch+1] of offsets; got "
-            f"shape {tuple(cu.shape)} dtype {cu.dtype}"
-        )
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor [batch+1] of offsets; got "
+                         f"shape {tuple(cu.shape)} dtype {cu.dtype}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but the tensors are on {device}; move it there")
     return cu.to(torch.int32).contiguous()
@@ -363,14 +274,10 @@ def sink_attention(
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
         raise TypeError("q, k and v must be torch tensors")
     if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(
-            f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
+        raise ValueError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.is_cuda or _interpreting()):
-        raise RuntimeError(
-            "sink_attention runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1, "
-            "for tests); use sink_attention_reference for CPU tensors otherwise"
-        )
+        raise RuntimeError("sink_attention runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1, "
+                           "for tests); use sink_attention_reference for CPU tensors otherwise")
     if window is not None:
         if not causal:
             raise ValueError("window needs causal=True (a sliding window here is causal by definition)")
@@ -387,10 +294,8 @@ def sink_attention(
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim or head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(
-            f"head_dim must be one of 16, 32, 64, 128, 256 and equal for q and k; got "
-            f"{head_dim} and {k.shape[-1]}"
-        )
+        raise ValueError(f"head_dim must be one of 16, 32, 64, 128, 256 and equal for q and k; got "
+                         f"{head_dim} and {k.shape[-1]}")
     hq, hkv = q.shape[-2 if packed else 1], k.shape[-2 if packed else 1]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"the number of KV heads ({hkv}) must divide the number of query heads ({hq})")
@@ -416,10 +321,8 @@ def sink_attention(
         if q.shape[0] != k.shape[0]:
             raise ValueError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
         if causal and q.shape[2] > k.shape[2]:
-            raise ValueError(
-                f"causal attention needs Nq <= Nk (queries are the last Nq positions); got "
-                f"Nq={q.shape[2]}, Nk={k.shape[2]}"
-            )
+            raise ValueError(f"causal attention needs Nq <= Nk (queries are the last Nq positions); got "
+                             f"Nq={q.shape[2]}, Nk={k.shape[2]}")
         cu_q = cu_k = None
         lay = _Layout(False, q.shape[0], q.shape[2], k.shape[2], hq, hkv, head_dim)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)

@@ -20,16 +20,8 @@ import torch.nn.functional as F
 from agentrl.kernels.sink_attention import sink_attention
 
 
-def _padding_mask(
-    batch_size,
-    q_length,
-    kv_length,
-    q_offset=0,
-    kv_offset=0,
-    mask_function=None,
-    attention_mask=None,
-    **kwargs,
-):
+def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, **kwargs):
     """Mask function for ``AttentionMaskInterface``: ``None`` without padding, else the 2-D bool mask
     ``[B, kv_length]`` (True = real token), aligned with the keys of the layer."""
     if attention_mask is None:
@@ -54,33 +46,20 @@ def _packed_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None
     return bounds.to(torch.int32)
 
 
-def agentrl_sink_attention_forward(
-    module,
-    query,
-    key,
-    value,
-    attention_mask,
-    dropout=0.0,
-    scaling=None,
-    sliding_window=None,
-    s_aux=None,
-    **kwargs,
-):
+def agentrl_sink_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                   sliding_window=None, s_aux=None, **kwargs):
     """transformers attention function: ``query`` ``[B, Hq, Nq, D]``, ``key``/``value``
     ``[B, Hkv, Nk, D]``; returns ``(attn_output [B, Nq, Hq, D], None)``. ``s_aux`` is the sink
     parameter (GPT-OSS passes ``module.sinks``); without it this is plain causal attention."""
     if dropout and dropout > 0.0:
-        raise ValueError(
-            f"agentrl_sink attention has no dropout; got attention dropout {dropout}. "
-            "Set config.attention_dropout=0.0 (GPT-OSS's default)."
-        )
+        raise ValueError(f"agentrl_sink attention has no dropout; got attention dropout {dropout}. "
+                         "Set config.attention_dropout=0.0 (GPT-OSS's default).")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise ValueError(
             "agentrl_sink attention takes causal/sliding masks plus a 2-D padding mask; it got a "
             f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}. Pass a 2-D "
             "attention_mask (or none) to the model, and register the implementation with "
-            "agentrl.kernels.register_transformers_attention() so its mask function is used."
-        )
+            "agentrl.kernels.register_transformers_attention() so its mask function is used.")
     b, hq, n_q, d = query.shape
     n_k = key.shape[2]
     causal = getattr(module, "is_causal", True)
@@ -99,19 +78,9 @@ def agentrl_sink_attention_forward(
         q = query[0].transpose(0, 1)
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
-        out = sink_attention(
-            q,
-            k,
-            v,
-            s_aux,
-            causal=causal,
-            window=window,
-            cu_seqlens=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen=kwargs.get("max_length_q"),
-            max_seqlen_k=kwargs.get("max_length_k"),
-            softmax_scale=scaling,
-        )
+        out = sink_attention(q, k, v, s_aux, causal=causal, window=window, cu_seqlens=cu_q,
+                             cu_seqlens_k=cu_k, max_seqlen=kwargs.get("max_length_q"),
+                             max_seqlen_k=kwargs.get("max_length_k"), softmax_scale=scaling)
         return out[None], None
     if attention_mask is None:
         out = sink_attention(query, key, value, s_aux, causal=causal, window=window, softmax_scale=scaling)
@@ -130,19 +99,9 @@ def agentrl_sink_attention_forward(
     q = query.transpose(1, 2).reshape(b * n_q, hq, d)[q_idx]
     k = key.transpose(1, 2).reshape(b * n_k, key.shape[1], d)[k_idx]
     v = value.transpose(1, 2).reshape(b * n_k, value.shape[1], d)[k_idx]
-    out_p = sink_attention(
-        q,
-        k,
-        v,
-        s_aux,
-        causal=causal,
-        window=window,
-        cu_seqlens=_cu_from_counts(q_counts),
-        cu_seqlens_k=_cu_from_counts(k_counts),
-        max_seqlen=int(q_counts.max()),
-        max_seqlen_k=int(k_counts.max()),
-        softmax_scale=scaling,
-    )
+    out_p = sink_attention(q, k, v, s_aux, causal=causal, window=window, cu_seqlens=_cu_from_counts(q_counts),
+                           cu_seqlens_k=_cu_from_counts(k_counts), max_seqlen=int(q_counts.max()),
+                           max_seqlen_k=int(k_counts.max()), softmax_scale=scaling)
     out = out_p.new_zeros(b * n_q, hq, d).index_copy(0, q_idx, out_p)
     return out.view(b, n_q, hq, d), None
 
@@ -154,9 +113,8 @@ def register_transformers_attention(name: str = "agentrl_sink") -> str:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:
-        raise RuntimeError(
-            f"register_transformers_attention needs transformers>=5 (pip install 'agentrl-sdk[train]'): {exc}"
-        ) from exc
+        raise RuntimeError("register_transformers_attention needs transformers>=5 "
+                           f"(pip install 'agentrl-sdk[train]'): {exc}") from exc
     AttentionInterface.register(name, agentrl_sink_attention_forward)
     AttentionMaskInterface.register(name, _padding_mask)
     return name

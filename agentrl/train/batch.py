@@ -45,12 +45,7 @@ class Batch:
     def select(self, rows: torch.Tensor | Sequence[int]) -> Batch:
         """Rows ``rows`` of every tensor (same padding widths)."""
         idx = torch.as_tensor(rows, dtype=torch.long)
-        return Batch(
-            **{
-                name: getattr(self, name)[idx.to(getattr(self, name).device)]
-                for name in self.__dataclass_fields__
-            }
-        )
+        return Batch(**{name: getattr(self, name)[idx.to(getattr(self, name).device)] for name in self.__dataclass_fields__})
 
     def to(self, device: str | torch.device) -> Batch:
         return Batch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})

@@ -217,9 +217,7 @@ def _check_key(key: str) -> None:
         return
     if key.startswith(("env_kwargs.", "model_kwargs.")):
         return
-    raise ConfigError(
-        f"unknown config key {key!r}.{_suggest(key, keys)} Run `agentrl train --help` for all keys."
-    )
+    raise ConfigError(f"unknown config key {key!r}.{_suggest(key, keys)} Run `agentrl train --help` for all keys.")
 
 
 def parse_overrides(argv: list[str]) -> list[str]:
@@ -256,9 +254,7 @@ def validate(cfg: DictConfig) -> None:
     for key, choices in _CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in choices:
-            raise ConfigError(
-                f"{key}={value!r} is not valid.{_suggest(str(value), choices)} Valid: {', '.join(choices)}"
-            )
+            raise ConfigError(f"{key}={value!r} is not valid.{_suggest(str(value), choices)} Valid: {', '.join(choices)}")
     if cfg.data.level not in (1, 2, 3):
         raise ConfigError(f"data.level must be 1, 2 or 3, got {cfg.data.level}")
     for group in cfg.actor.freeze:
@@ -268,9 +264,7 @@ def validate(cfg: DictConfig) -> None:
             )
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is is not None and rc.rollout_is not in ROLLOUT_IS:
-        raise ConfigError(
-            f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r}; valid: null, token, sequence"
-        )
+        raise ConfigError(f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r}; valid: null, token, sequence")
     positive = {
         "rollout.batch_size": cfg.rollout.batch_size,
         "rollout.n": cfg.rollout.n,
@@ -295,9 +289,7 @@ def validate(cfg: DictConfig) -> None:
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
     if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 (a group per task)"
-        )
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 (a group per task)")
     total = cfg.rollout.batch_size * cfg.rollout.n
     if total % cfg.actor.num_mini_batches:
         raise ConfigError(
@@ -319,11 +311,7 @@ def help_text() -> str:
     ]
     for key in all_keys():
         value = OmegaConf.select(defaults, key, throw_on_missing=False)
-        shown = (
-            "(required)"
-            if OmegaConf.is_missing(defaults, key)
-            else repr(OmegaConf.to_object(value) if OmegaConf.is_config(value) else value)
-        )
+        shown = "(required)" if OmegaConf.is_missing(defaults, key) else repr(OmegaConf.to_object(value) if OmegaConf.is_config(value) else value)
         choices = f"  [{', '.join(_CHOICES[key])}]" if key in _CHOICES else ""
         lines.append(f"  {key} = {shown}{choices}")
     return "\n".join(lines)

@@ -75,15 +75,8 @@ def init(device: str) -> torch.device:
 def torchrun_command(argv: Sequence[str], n_procs: int) -> list[str]:
     """The command that runs ``agentrl train <argv>`` on ``n_procs`` local processes."""
     return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={n_procs}",
-        "-m",
-        "agentrl.cli",
-        "train",
-        *argv,
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n_procs}",
+        "-m", "agentrl.cli", "train", *argv,
     ]
 
 
@@ -263,19 +256,13 @@ class DistributedTrainerMixin:
 
     async def evaluate(self, pool: Any) -> dict[str, float]:
         from agentrl.train.metrics import episode_metrics
-        from agentrl.train.rollout import collect
+        from agentrl.train.rollout import rollout
 
         tasks = self.eval_tasks()[rank() :: world_size()]
         self.engine.reseed(self.cfg.seed + 999_983 + rank())
         with unsharded(self.model):
-            result = await collect(
-                pool,
-                self.engine,
-                self.sampling(self.cfg.eval.temperature),
-                tasks,
-                n=1,
-                seed=self.cfg.seed + 7_777_777 + rank() * len(tasks),
-            )
+            result = await rollout(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1,
+                                   seed=self.cfg.seed + 7_777_777 + rank() * len(tasks))
         self._save_trajectories(f"eval_step_{self.step:06d}", result.episodes)
         metrics = episode_metrics(gather_objects(result.episodes), prefix="eval/")
         metrics["eval/timing_s"] = max(gather_objects([result.wall_s]))
@@ -285,7 +272,7 @@ class DistributedTrainerMixin:
     async def train_step(self, pool: Any) -> dict[str, float]:
         from agentrl.train.batch import collate
         from agentrl.train.metrics import episode_metrics
-        from agentrl.train.rollout import collect
+        from agentrl.train.rollout import rollout
         from agentrl.train.update import update_policy
 
         cfg = self.cfg
@@ -294,46 +281,29 @@ class DistributedTrainerMixin:
         start, tasks = self._rank_tasks(self.data_position, cfg.rollout.batch_size)
         self.engine.reseed(cfg.seed * 1_000_003 + step * world_size() + rank())
         with unsharded(self.model):
-            result = await collect(
-                pool,
-                self.engine,
-                self.sampling(cfg.rollout.temperature),
-                tasks,
-                n=cfg.rollout.n,
-                seed=cfg.seed * 1_000_003 + start * cfg.rollout.n,
-            )
+            result = await rollout(pool, self.engine, self.sampling(cfg.rollout.temperature), tasks,
+                                   n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + start * cfg.rollout.n)
         self._save_trajectories(f"step_{step:06d}", result.episodes)
         metrics = episode_metrics(gather_objects(result.episodes))
-        timing = average_metrics(
-            {
-                "timing_s/rollout": result.wall_s,
-                "timing_s/gen": result.gen_s,
-                "timing_s/tools": sum(e.tool_s for e in result.episodes),
-                "timing_s/env": sum(e.env_s for e in result.episodes),
-                "perf/gen_tokens_per_s": result.generated_tokens / max(result.gen_s, 1e-9),
-            }
-        )
+        timing = average_metrics({
+            "timing_s/rollout": result.wall_s,
+            "timing_s/gen": result.gen_s,
+            "timing_s/tools": sum(e.tool_s for e in result.episodes),
+            "timing_s/env": sum(e.env_s for e in result.episodes),
+            "perf/gen_tokens_per_s": result.generated_tokens / max(result.gen_s, 1e-9),
+        })
         metrics.update(timing)
         # every rank trains on all its episodes (equal batch shapes keep FSDP's collectives in step);
         # a failed episode keeps its row with a zero loss mask
         trajs = [e.trajectory for e in result.episodes]
         batch = collate(trajs, [e.group for e in result.episodes], self.pad_token_id)
-        unusable = torch.tensor(
-            [not (e.usable and sum(e.trajectory.response_mask) > 0) for e in result.episodes]
-        )
+        unusable = torch.tensor([not (e.usable and sum(e.trajectory.response_mask) > 0) for e in result.episodes])
         batch.response_mask[unusable] = 0
         batch = batch.to(self.model.device)
         routing = [e.routing for e in result.episodes] if cfg.actor.routing_replay else None
-        update = update_policy(
-            model=self.model,
-            optimizer=self.optimizer,
-            batch=batch,
-            cfg=cfg,
-            temperature=cfg.rollout.temperature,
-            ref_model=self.ref_model,
-            generator=self.update_generator,
-            routing=routing,
-        )
+        update = update_policy(model=self.model, optimizer=self.optimizer, batch=batch, cfg=cfg,
+                               temperature=cfg.rollout.temperature, ref_model=self.ref_model,
+                               generator=self.update_generator, routing=routing)
         metrics.update(average_metrics(update))
         self.step = step
         self.data_position += cfg.rollout.batch_size
@@ -382,7 +352,7 @@ class DistributedTrainerMixin:
             set_optimizer_state_dict,
         )
 
-        from agentrl.train.checkpoint import latest_checkpoint
+        from agentrl.models.checkpoints import latest_checkpoint
 
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is None:
@@ -416,9 +386,7 @@ def run(cfg: Any, argv: Sequence[str]) -> int:
         check_config(cfg, n_procs)
         return relaunch(argv, n_procs)
     if int(os.environ["WORLD_SIZE"]) != n_procs:
-        raise RuntimeError(
-            f"torchrun started {os.environ['WORLD_SIZE']} processes but trainer.n_gpus={n_procs}"
-        )
+        raise RuntimeError(f"torchrun started {os.environ['WORLD_SIZE']} processes but trainer.n_gpus={n_procs}")
     init(cfg.device)
     try:
         summary = make_distributed_trainer(cfg).fit()

@@ -117,9 +117,7 @@ def chunked_logprobs(
     return logprobs, (entropy if compute_entropy else None)
 
 
-def model_token_logprobs(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs
-):
+def model_token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
     """:func:`backbone_token_logprobs`, run through the FSDP2 root's forward hooks when the model is
     sharded by :func:`agentrl.train.distributed.shard` (which sets ``model.fsdp_token_logprobs``)."""
     fsdp_forward = getattr(model, "fsdp_token_logprobs", None)

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.train.rollout import Episode
+from agentrl.episodes import EpisodeResult
 
 
 def mean_and_sem(values: Sequence[float]) -> tuple[float, float]:
@@ -32,7 +32,7 @@ def mean_and_sem(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def episode_metrics(episodes: Sequence[Episode], prefix: str = "") -> dict[str, float]:
+def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict[str, float]:
     """Reward, length, turn, tool and error statistics over ``episodes`` (failed ones count as reward 0
     in ``critic/score/*`` so that breakage shows up as a drop, and are counted in ``episode/rollout_errors``)."""
     if not episodes:
@@ -81,9 +81,7 @@ class MetricsSink:
     ``truncate_after(step)`` drops JSONL records of steps > ``step`` (used on resume, so a step that
     was logged but not checkpointed is not duplicated)."""
 
-    def __init__(
-        self, run_dir: str, *, tensorboard: bool, wandb: bool, wandb_project: str, config: dict[str, Any]
-    ) -> None:
+    def __init__(self, run_dir: str, *, tensorboard: bool, wandb: bool, wandb_project: str, config: dict[str, Any]) -> None:
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._tb = None
         self._wandb = None
@@ -96,13 +94,9 @@ class MetricsSink:
             try:
                 import wandb as wandb_mod
             except ImportError:
-                self.warnings.append(
-                    "trainer.wandb=true but wandb is not installed; logging to JSONL/TensorBoard only"
-                )
+                self.warnings.append("trainer.wandb=true but wandb is not installed; logging to JSONL/TensorBoard only")
             else:
-                self._wandb = wandb_mod.init(
-                    project=wandb_project, dir=run_dir, config=config, resume="allow"
-                )
+                self._wandb = wandb_mod.init(project=wandb_project, dir=run_dir, config=config, resume="allow")
 
     def truncate_after(self, step: int) -> None:
         if not os.path.exists(self.path):

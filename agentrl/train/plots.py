@@ -27,9 +27,7 @@ PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def _series(
-    records: list[dict[str, Any]], keys: tuple[str, ...]
-) -> tuple[str, list[int], list[float]] | None:
+def _series(records: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[str, list[int], list[float]] | None:
     for key in keys:
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
         if points:
@@ -58,13 +56,7 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
                 continue
             key, steps, values = found
             for target in (ax, ax_all):
-                target.plot(
-                    steps,
-                    values,
-                    marker="o",
-                    markersize=3,
-                    label=f"{label} ({key})" if len(keys) > 1 else label,
-                )
+                target.plot(steps, values, marker="o", markersize=3, label=f"{label} ({key})" if len(keys) > 1 else label)
         for target in (ax, ax_all):
             target.set_title(title)
             target.set_xlabel("step")

@@ -47,13 +47,7 @@ def _common_prefix(rows: list[torch.Tensor], limit: int) -> int:
 
 
 def shared_prefix_logprobs(
-    model: Any,
-    batch: Batch,
-    *,
-    chunk_size: int,
-    temperature: float,
-    compute_entropy: bool,
-    min_prefix: int = 32,
+    model: Any, batch: Batch, *, chunk_size: int, temperature: float, compute_entropy: bool, min_prefix: int = 32
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(logprobs [B, R], entropy [B, R] or None)`` of ``batch.responses`` (0 on padding), or None when
     sharing does not apply (see the module docstring)."""

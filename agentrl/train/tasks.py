@@ -52,31 +52,16 @@ class TaskSource:
     """``train(i)`` -> task ``i`` of the training stream; ``held_out(n)`` -> the fixed evaluation tasks."""
 
     def __init__(
-        self,
-        env_cls: type,
-        source: str,
-        *,
-        seed: int,
-        level: int = 1,
-        eval_seed: int = 1_000_000,
-        num_held_out: int = 0,
+        self, env_cls: type, source: str, *, seed: int, level: int = 1, eval_seed: int = 1_000_000, num_held_out: int = 0
     ) -> None:
-        self.env_cls, self.source, self.seed, self.level, self.eval_seed = (
-            env_cls,
-            source,
-            seed,
-            level,
-            eval_seed,
-        )
+        self.env_cls, self.source, self.seed, self.level, self.eval_seed = env_cls, source, seed, level, eval_seed
         self.num_held_out = num_held_out
         self._rows: list[dict[str, Any]] | None = None
         if source not in TASK_SOURCES:
             try:
                 self._rows = list(env_cls.load_tasks(source))
             except FileNotFoundError:
-                raise ValueError(
-                    f"data.tasks={source!r}: no such file; use env, arithmetic or a task file path"
-                ) from None
+                raise ValueError(f"data.tasks={source!r}: no such file; use env, arithmetic or a task file path") from None
             if not self._rows:
                 raise ValueError(f"data.tasks={source!r} holds no tasks")
         self._excluded: dict[int, set[str]] = {}
@@ -123,15 +108,11 @@ class TaskSource:
                 seen.add(str(task.get("prompt")))
                 tasks.append(task)
         if len(tasks) < n:
-            raise ValueError(
-                f"only {len(tasks)} distinct held-out tasks exist here; lower eval.num_tasks to that"
-            )
+            raise ValueError(f"only {len(tasks)} distinct held-out tasks exist here; lower eval.num_tasks to that")
         return tasks
 
 
-def with_boxed_bonus(
-    rubric: Callable[[Any], tuple[float, dict[str, float]]] | None, weight: float
-) -> Callable:
+def with_boxed_bonus(rubric: Callable[[Any], tuple[float, dict[str, float]]] | None, weight: float) -> Callable:
     """Wrap an env rubric: adds component ``boxed`` (1.0 if the final answer contains a ``\\boxed{...}``)
     with ``weight`` to the total. ``rubric`` returns ``(total, components)``; None counts as 0."""
 

@@ -34,28 +34,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.transformers_engine import TransformersEngine
+from agentrl.episodes import EnvPool, EpisodeResult
+from agentrl.models.checkpoints import latest_checkpoint
+from agentrl.models.loading import load_model
 from agentrl.train.batch import collate
-from agentrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
 from agentrl.train.metrics import MetricsSink, episode_metrics
-from agentrl.train.model_loading import LoadedModel, load_model
-from agentrl.train.rollout import EnvPool, Episode, collect
+from agentrl.train.rollout import rollout
 from agentrl.train.tasks import TaskSource, with_boxed_bonus
 from agentrl.train.update import update_policy
-
-
-def make_format(name: str, loaded: LoadedModel) -> Any:
-    """The ChatFormat for ``format=name`` (``auto`` picks what fits the model)."""
-    if name == "auto":
-        name = loaded.format_name
-    if name == "harmony":
-        from agentrl.harmony import HarmonyFormat
-
-        return HarmonyFormat()
-    if loaded.tokenizer is None:
-        raise ValueError(f"format={name} needs an HF tokenizer, but model has none (it speaks Harmony)")
-    from agentrl.harmony import ChatTemplateFormat
-
-    return ChatTemplateFormat(loaded.tokenizer)
 
 
 def default_run_dir(cfg: DictConfig) -> str:
@@ -91,14 +78,8 @@ class Trainer:
             close = difflib.get_close_matches(cfg.env, names, n=2)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
             raise ValueError(f"unknown env {cfg.env!r}.{hint} Registered envs: {', '.join(names)}") from None
-        self.tasks = TaskSource(
-            self.env_cls,
-            cfg.data.tasks,
-            seed=cfg.seed,
-            level=cfg.data.level,
-            eval_seed=cfg.seed + cfg.eval.seed_offset,
-            num_held_out=cfg.eval.num_tasks,
-        )
+        self.tasks = TaskSource(self.env_cls, cfg.data.tasks, seed=cfg.seed, level=cfg.data.level,
+                                eval_seed=cfg.seed + cfg.eval.seed_offset, num_held_out=cfg.eval.num_tasks)
         t0 = time.perf_counter()
         self.loaded = load_model(
             cfg.model,
@@ -110,7 +91,7 @@ class Trainer:
         )
         self.load_s = time.perf_counter() - t0
         self.model = self.loaded.model
-        self.format = make_format(cfg.format, self.loaded)
+        self.format = self.loaded.chat_format(cfg.format)
         self.ref_model = None
         if cfg.actor.use_kl_loss:  # the initial weights, frozen (copied before any checkpoint is loaded)
             self.ref_model = copy.deepcopy(self.model).eval()
@@ -127,21 +108,14 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.actor.lr, betas=tuple(cfg.actor.betas), weight_decay=cfg.actor.weight_decay
         )
-        pad = (
-            getattr(self.loaded.tokenizer, "pad_token_id", None)
-            if self.loaded.tokenizer is not None
-            else None
-        )
+        pad = getattr(self.loaded.tokenizer, "pad_token_id", None) if self.loaded.tokenizer is not None else None
         self.pad_token_id = int(pad if pad is not None else 0)
         if cfg.actor.routing_replay:
-            from agentrl.train.routing_replay import find_routers
+            from agentrl.models.routing import find_routers
 
             find_routers(self.model)  # raises a clear error for dense models
         self.engine = TransformersEngine(
-            self.model,
-            pad_token_id=self.pad_token_id,
-            max_batch_size=cfg.rollout.max_batch_size,
-            seed=cfg.seed,
+            self.model, pad_token_id=self.pad_token_id, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed,
             record_routing=cfg.actor.routing_replay,
         )
         self.step = 0
@@ -185,7 +159,7 @@ class Trainer:
             stop_token_ids=list(self.format.stop_token_ids),
         )
 
-    def _save_trajectories(self, name: str, episodes: list[Episode]) -> None:
+    def _save_trajectories(self, name: str, episodes: list[EpisodeResult]) -> None:
         if not self.cfg.trainer.save_trajectories:
             return
         path = os.path.join(self.run_dir, "trajectories", f"{name}.jsonl")
@@ -228,14 +202,7 @@ class Trainer:
         """Greedy (``eval.temperature``) episodes on the held-out tasks; ``eval/*`` metrics."""
         tasks = self.eval_tasks()
         self.engine.reseed(self.cfg.seed + 999_983)
-        result = await collect(
-            pool,
-            self.engine,
-            self.sampling(self.cfg.eval.temperature),
-            tasks,
-            n=1,
-            seed=self.cfg.seed + 7_777_777,
-        )
+        result = await rollout(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1, seed=self.cfg.seed + 7_777_777)
         self._save_trajectories(f"eval_step_{self.step:06d}", result.episodes)
         metrics = episode_metrics(result.episodes, prefix="eval/")
         metrics["eval/timing_s"] = result.wall_s
@@ -249,26 +216,20 @@ class Trainer:
         step = self.step + 1
         tasks = [self.train_task(self.data_position + i) for i in range(cfg.rollout.batch_size)]
         self.engine.reseed(cfg.seed * 1_000_003 + step)
-        result = await collect(
-            pool,
-            self.engine,
-            self.sampling(cfg.rollout.temperature),
-            tasks,
-            n=cfg.rollout.n,
+        result = await rollout(
+            pool, self.engine, self.sampling(cfg.rollout.temperature), tasks, n=cfg.rollout.n,
             seed=cfg.seed * 1_000_003 + self.data_position * cfg.rollout.n,
         )
         self._save_trajectories(f"step_{step:06d}", result.episodes)
         metrics = episode_metrics(result.episodes)
         tool_s = sum(e.tool_s for e in result.episodes)
-        metrics.update(
-            {
-                "timing_s/rollout": result.wall_s,
-                "timing_s/gen": result.gen_s,
-                "timing_s/tools": tool_s,
-                "timing_s/env": sum(e.env_s for e in result.episodes),
-                "perf/gen_tokens_per_s": result.generated_tokens / max(result.gen_s, 1e-9),
-            }
-        )
+        metrics.update({
+            "timing_s/rollout": result.wall_s,
+            "timing_s/gen": result.gen_s,
+            "timing_s/tools": tool_s,
+            "timing_s/env": sum(e.env_s for e in result.episodes),
+            "perf/gen_tokens_per_s": result.generated_tokens / max(result.gen_s, 1e-9),
+        })
         usable = [e for e in result.episodes if e.usable and sum(e.trajectory.response_mask) > 0]
         if usable:
             batch = collate([e.trajectory for e in usable], [e.group for e in usable], self.pad_token_id)
@@ -296,10 +257,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     async def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
-        pool = EnvPool(
-            self._make_env,
-            min(cfg.rollout.concurrency, max(cfg.rollout.batch_size * cfg.rollout.n, cfg.eval.num_tasks)),
-        )
+        pool = EnvPool(self._make_env, min(cfg.rollout.concurrency, max(cfg.rollout.batch_size * cfg.rollout.n, cfg.eval.num_tasks)))
         t_start = time.perf_counter()
         try:
             if self.step == 0 and cfg.eval.before and cfg.eval.num_tasks and 0 not in self.eval_history:
@@ -307,11 +265,7 @@ class Trainer:
                 self.sink.log(0, metrics)
                 self._print_eval(metrics)
             with self._progress() as progress:
-                task = (
-                    progress.add_task("training", total=cfg.trainer.total_steps, completed=self.step)
-                    if progress
-                    else None
-                )
+                task = progress.add_task("training", total=cfg.trainer.total_steps, completed=self.step) if progress else None
                 slowest_step = 0.0
                 while self.step < cfg.trainer.total_steps:
                     t_step = time.perf_counter()
@@ -319,9 +273,7 @@ class Trainer:
                     slowest_step = max(slowest_step, time.perf_counter() - t_step)
                     out_of_time = self._out_of_time(slowest_step)
                     last = self.step == cfg.trainer.total_steps or out_of_time
-                    if cfg.eval.num_tasks and (
-                        (cfg.eval.every and self.step % cfg.eval.every == 0) or (last and cfg.eval.after)
-                    ):
+                    if cfg.eval.num_tasks and ((cfg.eval.every and self.step % cfg.eval.every == 0) or (last and cfg.eval.after)):
                         metrics.update(await self.evaluate(pool))
                     self.sink.log(self.step, metrics)
                     if cfg.trainer.save_every and (self.step % cfg.trainer.save_every == 0 or last):
@@ -369,25 +321,16 @@ class Trainer:
         if not self.cfg.trainer.progress:
             return nullcontext(None)
         return Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-            console=self.console,
+            "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
         )
 
     def _print_step(self, m: dict[str, float]) -> None:
         parts = [f"step {self.step}/{self.cfg.trainer.total_steps}"]
         for key, label in (
-            ("critic/score/mean", "reward"),
-            ("response_length/mean", "len"),
-            ("episode/tool_calls_mean", "tools"),
-            ("actor/entropy", "ent"),
-            ("actor/grad_norm", "gnorm"),
-            ("actor/pg_clipfrac", "clip"),
-            ("rollout_corr/logprob_abs_diff_mean", "|Δlp|"),
-            ("timing_s/step", "s"),
+            ("critic/score/mean", "reward"), ("response_length/mean", "len"), ("episode/tool_calls_mean", "tools"),
+            ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("actor/pg_clipfrac", "clip"),
+            ("rollout_corr/logprob_abs_diff_mean", "|Δlp|"), ("timing_s/step", "s"),
         ):
             if key in m:
                 parts.append(f"{label} {m[key]:.3g}")
@@ -405,27 +348,16 @@ class Trainer:
 
     def _summary(self, wall_s: float) -> dict[str, Any]:
         summary: dict[str, Any] = {
-            "run_dir": self.run_dir,
-            "steps": self.step,
-            "data_position": self.data_position,
-            "wall_s_this_process": time.perf_counter() - self.t_created,
-            "fit_s": wall_s,
-            "model_load_s": self.load_s,
-            "stopped_early_by_max_wall_s": self.stopped_early,
+            "run_dir": self.run_dir, "steps": self.step, "data_position": self.data_position,
+            "wall_s_this_process": time.perf_counter() - self.t_created, "fit_s": wall_s,
+            "model_load_s": self.load_s, "stopped_early_by_max_wall_s": self.stopped_early,
         }
         if self.eval_history:
             first, last = min(self.eval_history), max(self.eval_history)
-            summary["eval_before"] = {
-                "step": first,
-                "mean": self.eval_history[first][0],
-                "sem": self.eval_history[first][1],
-            }
-            summary["eval_after"] = {
-                "step": last,
-                "mean": self.eval_history[last][0],
-                "sem": self.eval_history[last][1],
-            }
+            summary["eval_before"] = {"step": first, "mean": self.eval_history[first][0], "sem": self.eval_history[first][1]}
+            summary["eval_after"] = {"step": last, "mean": self.eval_history[last][0], "sem": self.eval_history[last][1]}
             summary["eval_tasks"] = self.cfg.eval.num_tasks
         with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
         return summary
+

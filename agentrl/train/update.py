@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from agentrl.models.routing import align_to_mask, replay_routing
 from agentrl.train import distributed
 from agentrl.train.algorithms import (
     agg_loss,
@@ -35,7 +36,6 @@ from agentrl.train.algorithms import (
 from agentrl.train.batch import Batch
 from agentrl.train.logprobs import model_token_logprobs
 from agentrl.train.prefix_sharing import shared_prefix_logprobs
-from agentrl.train.routing_replay import align_to_mask, replay_routing
 
 
 def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -58,14 +58,8 @@ def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
 
 
 def forward_logprobs(
-    model: Any,
-    batch: Batch,
-    *,
-    chunk_size: int,
-    temperature: float,
-    compute_entropy: bool,
-    routing: list[torch.Tensor] | None = None,
-    share_prefix: bool = False,
+    model: Any, batch: Batch, *, chunk_size: int, temperature: float, compute_entropy: bool,
+    routing: list[torch.Tensor] | None = None, share_prefix: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of ``batch.responses`` under ``model``: ``[B, R]`` fp32, zero-padded
     to the batch's full response width. Differentiable unless called under ``torch.no_grad()``.
@@ -110,29 +104,14 @@ def _micro_batches(rows: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 
 
 @torch.no_grad()
-def batched_logprobs(
-    model: Any,
-    batch: Batch,
-    *,
-    micro_batch_size: int,
-    chunk_size: int,
-    temperature: float,
-    routing: list[torch.Tensor] | None = None,
-    share_prefix: bool = False,
-) -> torch.Tensor:
+def batched_logprobs(model: Any, batch: Batch, *, micro_batch_size: int, chunk_size: int, temperature: float,
+                     routing: list[torch.Tensor] | None = None, share_prefix: bool = False) -> torch.Tensor:
     """No-grad ``[B, R]`` log-probs over micro-batches (old-policy or reference pass)."""
     out = torch.zeros_like(batch.rollout_log_probs)
     rows = torch.arange(len(batch))
     for mb in _micro_batches(rows, micro_batch_size):
-        lp, _ = forward_logprobs(
-            model,
-            batch.select(mb),
-            chunk_size=chunk_size,
-            temperature=temperature,
-            compute_entropy=False,
-            routing=_rows(routing, mb),
-            share_prefix=share_prefix,
-        )
+        lp, _ = forward_logprobs(model, batch.select(mb), chunk_size=chunk_size, temperature=temperature,
+                                 compute_entropy=False, routing=_rows(routing, mb), share_prefix=share_prefix)
         out[mb.to(out.device)] = lp
     return out
 
@@ -178,23 +157,12 @@ def update_policy(
     old_log_prob = None
     is_weights = None
     train_mask = mask
-    rc_options = dict(
-        rollout_is=rc.rollout_is,
-        rollout_is_threshold=rc.rollout_is_threshold,
-        rollout_rs=rc.rollout_rs,
-        rollout_rs_threshold=rc.rollout_rs_threshold,
-    )
+    rc_options = dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+                      rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
     if not on_policy:
         t0 = time.perf_counter()
-        old_log_prob = batched_logprobs(
-            model,
-            batch,
-            micro_batch_size=micro,
-            chunk_size=chunk,
-            temperature=temperature,
-            routing=routing,
-            share_prefix=share,
-        )
+        old_log_prob = batched_logprobs(model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
+                                        routing=routing, share_prefix=share)
         timing["timing_s/old_log_prob"] = time.perf_counter() - t0
         is_weights, train_mask, rc_metrics = rollout_correction(
             old_log_prob=old_log_prob,
@@ -206,14 +174,8 @@ def update_policy(
     ref_log_prob = None
     if ref_model is not None:
         t0 = time.perf_counter()
-        ref_log_prob = batched_logprobs(
-            ref_model,
-            batch,
-            micro_batch_size=micro,
-            chunk_size=chunk,
-            temperature=temperature,
-            share_prefix=share,
-        )
+        ref_log_prob = batched_logprobs(ref_model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
+                                        share_prefix=share)
         timing["timing_s/ref"] = time.perf_counter() - t0
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -221,11 +183,7 @@ def update_policy(
     t0 = time.perf_counter()
     trained_tokens = 0
     for _epoch in range(actor.ppo_epochs):
-        order = (
-            torch.randperm(len(batch), generator=generator)
-            if actor.num_mini_batches > 1
-            else torch.arange(len(batch))
-        )
+        order = torch.randperm(len(batch), generator=generator) if actor.num_mini_batches > 1 else torch.arange(len(batch))
         for mini in order.chunk(actor.num_mini_batches):
             optimizer.zero_grad(set_to_none=True)
             mini_mask = train_mask[mini.to(train_mask.device)]
@@ -236,19 +194,10 @@ def update_policy(
                 rows = mb.to(mask.device)
                 sub = batch.select(mb)
                 sub_mask = train_mask[rows]
-                if (
-                    not sub_mask.any() and not distributed.is_distributed()
-                ):  # ranks keep FSDP collectives in step
+                if not sub_mask.any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
                     continue
-                log_prob, entropy = forward_logprobs(
-                    model,
-                    sub,
-                    chunk_size=chunk,
-                    temperature=temperature,
-                    compute_entropy=True,
-                    routing=_rows(routing, mb),
-                    share_prefix=share,
-                )
+                log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
+                                                     compute_entropy=True, routing=_rows(routing, mb), share_prefix=share)
                 sub_weights = None if is_weights is None else is_weights[rows]
                 if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
                     sub_old = log_prob.detach()
@@ -294,9 +243,7 @@ def update_policy(
                 collected["_entropy"].append(entropy_loss.item())
                 for k, v in pg_metrics.items():
                     collected[k].append(v)
-            grad_norm = (
-                torch.nn.utils.clip_grad_norm_(params, actor.grad_clip) if params else torch.tensor(0.0)
-            )
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip) if params else torch.tensor(0.0)
             if not torch.isfinite(grad_norm):
                 collected["actor/nonfinite_grad_steps"].append(1.0)
             elif float(grad_norm) == 0.0:
@@ -321,3 +268,4 @@ def update_policy(
     metrics["perf/train_tokens_per_s"] = trained_tokens / max(timing["timing_s/update_actor"], 1e-9)
     metrics.update(timing)
     return metrics
+

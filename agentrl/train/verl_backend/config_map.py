@@ -102,17 +102,11 @@ MAPPING: list[tuple[str, str, Callable[[Any], Any]]] = [
     ("algorithm.gamma", "algorithm.gamma", float),
     ("algorithm.lam", "algorithm.lam", float),
     ("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is", str),
-    (
-        "algorithm.rollout_correction.rollout_is_threshold",
-        "algorithm.rollout_correction.rollout_is_threshold",
-        lambda v: v,
-    ),
+    ("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold",
+     lambda v: v),
     ("algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs", str),
-    (
-        "algorithm.rollout_correction.rollout_rs_threshold",
-        "algorithm.rollout_correction.rollout_rs_threshold",
-        lambda v: v,
-    ),
+    ("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold",
+     lambda v: v),
     ("actor.lr", "actor_rollout_ref.actor.optim.lr", float),
     ("actor.weight_decay", "actor_rollout_ref.actor.optim.weight_decay", float),
     ("actor.betas", "actor_rollout_ref.actor.optim.betas", _floats),
@@ -238,9 +232,7 @@ def check_ours(cfg: Any) -> None:
     """Cross-field checks verl makes late (after Ray starts) or not at all. Raises VerlConfigError."""
     model = select(cfg, "model")
     if not model:
-        raise VerlConfigError(
-            "model is not set; pass model=<HF id or local HF checkpoint>, e.g. model=openai/gpt-oss-20b"
-        )
+        raise VerlConfigError("model is not set; pass model=<HF id or local HF checkpoint>, e.g. model=openai/gpt-oss-20b")
     if str(model).endswith(".gguf") or str(model) == "smollm2-135m":
         raise VerlConfigError(
             f"model={model!r} is a GGUF checkpoint, which verl's FSDP and vLLM workers cannot load; "

@@ -96,9 +96,7 @@ def write_env_dataset(
     from agentrl.train.tasks import TaskSource
 
     source = TaskSource(env_class(env), tasks, seed=seed, level=level, eval_seed=eval_seed)
-    common = dict(
-        env_kwargs=env_kwargs, format=format, max_new_tokens=max_new_tokens, format_reward=format_reward
-    )
+    common = dict(env_kwargs=env_kwargs, format=format, max_new_tokens=max_new_tokens, format_reward=format_reward)
     train = [source.train(i, num_held_out=n_val) for i in range(n_train)]
     out = Path(out_dir)
     return (

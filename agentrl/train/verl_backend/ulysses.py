@@ -67,17 +67,8 @@ def ulysses_attention(inner: AttentionFn) -> AttentionFn:
     def attention(module, query, key, value, attention_mask, *args, s_aux=None, position_ids=None, **kwargs):
         sp = get_ulysses_sequence_parallel_world_size()
         if sp <= 1 or position_ids is None:
-            return inner(
-                module,
-                query,
-                key,
-                value,
-                attention_mask,
-                *args,
-                s_aux=s_aux,
-                position_ids=position_ids,
-                **kwargs,
-            )
+            return inner(module, query, key, value, attention_mask, *args, s_aux=s_aux,
+                         position_ids=position_ids, **kwargs)
         if attention_mask is not None:
             raise ValueError(
                 "agentrl_sink under Ulysses needs packed inputs without a padding mask; "
@@ -95,9 +86,8 @@ def ulysses_attention(inner: AttentionFn) -> AttentionFn:
         torch.distributed.all_gather(pieces, position_ids, group=group)
         position_ids = torch.cat(pieces, dim=-1)
         sinks = local_heads(s_aux, rank, sp) if s_aux is not None else None
-        out, weights = inner(
-            module, query, key, value, None, *args, s_aux=sinks, position_ids=position_ids, **kwargs
-        )
+        out, weights = inner(module, query, key, value, None, *args, s_aux=sinks,
+                             position_ids=position_ids, **kwargs)
         # [B, S, H/P, D] -> [B, S/P, H, D]
         return gather_heads_scatter_seq(out, seq_dim=1, head_dim=2, group=group), weights
 
