@@ -328,6 +328,21 @@ def test_namespace_and_mount_syscalls_denied(sb):
     assert r.stdout == "-1 -1\nno root\n", r
 
 
+def test_code_loads_its_own_filter_on_top_of_the_workers(sb):
+    """The worker's filter allows mount and unshare (it needs them); the code's own filter must deny them. Without
+    it, unshare(0) would succeed and mount with bad pointers would fail with EFAULT, not EPERM."""
+    code = (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "print(libc.unshare(0), ctypes.get_errno())\n"
+        "print(libc.mount(None, None, None, 0, None), ctypes.get_errno())\n"
+        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp_filters')])"
+    )
+    for session in (None, sid := sb.create_session()):
+        r = sb.run(code, session=session)
+        assert r.stdout == "-1 1\n-1 1\n['2']\n", r
+    sb.release_session(sid)
+
+
 def test_timeout_escape_with_signal_handlers(sb):
     code = "import signal\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGXCPU, signal.SIGHUP, signal.SIGALRM):\n    signal.signal(s, signal.SIG_IGN)\nwhile True:\n    pass"
     r = run(sb, code, timeout_s=0.5)

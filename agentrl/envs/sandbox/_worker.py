@@ -91,6 +91,24 @@ _SETTLE_S = 2.0
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+def _libc_function(name, *argtypes):
+    """A libc function, resolved once here in the worker (a child that resolved it would pay for the lookup and
+    for the pages it writes)."""
+    fn = getattr(_libc, name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
+_sys_unshare = _libc_function("unshare", ctypes.c_int)
+_sys_mount = _libc_function(
+    "mount", ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p
+)
+_sys_prctl = _libc_function(
+    "prctl", ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong
+)
+_sys_capset = _libc_function("capset", ctypes.c_void_p, ctypes.c_void_p)
+
+
 def _check(ret, what):
     if ret != 0:
         err = ctypes.get_errno()
@@ -98,16 +116,16 @@ def _check(ret, what):
 
 
 def _unshare(flags):
-    _check(_libc.unshare(ctypes.c_int(flags)), "unshare")
+    _check(_sys_unshare(flags), "unshare")
 
 
 def _mount(source, target, fstype, flags, data):
     _check(
-        _libc.mount(
+        _sys_mount(
             source.encode(),
             target.encode(),
             fstype.encode() if fstype else None,
-            ctypes.c_ulong(flags),
+            flags,
             data.encode() if data else None,
         ),
         f"mount {target}",
@@ -115,7 +133,7 @@ def _mount(source, target, fstype, flags, data):
 
 
 def _prctl(option, arg2=0, arg3=0):
-    _check(_libc.prctl(option, ctypes.c_ulong(arg2), ctypes.c_ulong(arg3), 0, 0), f"prctl {option}")
+    _check(_sys_prctl(option, arg2, arg3, 0, 0), f"prctl {option}")
 
 
 class _CapHeader(ctypes.Structure):
@@ -130,11 +148,14 @@ class _CapData(ctypes.Structure):
     ]
 
 
+#: capset(2) arguments that empty this thread's sets (version 3: two data structs), built once in the worker.
+_CAP_HEADER = _CapHeader(0x20080522, 0)
+_CAP_NONE = (_CapData * 2)()
+
+
 def _clear_capabilities():
     """Empty the effective, permitted, inheritable and ambient sets of this thread."""
-    header = _CapHeader(0x20080522, 0)
-    data = (_CapData * 2)()
-    _check(_libc.capset(ctypes.byref(header), data), "capset")
+    _check(_sys_capset(ctypes.addressof(_CAP_HEADER), ctypes.addressof(_CAP_NONE)), "capset")
     _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
 
 
@@ -505,7 +526,17 @@ class Worker:
         self.cfg = cfg
         self.cap = cfg["output_cap"]
         self.mode = cfg["mode"]
-        self.child_filter = child_filter
+        # The code's seccomp program (a sock_fprog address for prctl), or None.
+        self.child_filter = ctypes.addressof(child_filter[0]) if child_filter is not None else None
+        self._child_filter_keepalive = child_filter
+        lim = cfg["limits"]
+        self.base_rlimits = (
+            (resource.RLIMIT_NOFILE, (lim["nofile"], lim["nofile"])),
+            (resource.RLIMIT_NPROC, (lim["nproc"], lim["nproc"])),
+        )
+        size = b"size=%d,nr_inodes=%d," % (cfg["tmpfs_bytes"], cfg["tmpfs_inodes"])
+        self.tmp_opts = size + b"mode=0700,uid=%d,gid=%d"  # % (uid, uid)
+        self.shm_opts = size + b"mode=1777"
         self.kernels = {}  # session key -> Kernel
         self.me = os.getpid()
         self.cgroups = cgroups
@@ -523,44 +554,48 @@ class Worker:
         self.oom_seen = {}  # cgroup -> OOM kills counted so far
 
     # -- the child's confinement
-    def confine(self, uid, fds, cgroup_procs, cpu_s, memory_bytes, own_net, name):
+    def plan(self, uid, cpu_s, memory_bytes, own_net, name):
+        """What :meth:`confine` needs for one execution, computed in the worker before the fork (a child pays
+        for every page it writes, so it should only make system calls)."""
+        rlimits = list(self.base_rlimits)
+        if memory_bytes is not None:
+            rlimits.append((resource.RLIMIT_AS, (memory_bytes, memory_bytes)))
+        if cpu_s is not None:
+            rlimits.append((resource.RLIMIT_CPU, (cpu_s, cpu_s + 1)))
+        flags = CLONE_NEWNS | CLONE_NEWIPC | (CLONE_NEWNET if own_net else 0)
+        workdir = WORKDIR if self.mode != "none" else self.unsafe_workdir(name)
+        return uid, flags, self.tmp_opts % (uid, uid), rlimits, own_net, workdir
+
+    def confine(self, plan, fds, cgroup_procs):
         """In a freshly forked child, before the code runs: own session, fds 0..N, private namespaces and
         tmpfs, its cgroup, rlimits, no privileges, the seccomp filter. Order matters: mounts and the cgroup
         move need the worker's privileges, which the uid change then drops."""
+        uid, flags, tmp_opts, rlimits, own_net, workdir = plan
         os.setsid()
         isolated = self.mode != "none"
         if isolated:
-            _unshare(CLONE_NEWNS | CLONE_NEWIPC | (CLONE_NEWNET if own_net else 0))
-            opts = f"size={self.cfg['tmpfs_bytes']},nr_inodes={self.cfg['tmpfs_inodes']}"
-            _mount(
-                "tmpfs",
-                WORKDIR,
-                "tmpfs",
-                MS_NOSUID | MS_NODEV,
-                f"{opts},mode=0700,uid={uid},gid={uid}",
+            _check(_sys_unshare(flags), "unshare")
+            _check(_sys_mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, tmp_opts), "mount /tmp")
+            _check(
+                _sys_mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, self.shm_opts),
+                "mount /dev/shm",
             )
-            _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts + ",mode=1777")
-            if (
-                own_net
-            ):  # a session lists its own POSIX queues in /dev/mqueue (a stateless run skips the cost)
-                _mount("mqueue", "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+            if own_net:  # a session lists its own POSIX queues (a stateless run skips the cost)
+                mqueue_flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+                _check(_sys_mount(b"mqueue", b"/dev/mqueue", b"mqueue", mqueue_flags, None), "mount mqueue")
         if cgroup_procs is not None:
             os.write(cgroup_procs, b"0")
         try:  # the code, never the worker, is the OOM killer's choice
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")
+            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+            os.write(fd, b"1000")
+            os.close(fd)
         except OSError:
             pass
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         os.closerange(len(fds), 65536)
-        lim = self.cfg["limits"]
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lim["nofile"],) * 2)
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"],) * 2)
-        if memory_bytes is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-        if cpu_s is not None:
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+        for res, value in rlimits:
+            resource.setrlimit(res, value)
         if self.mode == "root":
             os.setgroups([])
             os.setresgid(uid, uid, uid)
@@ -569,17 +604,10 @@ class Worker:
             _clear_capabilities()
             _prctl(PR_SET_DUMPABLE, 1)  # so that the code sees its own processes under hidepid
             if self.child_filter is not None:
-                _check(
-                    _libc.prctl(
-                        PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(self.child_filter[0]), 0, 0
-                    ),
-                    "seccomp",
-                )
-            workdir = WORKDIR
-        else:
-            workdir = self.unsafe_workdir(name)
+                _check(_sys_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, self.child_filter, 0, 0), "seccomp")
         os.chdir(workdir)
-        os.environ["HOME"] = os.environ["TMPDIR"] = workdir
+        if not isolated:  # isolated: HOME and TMPDIR are always WORKDIR, set once in the worker
+            os.environ["HOME"] = os.environ["TMPDIR"] = workdir
 
     def unsafe_workdir(self, name):
         """Mode "none": the host directory that serves as an execution's working directory."""
@@ -631,12 +659,13 @@ class Worker:
         cpu_s = int(req["timeout"]) + 1
         compiled = _precompile(req["code"])
         fetch = req.get("fetch_files", ())
+        as_limit = memory if memory != self.cfg["limits"]["as_bytes"] else None
+        plan = self.plan(uid, cpu_s, as_limit, False, "run")
+        procs = self.cgroups.run_procs if self.cgroups is not None else None
         pid = os.fork()
         if pid == 0:
             try:
-                procs = self.cgroups.run_procs if self.cgroups is not None else None
-                as_limit = memory if memory != self.cfg["limits"]["as_bytes"] else None
-                self.confine(uid, (stdin_fd, out_w, err_w, res_w), procs, cpu_s, as_limit, False, "run")
+                self.confine(plan, (stdin_fd, out_w, err_w, res_w), procs)
                 namespace = fresh_main()
                 result = execute(req["code"], namespace, False, self.cap, req.get("files"), fetch, compiled)
                 write_result(3, result)
@@ -666,10 +695,11 @@ class Worker:
         devnull = os.open("/dev/null", os.O_RDONLY)
         if self.mode == "none":
             self.make_unsafe_workdir("s" + key)
+        plan = self.plan(uid, None, None, True, "s" + key)
         pid = os.fork()
         if pid == 0:
             try:
-                self.confine(uid, (devnull, out_w, err_w, ctl_r, res_w), procs, None, None, True, "s" + key)
+                self.confine(plan, (devnull, out_w, err_w, ctl_r, res_w), procs)
                 kernel_main(self.cap)
             except BaseException:
                 os._exit(71)
@@ -1177,20 +1207,31 @@ _DENIED = (
     "open_tree",
     "mount_setattr",
 )
-#: What the worker itself needs (per-run namespaces and tmpfs mounts); its children are denied these too.
+#: What the worker itself needs (per-run namespaces and tmpfs mounts); its children are denied these too, by a
+#: second filter of their own.
 _WORKER_NEEDS = ("mount", "unshare")
 # CLONE_NEWUSER, NEWPID, NEWNET, NEWIPC, NEWUTS, NEWNS, NEWCGROUP
 _CLONE_NS_FLAGS = (0x10000000, 0x20000000, 0x40000000, 0x08000000, 0x04000000, 0x00020000, 0x02000000)
 
 
 def _build_filter(worker):
-    """The seccomp filter: for the worker itself (``worker``) or, stricter, for the code's processes."""
+    """The seccomp filter of the worker itself (``worker``) or the one the code's processes add to it.
+
+    The code's processes inherit the worker's filter and stack theirs on top (for each call the kernel applies the
+    strictest answer of all filters), so theirs only denies what the worker keeps for itself, ``_WORKER_NEEDS``:
+    together the two deny everything in ``_DENIED`` and everything the worker's filter denies by argument. It is
+    kept that short because every child loads it, and loading costs time in proportion to the program's length.
+    """
     import seccomp  # libseccomp's Python binding (Debian: python3-seccomp)
 
     flt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
     eperm = seccomp.ERRNO(errno.EPERM)
+    if not worker:
+        for name in _WORKER_NEEDS:
+            flt.add_rule(eperm, name)
+        return flt
     for name in _DENIED:
-        if worker and name in _WORKER_NEEDS:
+        if name in _WORKER_NEEDS:
             continue
         try:
             flt.add_rule(eperm, name)
@@ -1201,7 +1242,7 @@ def _build_filter(worker):
     flt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     for flag in _CLONE_NS_FLAGS:
         flt.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
-        if worker and flag not in (CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET):
+        if flag not in (CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET):
             flt.add_rule(eperm, "unshare", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     return flt
 
@@ -1211,7 +1252,7 @@ class _SockFprog(ctypes.Structure):
 
 
 def load_seccomp():
-    """Load the worker's filter and compile the code's (stricter) one, which each child loads itself.
+    """Load the worker's filter and compile the code's addition to it, which each child loads itself.
 
     Returns the code's filter as (sock_fprog, buffer) for ``prctl(PR_SET_SECCOMP)`` (the buffer must live on)."""
     child = _build_filter(worker=False)
@@ -1288,6 +1329,8 @@ def setup_worker(cfg):
         _drop_bounding_set()
     os.environ.clear()
     os.environ.update(CODE_ENV)
+    if mode != "none":  # every execution's private working directory (mode "none": set per execution)
+        os.environ["HOME"] = os.environ["TMPDIR"] = WORKDIR
     lim = cfg["limits"]
     for res, value in (
         (resource.RLIMIT_AS, lim["as_bytes"]),
