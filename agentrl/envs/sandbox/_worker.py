@@ -1,6 +1,6 @@
 """The fork server that runs INSIDE a sandbox (stdlib only; run by the sandbox's own interpreter).
 
-It is started once per pool worker (``python3 -I _worker.py``), reads its config as the first frame on stdin,
+It is started once per pool worker (``python3 -I -c <isolation.WORKER_BOOTSTRAP> _worker.py``), reads its config as the first frame on stdin,
 then answers requests from the host on stdin/stdout (frames: 4-byte big-endian length + UTF-8 JSON). It forks a
 child per stateless run, so a run costs a fork instead of an interpreter start, and keeps one long-lived kernel
 process per stateful session. It must stay importable by old Pythons (3.8+): no third-party imports except
