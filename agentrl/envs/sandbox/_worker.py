@@ -450,6 +450,11 @@ class Cgroups:
         self.run_procs = os.open("run/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
         self.run_limit_fd = os.open("run/" + self.limit_file, os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
         self.run_limit = None
+        self.run_stat = os.open("run/memory.stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        #: memory.stat lines (each after a newline) that count anonymous and shared memory.
+        self.held_keys = (
+            (b"\ntotal_rss ", b"\ntotal_shmem ") if self.version == 1 else (b"\nanon ", b"\nshmem ")
+        )
 
     def set_limit(self, name, limit):
         fd = os.open(f"{name}/{self.limit_file}", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
@@ -487,20 +492,24 @@ class Cgroups:
 
     def held(self, name):
         """Bytes of anonymous memory and shared memory (SysV, POSIX, tmpfs) still charged to ``name``."""
-        try:
-            fd = os.open(f"{name}/memory.stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
-        except OSError:
-            return 0
-        try:
-            text = os.read(fd, 65536).decode()
-        finally:
-            os.close(fd)
-        keys = ("total_rss", "total_shmem") if self.version == 1 else ("anon", "shmem")
+        if name == "run":
+            text = os.pread(self.run_stat, 1 << 16, 0)
+        else:
+            try:
+                fd = os.open(f"{name}/memory.stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
+            except OSError:
+                return 0
+            try:
+                text = os.read(fd, 1 << 16)
+            finally:
+                os.close(fd)
+        text = b"\n" + text
         total = 0
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key in keys:
-                total += int(value)
+        for key in self.held_keys:
+            at = text.find(key)
+            if at >= 0:
+                end = text.find(b"\n", at + len(key))
+                total += int(text[at + len(key) : end if end >= 0 else len(text)])
         return total
 
     def oom_kills(self, name):
@@ -552,6 +561,7 @@ class Worker:
         self.pending_uid = self.pending_cgroup = self.pending_dir = None  # left by the last request
         self.strays_killed = False  # the last request already killed every stray process
         self.oom_seen = {}  # cgroup -> OOM kills counted so far
+        self.leftovers = Leftovers() if self.mode != "none" else None
 
     # -- the child's confinement
     def plan(self, uid, cpu_s, memory_bytes, own_net, name):
@@ -1000,7 +1010,7 @@ class Worker:
             if name:
                 shutil.rmtree(self.unsafe_workdir(name), ignore_errors=True)
         else:
-            problems.extend(_sandbox_leftovers())
+            problems.extend(self.leftovers.find())
         fds = len(os.listdir("/proc/self/fd"))
         if self.baseline_fds is None:
             self.baseline_fds = fds
@@ -1040,35 +1050,56 @@ def _internal_reply(detail):
     }
 
 
-def _sandbox_leftovers():
-    """What code left in the sandbox's shared places (empty by construction; a finding means an escape)."""
-    found = []
-    for path in ("/tmp", "/dev/shm", "/dev/mqueue"):
+class Leftovers:
+    """What code left in the sandbox's shared places: its /tmp, /dev/shm and /dev/mqueue, its SysV IPC tables and
+    its unix sockets. Empty by construction (every execution has its own namespaces there), so a finding means an
+    escape. The /proc files are opened once and re-read from the start for every check."""
+
+    _DIRS = ("/tmp", "/dev/shm", "/dev/mqueue")
+
+    def __init__(self):
+        self.tables = {}
+        for table in ("shm", "msg", "sem"):
+            try:
+                self.tables[table] = os.open("/proc/sysvipc/" + table, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                pass
         try:
-            if os.listdir(path):
-                found.append(f"files in the sandbox's {path}")
+            self.unix = os.open("/proc/self/net/unix", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            pass
-    for table in ("shm", "msg", "sem"):
-        try:
-            with open("/proc/sysvipc/" + table) as f:
-                if len(f.read().splitlines()) > 1:
-                    found.append(f"SysV {table} objects in the sandbox's IPC namespace")
-        except OSError:
-            pass
-    deadline = time.monotonic() + 1.0
-    while True:  # sockets sent over sockets linger until the kernel's unix garbage collector runs
-        try:
-            with open("/proc/self/net/unix") as f:
-                sockets = len(f.read().splitlines()) - 1
-        except OSError:
-            sockets = 0
-        if sockets <= 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.005)
-    if sockets > 0:
-        found.append(f"{sockets} unix sockets in the sandbox's network namespace")
-    return found
+            self.unix = None
+
+    def find(self):
+        found = []
+        for path in self._DIRS:
+            try:
+                if os.listdir(path):
+                    found.append(f"files in the sandbox's {path}")
+            except OSError:
+                pass
+        for table, fd in self.tables.items():
+            if _lines(fd) > 1:  # a header line, then one per object
+                found.append(f"SysV {table} objects in the sandbox's IPC namespace")
+        deadline = time.monotonic() + 1.0
+        while True:  # sockets sent over sockets linger until the kernel's unix garbage collector runs
+            sockets = _lines(self.unix) - 1 if self.unix is not None else 0
+            if sockets <= 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        if sockets > 0:
+            found.append(f"{sockets} unix sockets in the sandbox's network namespace")
+        return found
+
+
+def _lines(fd):
+    """Number of lines of the /proc file open at ``fd``, read from its start."""
+    count, offset = 0, 0
+    while True:
+        chunk = os.pread(fd, 1 << 16, offset)
+        if not chunk:
+            return count
+        count += chunk.count(b"\n")
+        offset += len(chunk)
 
 
 def _decode(data, dropped, name):
