@@ -398,6 +398,18 @@ def test_capabilities_seccomp_and_no_host_paths(sb):
     sb.release_session(sid)
 
 
+def test_code_is_the_oom_killers_first_choice(sb):
+    """The worker is protected from the OOM killer (or at least not preferred); the code's processes, in runs and
+    sessions alike, carry the highest score, so a host-wide OOM picks them, never the sandbox."""
+    code = "print(open('/proc/self/oom_score_adj').read().strip())"
+    sid = sb.create_session()
+    try:
+        for r in (run(sb, code), sb.run(code, session=sid)):
+            assert r.stdout == "1000\n", r
+    finally:
+        sb.release_session(sid)
+
+
 # ------------------------------------------------------------------ resource accounting
 
 

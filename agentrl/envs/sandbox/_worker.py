@@ -595,6 +595,10 @@ class Worker:
                 _check(_sys_mount(b"mqueue", b"/dev/mqueue", b"mqueue", mqueue_flags, None), "mount mqueue")
         if cgroup_procs is not None:
             os.write(cgroup_procs, b"0")
+        if (
+            isolated
+        ):  # the worker is not dumpable, so its children's /proc files are not theirs to write until:
+            _prctl(PR_SET_DUMPABLE, 1)
         try:  # the code, never the worker, is the OOM killer's choice
             fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
             os.write(fd, b"1000")
@@ -612,7 +616,7 @@ class Worker:
             os.setresuid(uid, uid, uid)  # from root of the worker's namespace: clears every capability
         if isolated:
             _clear_capabilities()
-            _prctl(PR_SET_DUMPABLE, 1)  # so that the code sees its own processes under hidepid
+            _prctl(PR_SET_DUMPABLE, 1)  # again (the uid change reset it): the code sees its own processes
             if self.child_filter is not None:
                 _check(_sys_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, self.child_filter, 0, 0), "seccomp")
         os.chdir(workdir)
