@@ -245,7 +245,7 @@ class _Worker:
             try:
                 self._send(payload)
                 await self.proc.stdin.drain()
-                resp = await asyncio.wait_for(self._read_frame(), timeout_s + _GRACE_S)
+                resp = await _within(self._read_frame(), timeout_s + _GRACE_S)
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
                 await self.kill()
                 raise ConnectionError(
@@ -267,7 +267,7 @@ class _Worker:
     async def _await_health(self) -> None:
         """Read the health frame that follows every answer; then release the worker."""
         try:
-            health = await asyncio.wait_for(self._read_frame(), _HEALTH_TIMEOUT_S)
+            health = await _within(self._read_frame(), _HEALTH_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             if self.proc is not None:
                 log.warning("sandbox worker %d did not finish its cleanup (%r); killing it", self.index, exc)
@@ -338,6 +338,15 @@ class _Worker:
         assert proc.stderr is not None
         while line := await proc.stderr.readline():
             log.warning("sandbox worker %d: %s", self.index, line.decode(errors="replace").rstrip())
+
+
+async def _within(coro: Any, timeout: float) -> Any:
+    """Await ``coro`` for at most ``timeout`` seconds (raises TimeoutError). ``asyncio.timeout`` where available:
+    unlike ``wait_for`` it runs the coroutine in the caller's task instead of a new one (two per execution)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout):
+            return await coro
+    return await asyncio.wait_for(coro, timeout)
 
 
 async def _reap(proc: asyncio.subprocess.Process, cgroup: MemoryCgroup | None) -> None:
