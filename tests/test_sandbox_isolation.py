@@ -398,6 +398,23 @@ def test_capabilities_seccomp_and_no_host_paths(sb):
     sb.release_session(sid)
 
 
+def test_runs_cannot_create_queues_in_the_sandboxs_mqueue(sb):
+    """A stateless run sees the sandbox's own /dev/mqueue (its own queues live in its own IPC namespace). Creating a
+    file there would put a queue in the sandbox's namespace and force its worker's replacement: it is read-only.
+    A session's /dev/mqueue is its own and writable."""
+    code = (
+        "try:\n    open('/dev/mqueue/leak', 'w'); print('created')\nexcept OSError as e:\n    print(e.errno)"
+    )
+    for _ in range(2):  # both workers
+        assert run(sb, code).stdout == "30\n"  # EROFS
+    sid = sb.create_session()
+    try:
+        r = sb.run(code + "\nimport os; print(os.listdir('/dev/mqueue'))", session=sid)
+        assert r.stdout == "created\n['leak']\n", r
+    finally:
+        sb.release_session(sid)
+
+
 def test_code_is_the_oom_killers_first_choice(sb):
     """The worker is protected from the OOM killer (or at least not preferred); the code's processes, in runs and
     sessions alike, carry the highest score, so a host-wide OOM picks them, never the sandbox."""

@@ -1355,6 +1355,11 @@ def _enter_own_user_namespace(host_uid, code_uids):
 def setup_worker(cfg):
     """Once, before any code: namespaces and privileges (per ``mode``), environment, inherited limits."""
     mode = cfg["mode"]
+    if mode != "none":
+        # A stateless run sees the sandbox's own /dev/mqueue (its queues live in its own IPC namespace): it must
+        # not be able to create queues there, in the sandbox's namespace, through the file system.
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
+        _mount("none", "/dev/mqueue", None, flags, None)
     if mode == "root":
         _mount_private_proc(cfg["uid_base"])
         _enter_own_user_namespace(
