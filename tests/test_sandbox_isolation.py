@@ -398,19 +398,26 @@ def test_capabilities_seccomp_and_no_host_paths(sb):
     sb.release_session(sid)
 
 
-def test_runs_cannot_create_queues_in_the_sandboxs_mqueue(sb):
-    """A stateless run sees the sandbox's own /dev/mqueue (its own queues live in its own IPC namespace). Creating a
-    file there would put a queue in the sandbox's namespace and force its worker's replacement: it is read-only.
+def test_nothing_that_runs_share_is_writable(sb):
+    """The sandbox's root, /dev and /dev/mqueue are shared by every stateless run of a worker: all read-only (a
+    file in /dev/mqueue would also be a queue in the sandbox's IPC namespace, forcing its worker's replacement).
     A session's /dev/mqueue is its own and writable."""
-    code = (
-        "try:\n    open('/dev/mqueue/leak', 'w'); print('created')\nexcept OSError as e:\n    print(e.errno)"
+    code = textwrap.dedent(
+        """
+        import errno
+        for d in ("/", "/dev", "/dev/mqueue"):
+            try:
+                open(d.rstrip("/") + "/leak", "w"); print("created", d)
+            except OSError as e:
+                print(errno.errorcode[e.errno], d)
+        """
     )
     for _ in range(2):  # both workers
-        assert run(sb, code).stdout == "30\n"  # EROFS
+        assert run(sb, code).stdout == "EROFS /\nEROFS /dev\nEROFS /dev/mqueue\n"
     sid = sb.create_session()
     try:
-        r = sb.run(code + "\nimport os; print(os.listdir('/dev/mqueue'))", session=sid)
-        assert r.stdout == "created\n['leak']\n", r
+        r = sb.run(code + "import os; print(os.listdir('/dev/mqueue'))", session=sid)
+        assert r.stdout.endswith("created /dev/mqueue\n['leak']\n"), r
     finally:
         sb.release_session(sid)
 

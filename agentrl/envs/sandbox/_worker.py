@@ -1356,10 +1356,13 @@ def setup_worker(cfg):
     """Once, before any code: namespaces and privileges (per ``mode``), environment, inherited limits."""
     mode = cfg["mode"]
     if mode != "none":
-        # A stateless run sees the sandbox's own /dev/mqueue (its queues live in its own IPC namespace): it must
-        # not be able to create queues there, in the sandbox's namespace, through the file system.
-        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC
-        _mount("none", "/dev/mqueue", None, flags, None)
+        # Nothing shared by executions stays writable: the sandbox's root and /dev (bubblewrap's tmpfs; in "userns"
+        # mode they belong to the code's uid) and its /dev/mqueue (a stateless run sees it, while its own queues
+        # live in its own IPC namespace: a file there would be a queue in the sandbox's namespace).
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+        for path in ("/", "/dev"):
+            _mount("none", path, None, flags, None)
+        _mount("none", "/dev/mqueue", None, flags | MS_NOEXEC, None)
     if mode == "root":
         _mount_private_proc(cfg["uid_base"])
         _enter_own_user_namespace(
