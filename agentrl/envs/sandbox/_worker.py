@@ -57,7 +57,6 @@ import linecache
 import os
 import resource
 import select
-import shutil
 import signal
 import socket
 import struct
@@ -629,7 +628,7 @@ class Worker:
 
     def make_unsafe_workdir(self, name):
         path = self.unsafe_workdir(name)
-        shutil.rmtree(path, ignore_errors=True)
+        _rmtree(path)
         os.mkdir(path, 0o700)
 
     # -- requests
@@ -1012,7 +1011,7 @@ class Worker:
         name, self.pending_dir = self.pending_dir, None
         if self.mode == "none":
             if name:
-                shutil.rmtree(self.unsafe_workdir(name), ignore_errors=True)
+                _rmtree(self.unsafe_workdir(name))
         else:
             problems.extend(self.leftovers.find())
         fds = len(os.listdir("/proc/self/fd"))
@@ -1035,6 +1034,14 @@ class Worker:
                 return held
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+
+def _rmtree(path):
+    """shutil.rmtree, ignoring errors (mode "none" only). Imported here: shutil loads bz2 and lzma, whose libraries
+    would add mappings to the worker that every fork copies and every child unmaps."""
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _internal_reply(detail):
