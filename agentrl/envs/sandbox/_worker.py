@@ -54,6 +54,7 @@ import gc
 import io
 import json
 import linecache
+import marshal
 import os
 import resource
 import select
@@ -81,7 +82,7 @@ WORKDIR = "/tmp"
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWUSER = 0x00020000, 0x08000000, 0x40000000, 0x10000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 47, 4
-PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_SET_NO_NEW_PRIVS = 22, 2, 38
 #: Result kinds the code's process may report; everything else about a result is decided by the worker.
 _RESULT_KINDS = ("ok", "error", "oom")
 #: The worker's health check waits at most this long for the kernel to free a finished run's memory.
@@ -1293,23 +1294,65 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
-def load_seccomp():
-    """Load the worker's filter and compile the code's addition to it, which each child loads itself.
-
-    Returns the code's filter as (sock_fprog, buffer) for ``prctl(PR_SET_SECCOMP)`` (the buffer must live on)."""
-    child = _build_filter(worker=False)
+def _bpf(flt):
+    """A libseccomp filter as a raw BPF program (an array of struct sock_filter)."""
     fd = os.memfd_create("seccomp", 0)
     try:
         with os.fdopen(os.dup(fd), "wb") as f:
-            child.export_bpf(f)
-        os.lseek(fd, 0, os.SEEK_SET)
-        program = _read_rest(fd)
+            flt.export_bpf(f)
+        return os.pread(fd, os.fstat(fd).st_size, 0)
     finally:
         os.close(fd)
+
+
+def compile_filters():
+    """The worker's program and the code's, as raw BPF, built by libseccomp in a short-lived child: the binding
+    and its library stay out of the worker, whose every mapping each fork copies and each child unmaps.
+    Raises ImportError if the binding is missing."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                out = (None, _bpf(_build_filter(worker=True)), _bpf(_build_filter(worker=False)))
+            except ImportError as exc:
+                out = (str(exc), b"", b"")
+            data = marshal.dumps(out)
+            while data:
+                data = data[os.write(w, data) :]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    while True:
+        chunk = os.read(r, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(r)
+    if os.waitpid(pid, 0)[1] != 0 or not chunks:
+        raise RuntimeError("could not build the seccomp filters")
+    error, worker_program, code_program = marshal.loads(b"".join(chunks))
+    if error is not None:
+        raise ImportError(error)
+    return worker_program, code_program
+
+
+def _sock_fprog(program):
+    """(struct sock_fprog, its buffer) for ``prctl(PR_SET_SECCOMP)``; the buffer must live as long as it is used."""
     buf = ctypes.create_string_buffer(program, len(program))
-    prog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
-    _build_filter(worker=True).load()  # also sets no_new_privs, inherited by every child
-    return prog, buf
+    return _SockFprog(len(program) // 8, ctypes.addressof(buf)), buf
+
+
+def load_seccomp():
+    """Load the worker's filter (after no_new_privs, which every child inherits) and return the code's addition to
+    it, which each child loads itself, as (sock_fprog, buffer)."""
+    worker_program, code_program = compile_filters()
+    prog, _buf = _sock_fprog(worker_program)
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _check(_sys_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0), "seccomp")
+    return _sock_fprog(code_program)
 
 
 # ---------------------------------------------------------------- startup
