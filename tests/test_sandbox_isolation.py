@@ -561,7 +561,11 @@ def _worker_pid(worker) -> int:
 
 
 def _fake_escape_files(worker) -> None:
-    Path(f"/proc/{_worker_pid(worker)}/root/dev/shm/escaped").write_text("x")
+    """An escape that made the sandbox's own /dev/shm (an empty, read-only directory) writable and left a file."""
+    script = "mount -t tmpfs none /dev/shm && echo x > /dev/shm/escaped"
+    subprocess.run(
+        ["nsenter", f"--mount=/proc/{_worker_pid(worker)}/ns/mnt", "/bin/sh", "-c", script], check=True
+    )
 
 
 def _fake_escape_sysv(worker) -> None:

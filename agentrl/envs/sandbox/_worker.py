@@ -1413,6 +1413,11 @@ def setup_worker(cfg):
         for path in ("/", "/dev"):
             _mount("none", path, None, flags, None)
         _mount("none", "/dev/mqueue", None, flags | MS_NOEXEC, None)
+        # Mounts no execution needs (every execution mounts its own /tmp and /dev/shm over these empty, read-only
+        # directories; the worker's source is loaded): each one is copied into, and torn down with, every
+        # execution's mount namespace.
+        for path in ("/tmp", "/dev/shm", _WORKER_FILE):
+            _check(_libc.umount2(path.encode(), 0), f"umount {path}")
     if mode == "root":
         _mount_private_proc(cfg["uid_base"])
         _enter_own_user_namespace(
