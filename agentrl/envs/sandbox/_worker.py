@@ -1,10 +1,10 @@
 """The fork server that runs INSIDE a sandbox (stdlib only; run by the sandbox's own interpreter).
 
-It is started once per pool worker (``python3 -I -c <isolation.WORKER_BOOTSTRAP> _worker.py``), reads its config as the first frame on stdin,
-then answers requests from the host on stdin/stdout (frames: 4-byte big-endian length + UTF-8 JSON). It forks a
-child per stateless run, so a run costs a fork instead of an interpreter start, and keeps one long-lived kernel
-process per stateful session. It must stay importable by old Pythons (3.8+): no third-party imports except
-libseccomp's binding, loaded only when asked for.
+It is started once per pool worker (``python3 -I -c <isolation.WORKER_BOOTSTRAP> _worker.py``), reads its config
+as the first frame on stdin, then answers requests from the host on stdin/stdout (frames: 4-byte big-endian length
++ UTF-8 JSON). It forks a child per stateless run, so a run costs a fork instead of an interpreter start, and keeps
+one long-lived kernel process per stateful session. It must stay importable by old Pythons (3.8+): no third-party
+imports except libseccomp's binding, loaded only in a short-lived child that builds the seccomp programs.
 
 Requests (``op``):
 
@@ -595,9 +595,8 @@ class Worker:
                 _check(_sys_mount(b"mqueue", b"/dev/mqueue", b"mqueue", mqueue_flags, None), "mount mqueue")
         if cgroup_procs is not None:
             os.write(cgroup_procs, b"0")
-        if (
-            isolated
-        ):  # the worker is not dumpable, so its children's /proc files are not theirs to write until:
+        if isolated:
+            # The worker is not dumpable, so its child's /proc files are not the child's to write until this.
             _prctl(PR_SET_DUMPABLE, 1)
         try:  # the code, never the worker, is the OOM killer's choice
             fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
@@ -1108,9 +1107,9 @@ def _lines(fd):
     count, offset = 0, 0
     while True:
         chunk = os.pread(fd, 1 << 16, offset)
-        if not chunk:
-            return count
         count += chunk.count(b"\n")
+        if len(chunk) < 1 << 15:  # records are short: a read much shorter than asked for stopped at the end
+            return count
         offset += len(chunk)
 
 
