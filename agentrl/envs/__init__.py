@@ -5,7 +5,8 @@ Importing this package registers the built-in envs with Gymnasium (``gymnasium.m
 and with :func:`make` (``agentrl.make("retool", **kwargs)``); env modules load only when an env is made, and
 nothing here imports torch.
 
-Driving an env (what a trainer does)::
+Driving an env by hand (the library's own callers use :func:`agentrl.episodes.run_episode`, which runs
+this loop with a policy, limits and hooks)::
 
     env = agentrl.make("retool", format=fmt, sandbox=shared_backend)
     task = env.tasks(split="train", n=1, seed=0)[0]
@@ -23,7 +24,7 @@ Writing an env: subclass :class:`AgentEnv`, set ``instructions`` and a ``rubric`
 in ``generate_task``; see ``examples/custom_env.py``.
 """
 
-from agentrl.envs.env import AgentEnv, EnvLimits
+from agentrl.envs.env import ActionLike, AgentEnv, EnvLimits, Observation, SampledCompletion
 from agentrl.envs.registry import env_class, make, register, registered
 from agentrl.envs.rewards import RewardContext, Rubric
 from agentrl.envs.spaces import MessageTuple, UnicodeText, observation_space, token_ids_space
@@ -31,11 +32,14 @@ from agentrl.envs.tools import ERROR_KINDS, StatefulTool, Tool, ToolError, ToolO
 
 __all__ = [
     "ERROR_KINDS",
+    "ActionLike",
     "AgentEnv",
     "EnvLimits",
     "MessageTuple",
+    "Observation",
     "RewardContext",
     "Rubric",
+    "SampledCompletion",
     "StatefulTool",
     "Tool",
     "ToolError",
