@@ -82,8 +82,8 @@ class EpisodeResult:
     - ``has_logprobs``: every action carried sampled log-probs (else the trajectory's 0.0 entries for
       model tokens are placeholders).
     - Collection labels (set by :func:`~agentrl.episodes.collect`): ``task_id``, ``group`` (the id
-      shared by the samples of one task), ``error`` (the exception's last line when the episode
-      raised; the trajectory is then the partial one).
+      shared by the samples of one task), ``sample`` (which sample of its task), ``error`` (the
+      exception's last line when the episode raised; the trajectory is then the partial one).
     """
 
     trajectory: Trajectory
@@ -95,6 +95,7 @@ class EpisodeResult:
     has_logprobs: bool = True
     task_id: str | None = None
     group: int = 0
+    sample: int = 0
     error: str | None = None
 
     @property

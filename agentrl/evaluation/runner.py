@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
-from agentrl.episodes import TokenPolicy, run_episode
+from agentrl.episodes import EnvPool, EpisodeJob, EpisodeResult, Policy, TokenPolicy, collect
 from agentrl.evaluation.metrics import summarize
 from agentrl.harmony.trajectory import Trajectory
 
@@ -210,13 +210,9 @@ class ResultStore:
     def write(self, traj: Trajectory) -> None:
         os.write(self._fd, (traj.to_json() + "\n").encode("utf-8"))
 
-    def write_error(self, item_id: str, sample: int, exc: BaseException) -> None:
-        record = {
-            "item_id": item_id,
-            "sample": sample,
-            "error": f"{type(exc).__name__}: {exc}",
-            "time": time.time(),
-        }
+    def write_error(self, item_id: str, sample: int, error: str) -> None:
+        """Record a failed episode (``error``: ``"ExceptionType: message"``); it is retried next run."""
+        record = {"item_id": item_id, "sample": sample, "error": error, "time": time.time()}
         os.write(self._err, (json.dumps(record) + "\n").encode("utf-8"))
 
     def close(self) -> None:
@@ -299,52 +295,49 @@ class Evaluation:
         return metrics
 
     async def _run_all(self, todo: list[tuple[str, dict[str, Any], int]]) -> tuple[int, int, float]:
-        """Run ``todo`` on ``concurrency`` workers; returns ``(finished, failed, seconds)`` where the
-        seconds count from the first episode's start (after engine/sandbox setup) to the last one's end."""
+        """Run ``todo`` over a pool of ``concurrency`` envs (:func:`agentrl.episodes.collect`), writing
+        each episode as it finishes; returns ``(finished, failed, seconds)`` where the seconds count from
+        the first episode's start (after engine/sandbox setup) to the last one's end."""
         cfg = self.config
         if not todo:
             return 0, 0, 0.0
-        queue: asyncio.Queue = asyncio.Queue()
-        for entry in todo:
-            queue.put_nowait(entry)
         counts = {"done": 0, "failed": 0, "streak": 0}
         # this many consecutive failures with no success means the model is unreachable: stop
         abort_after = 2 * cfg.concurrency + 2
         async with contextlib.AsyncExitStack() as stack:
             runner = await self._episode_runner(stack)
+            pool = EnvPool(runner.make_env, min(cfg.concurrency, len(todo)))
+            stack.push_async_callback(pool.aclose)
 
-            async def worker() -> None:
-                env = await runner.make_env()
-                try:
-                    while not queue.empty():
-                        if counts["streak"] >= abort_after and counts["done"] == 0:
-                            return
-                        item_id, task, j = queue.get_nowait()
-                        try:
-                            traj = await runner.episode(env, task, j)
-                        except Exception as exc:  # noqa: BLE001 - recorded, retried on the next run
-                            self.store.write_error(item_id, j, exc)
-                            counts["failed"] += 1
-                            counts["streak"] += 1
-                        else:
-                            traj.metadata.update(
-                                item_id=item_id,
-                                sample=j,
-                                env_name=cfg.env,
-                                model=cfg.model,
-                                correct=bool(traj.reward_components.get("correct", traj.reward >= 1.0)),
-                                answer=comparable_answer(env, _final(traj)),
-                            )
-                            self.store.write(traj)
-                            counts["done"] += 1
-                            counts["streak"] = 0
-                        if self.on_progress:
-                            self.on_progress(counts["done"] + counts["failed"], len(todo), counts["failed"])
-                finally:
-                    await env.aclose()
+            def finished(result: EpisodeResult) -> None:
+                if result.error is not None:  # recorded, retried on the next run
+                    self.store.write_error(str(result.task_id), result.sample, result.error)
+                    counts["failed"] += 1
+                    counts["streak"] += 1
+                else:
+                    traj = result.trajectory
+                    traj.metadata.update(runner.describe(result))
+                    traj.metadata.update(
+                        item_id=result.task_id,
+                        sample=result.sample,
+                        env_name=cfg.env,
+                        model=cfg.model,
+                        latency_s=result.wall_s,
+                        correct=bool(traj.reward_components.get("correct", traj.reward >= 1.0)),
+                        answer=comparable_answer(runner.cls, _final(traj)),
+                    )
+                    self.store.write(traj)
+                    counts["done"] += 1
+                    counts["streak"] = 0
+                if self.on_progress:
+                    self.on_progress(counts["done"] + counts["failed"], len(todo), counts["failed"])
 
+            jobs = [EpisodeJob(task, cfg.seed + j, item_id, sample=j) for item_id, task, j in todo]
             self.window = (time.monotonic(), 0.0)
-            await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, len(todo)))))
+            await collect(
+                pool, runner.policy, jobs, on_episode=finished,
+                should_stop=lambda: counts["streak"] >= abort_after and counts["done"] == 0,
+            )
             self.window = (self.window[0], time.monotonic())
             seconds = self.window[1] - self.window[0]
         if counts["done"] == 0 and counts["failed"]:
@@ -479,48 +472,51 @@ def _final(traj: Trajectory) -> str | None:
 
 
 class _EpisodeRunner(abc.ABC):
+    """How one ``api`` drives episodes: the env to build and the policy of each job."""
+
     def __init__(self, cls: type, env_kwargs: dict[str, Any], cfg: EvalConfig, backend: Any):
         self.cls, self.env_kwargs, self.cfg, self.backend = cls, env_kwargs, cfg, backend
 
-    async def make_env(self) -> Any:
+    def make_env(self) -> Any:
         return self.cls(**self.env_kwargs)
 
     @abc.abstractmethod
-    async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
-        """Run one episode of ``task`` (sample index ``sample``) in ``env`` and return its trajectory."""
+    def policy(self, job: EpisodeJob) -> Policy:
+        """The policy of one episode (sample ``job.sample`` is drawn with seed ``cfg.seed + job.sample``)."""
+
+    def describe(self, result: EpisodeResult) -> dict[str, Any]:
+        """Entries for the trajectory's metadata beyond what the policy recorded."""
+        return {}
 
 
 class _TokenRunner(_EpisodeRunner):
     """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine."""
 
-    _stop_ids: list[int] | None = None
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        # looked up once: openai-harmony computes them on each call
+        self.stop_ids = list(self.env_kwargs["format"].stop_token_ids)
 
-    def stop_ids(self, env: Any) -> list[int]:
-        """The format's stop ids, looked up once (openai-harmony computes them on each call)."""
-        if self._stop_ids is None:
-            self._stop_ids = list(env.format.stop_token_ids)
-        return self._stop_ids
-
-    async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
+    def policy(self, job: EpisodeJob) -> Policy:
         cfg = self.cfg
         sampling = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             top_p=cfg.top_p,
-            stop_token_ids=self.stop_ids(env),
-            seed=cfg.seed + sample,
+            stop_token_ids=self.stop_ids,
+            seed=cfg.seed + job.sample,
         )
-        result = await run_episode(env, TokenPolicy(self.backend, sampling), task=task, seed=cfg.seed + sample)
-        result.trajectory.metadata.update(
-            api="completions", latency_s=result.wall_s, env_s=result.env_s, requests=len(result.steps)
-        )
-        return result.trajectory
+        return TokenPolicy(self.backend, sampling)
+
+    def describe(self, result: EpisodeResult) -> dict[str, Any]:
+        return {"api": "completions", "env_s": result.env_s, "requests": len(result.steps)}
 
 
 class _ChatRunner(_EpisodeRunner):
-    """Chat-completions episodes: a :class:`~agentrl.runtime.ChatPolicy` on the endpoint."""
+    """Chat-completions episodes: a :class:`~agentrl.runtime.ChatPolicy` on the endpoint (it records
+    ``api``, ``requests`` and token usage in the trajectory)."""
 
-    async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
+    def policy(self, job: EpisodeJob) -> Policy:
         from agentrl.runtime import ChatPolicy
 
         cfg = self.cfg
@@ -528,9 +524,6 @@ class _ChatRunner(_EpisodeRunner):
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "max_completion_tokens": cfg.max_new_tokens,
-            "seed": cfg.seed + sample,
+            "seed": cfg.seed + job.sample,
         }
-        policy = ChatPolicy(self.backend, sampling)
-        result = await run_episode(env, policy, task=task, seed=cfg.seed + sample)
-        policy.annotate(result)
-        return result.trajectory
+        return ChatPolicy(self.backend, sampling)

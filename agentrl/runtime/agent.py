@@ -203,8 +203,8 @@ class Agent:
                 if not score:
                     del self.env.reward
             policy.sync(result.steps)
-            policy.annotate(result)
             traj = result.trajectory
+            traj.metadata["latency_s"] = result.wall_s
             answer = next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)
             return AgentResult(
                 answer=answer if result.stop_reason == "answer" else None,
