@@ -9,7 +9,6 @@ Keys are the fields of :class:`~agentrl.evaluation.runner.EvalConfig` (``k=1,2,4
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
@@ -20,7 +19,7 @@ from typing import Any
 from rich.console import Console
 
 from agentrl.evaluation.report import compare_table, load_metrics, metrics_table
-from agentrl.evaluation.runner import EvalConfig, Evaluation
+from agentrl.evaluation.runner import EvalConfig, Evaluation, run_async
 
 USAGE = """usage: agentrl eval env=NAME model=URL_OR_PATH [n=1] [k=1,2,4] [limit=100] [tasks=FILE] [api=completions|chat]
                     [concurrency=32] [processes=1] [temperature=1.0] [top_p=1.0] [max_new_tokens=1024] [seed=0] [out=DIR]
@@ -102,16 +101,6 @@ async def run_eval(config: EvalConfig, *, progress: bool, console: Console) -> d
 
     with bar:
         return await Evaluation(config, on_progress=update).run()
-
-
-def run_async(coro: Any) -> Any:
-    """Run ``coro`` on uvloop when it is installed (it roughly halves the event loop's CPU per HTTP
-    request, which bounds eval throughput at high concurrency), else on the default asyncio loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -446,9 +446,18 @@ def _get(queue: Any, procs: list[Any]) -> Any:
                 return None
 
 
+def run_async(coro: Any) -> Any:
+    """Run ``coro`` on uvloop when it is installed (it roughly halves the event loop's CPU per HTTP
+    request, which bounds eval throughput at high concurrency), else on the default asyncio loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def _child_main(cfg: EvalConfig, shard: list[tuple[str, dict[str, Any], int]], queue: Any, k: int) -> None:
     """Entry point of one eval worker process: run ``shard`` and report counts and its time window."""
-    from agentrl.evaluation.cli import run_async
 
     def progress(done: int, total: int, failed: int) -> None:
         queue.put(("progress", k, done, failed))
