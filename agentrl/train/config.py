@@ -94,10 +94,12 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig:
-    """Optimisation. One optimizer step per mini-batch; ``ppo_epochs == num_mini_batches == 1`` makes
-    the update on-policy (old log-probs are the current ones, detached: the on-policy fix).
-    ``micro_batch_size`` sequences per forward/backward (gradient accumulation). ``freeze``: parameter
-    groups kept fixed. ``routing_replay``: replay the old-log-prob pass's MoE routing in the update."""
+    """Optimisation. One optimizer step per mini-batch (``ppo_epochs`` x ``num_mini_batches`` steps, fewer
+    when the usable rows make fewer chunks). A batch that gets exactly one step is trained on-policy: old
+    log-probs are the training forward's own, detached (the on-policy fix; ``onpolicy_fix=false`` always
+    runs a separate old-log-prob pass instead). ``micro_batch_size`` sequences per forward/backward
+    (gradient accumulation). ``freeze``: parameter groups kept fixed. ``routing_replay``: replay the
+    old-log-prob pass's MoE routing in the update."""
 
     lr: float = 2e-5
     weight_decay: float = 0.0
@@ -105,6 +107,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     ppo_epochs: int = 1
     num_mini_batches: int = 1
+    onpolicy_fix: bool = True
     micro_batch_size: int = 8
     policy_loss: str = "vanilla"  # PPO clip with dual clip (clip_ratio_c) for negative advantages
     loss_agg_mode: str = "token-mean"

@@ -12,7 +12,7 @@ Public API:
   agg_loss(loss_mat, loss_mask, loss_agg_mode)
   kl_penalty(log_prob, ref_log_prob, kind)
   rollout_correction(...) -> (is_weights | None, response_mask, metrics)
-  is_on_policy(ppo_epochs, num_mini_batches), onpolicy_old_log_prob(log_prob, ...)
+  is_on_policy(optimizer_steps=), onpolicy_old_log_prob(log_prob, optimizer_steps=)
 """
 
 from agentrl.train.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, register_advantage
