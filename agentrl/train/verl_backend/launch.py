@@ -2,8 +2,11 @@
 
 :func:`plan` does everything short of launching: it writes ``<run_dir>/verl_data/{train,val}.parquet``
 from the env's tasks, maps our config to verl Hydra overrides, composes them with verl's own
-``ppo_trainer.yaml`` and runs verl's own validation (any failure: :class:`VerlConfigError` before
-launch), and writes the fully resolved verl config to ``<run_dir>/verl_config.yaml``.
+``ppo_trainer.yaml``, chooses the policy loss on that resolved config (the on-policy fix composed with
+the user's loss exactly when verl will make one optimizer step per batch:
+:func:`~agentrl.train.verl_backend.config_map.choose_policy_loss`),
+runs verl's own validation (any failure: :class:`VerlConfigError` before launch), and writes the fully
+resolved verl config to ``<run_dir>/verl_config.yaml``.
 :func:`main` prints the plan (the exact command and the settings as verl resolved them) and, unless
 ``dry_run``, runs ``python -m verl.trainer.main_ppo <overrides>`` and returns its exit code.
 
@@ -25,7 +28,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentrl.train.verl_backend.config_map import (
+    LOSS_MODE_KEY,
     VerlConfigError,
+    choose_policy_loss,
+    hydra_value,
     select,
     verl_overrides,
     verl_settings,
@@ -37,13 +43,15 @@ from agentrl.train.verl_backend.validate import compose_verl_config, validate_ve
 
 @dataclass
 class LaunchPlan:
-    """What :func:`main` runs: ``command`` (argv), the ``settings`` we set, verl's ``resolved`` config."""
+    """What :func:`main` runs: ``command`` (argv), the ``settings`` we set, verl's ``resolved`` config, and
+    why the policy loss is what it is (``loss_reason``)."""
 
     command: list[str]
     settings: dict[str, Any]
     resolved: DictConfig
     run_dir: Path
     config_path: Path
+    loss_reason: str = ""
 
 
 def _run_dir(cfg: Any) -> Path:
@@ -83,11 +91,21 @@ def plan(cfg: Any) -> LaunchPlan:
     settings = verl_settings(cfg, *files)
     overrides = verl_overrides(cfg, *files)
     resolved = compose_verl_config(overrides)
+    # the on-policy fix is decided on what verl resolved, raw verl.overrides included
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY  # verl imported: every plugin has loaded
+
+    fix = select(cfg, "actor.onpolicy_fix")
+    loss_mode, why = choose_policy_loss(resolved, onpolicy_fix=True if fix is None else bool(fix),
+                                        registered=set(POLICY_LOSS_REGISTRY))
+    if loss_mode != select(resolved, LOSS_MODE_KEY):
+        overrides.append(f"{LOSS_MODE_KEY}={hydra_value(loss_mode)}")
+        resolved = compose_verl_config(overrides)
+    settings[LOSS_MODE_KEY] = loss_mode
     validate_verl_config(resolved)
     config_path = run_dir / "verl_config.yaml"
     config_path.write_text(OmegaConf.to_yaml(resolved))
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
-    return LaunchPlan(command, settings, resolved, run_dir, config_path)
+    return LaunchPlan(command, settings, resolved, run_dir, config_path, why)
 
 
 def describe(p: LaunchPlan) -> str:
@@ -99,6 +117,7 @@ def describe(p: LaunchPlan) -> str:
         lines.append(f"  {key.lstrip('+')} = {shown!r}")
     lines += [
         "",
+        f"policy loss: {OmegaConf.select(p.resolved, LOSS_MODE_KEY)}: {p.loss_reason}",
         f"dataset: {p.run_dir / 'verl_data'} (train.parquet, val.parquet)",
         f"full resolved verl config: {p.config_path}",
     ]
