@@ -210,3 +210,17 @@ def test_choose_policy_loss_on_plain_dicts():
     assert loss == "gspo" and "2 optimizer steps per batch" in why
     with pytest.raises(VerlConfigError, match="not among them"):
         choose_policy_loss(resolved(loss="my_loss"), registered={"vanilla", "my_loss", "agentrl_onpolicy"})
+
+
+def test_verl_run_takes_the_verl_profile_and_prints_it(tmp_path):
+    from agentrl.train.config import build_config
+    from agentrl.train.verl_backend.launch import describe, plan
+
+    cfg = build_config([f"env={register()}", "backend=verl", "model=openai/gpt-oss-20b", f"run_dir={tmp_path / 'run'}",
+                        "rollout.batch_size=32", "rollout.n=8", "verl.n_train_tasks=4", "verl.n_val_tasks=2",
+                        "trainer.n_gpus_per_node=8"])
+    p = plan(cfg)
+    assert p.resolved.actor_rollout_ref.actor.optim.lr == 1e-6  # not the CPU run's 2e-5
+    assert p.resolved.actor_rollout_ref.rollout.temperature == 1.0
+    assert p.resolved.trainer.total_training_steps == 200
+    assert describe(p).startswith("backend=verl defaults: actor.lr=1e-06 ")

@@ -71,6 +71,9 @@ class Trainer:
         self.t_created = time.perf_counter()
         self.cfg = cfg
         self.console = console or Console(soft_wrap=True)
+        from agentrl.train.config import describe_device_defaults
+
+        self.console.print(describe_device_defaults(cfg), markup=False, highlight=False)
         self.run_dir = cfg.run_dir or default_run_dir(cfg)
         os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
         OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))

@@ -2,8 +2,10 @@
 
 Decision on verl: the trainer must run where verl is absent (the GPU machine, the default CPU path), so
 these are our own pure-torch implementations of verl 0.9.1's estimators, losses, KL estimators and rollout
-correction, proven equal to verl's on random inputs by ``tests/test_algos_parity.py`` (run wherever verl is
-installed, e.g. CI). :mod:`agentrl.train.algorithms.verl_registry` registers our extra losses into verl's
+correction, proven equal to verl's on random inputs by ``tests/test_algos_parity.py`` and the hypothesis
+property tests of ``tests/test_algos_properties.py`` (run wherever verl is installed, e.g. CI). Where verl's
+results are rounding artefacts or NaN from junk outside the mask, ours are exact and finite (see the
+modules' docstrings). :mod:`agentrl.train.algorithms.verl_registry` registers our extra losses into verl's
 registry for the verl backend.
 
 Public API:

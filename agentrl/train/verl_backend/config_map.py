@@ -292,15 +292,25 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
     return out
 
 
-def verl_overrides(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]) -> list[str]:
-    """Hydra override strings for ``verl.trainer.main_ppo``: ours, then the user's ``verl.overrides``."""
+def verl_overrides(
+    cfg: Any, train_files: Sequence[str], val_files: Sequence[str], *, loss_mode: str | None = None
+) -> list[str]:
+    """Hydra override strings for ``verl.trainer.main_ppo``: ours, then the user's ``verl.overrides``.
+
+    ``loss_mode`` (the choice of :func:`choose_policy_loss`) replaces the mapped ``actor.policy_loss`` and
+    comes last, after the raw overrides, so that it is what verl resolves."""
     cfg = with_verl_defaults(cfg)
     settings = verl_settings(cfg, train_files, val_files)
+    if loss_mode is not None:
+        settings.pop(LOSS_MODE_KEY, None)
     overrides = [f"{key}={hydra_value(value)}" for key, value in settings.items()]
     extra = select(cfg, "verl.overrides") or []
     if isinstance(extra, str):
         extra = [extra]
-    return overrides + [str(item) for item in extra]
+    overrides += [str(item) for item in extra]
+    if loss_mode is not None:
+        overrides.append(f"{LOSS_MODE_KEY}={hydra_value(loss_mode)}")
+    return overrides
 
 
 def onpolicy_loss_name(base: str) -> str:

@@ -31,7 +31,6 @@ from agentrl.train.verl_backend.config_map import (
     LOSS_MODE_KEY,
     VerlConfigError,
     choose_policy_loss,
-    hydra_value,
     select,
     verl_overrides,
     verl_settings,
@@ -52,6 +51,7 @@ class LaunchPlan:
     run_dir: Path
     config_path: Path
     loss_reason: str = ""
+    defaults_line: str = ""
 
 
 def _run_dir(cfg: Any) -> Path:
@@ -59,6 +59,15 @@ def _run_dir(cfg: Any) -> Path:
     if run_dir:
         return Path(run_dir)
     return Path("runs") / f"verl-{select(cfg, 'env')}"
+
+
+def _defaults_line(cfg: Any) -> str:
+    """The device-defaults line of a full agentrl config (empty for a partial config, e.g. in tests)."""
+    from agentrl.train.config import DEVICE_KEYS, describe_device_defaults
+
+    if select(cfg, "backend") is None or any(select(cfg, k) is None for k in DEVICE_KEYS):
+        return ""
+    return describe_device_defaults(cfg)
 
 
 def plan(cfg: Any) -> LaunchPlan:
@@ -97,20 +106,22 @@ def plan(cfg: Any) -> LaunchPlan:
     fix = select(cfg, "actor.onpolicy_fix")
     loss_mode, why = choose_policy_loss(resolved, onpolicy_fix=True if fix is None else bool(fix),
                                         registered=set(POLICY_LOSS_REGISTRY))
-    if loss_mode != select(resolved, LOSS_MODE_KEY):
-        overrides.append(f"{LOSS_MODE_KEY}={hydra_value(loss_mode)}")
-        resolved = compose_verl_config(overrides)
+    overrides = verl_overrides(cfg, *files, loss_mode=loss_mode)
+    resolved = compose_verl_config(overrides)
+    settings.pop(LOSS_MODE_KEY, None)
     settings[LOSS_MODE_KEY] = loss_mode
     validate_verl_config(resolved)
     config_path = run_dir / "verl_config.yaml"
     config_path.write_text(OmegaConf.to_yaml(resolved))
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
-    return LaunchPlan(command, settings, resolved, run_dir, config_path, why)
+    return LaunchPlan(command, settings, resolved, run_dir, config_path, why, _defaults_line(cfg))
 
 
 def describe(p: LaunchPlan) -> str:
     """Human-readable plan: the command, then each key we set as verl resolved it."""
     lines = ["verl command:", "  " + shlex.join(p.command), "", "resolved verl settings (ours):"]
+    if p.defaults_line:
+        lines[:0] = [p.defaults_line, ""]
     for key in p.settings:
         value = OmegaConf.select(p.resolved, key.lstrip("+"))
         shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
