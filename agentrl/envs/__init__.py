@@ -23,7 +23,7 @@ Writing an env: subclass :class:`AgentEnv`, set ``instructions`` and a ``rubric`
 in ``generate_task``; see ``examples/custom_env.py``.
 """
 
-from agentrl.envs.env import AgentEnv, EnvLimits, default_format
+from agentrl.envs.env import AgentEnv, EnvLimits
 from agentrl.envs.registry import env_class, make, register, registered
 from agentrl.envs.rewards import RewardContext, Rubric
 from agentrl.envs.spaces import MessageTuple, UnicodeText, observation_space, token_ids_space
@@ -41,7 +41,6 @@ __all__ = [
     "ToolError",
     "ToolOutput",
     "UnicodeText",
-    "default_format",
     "env_class",
     "make",
     "observation_space",

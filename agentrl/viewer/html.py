@@ -207,15 +207,12 @@ def write_html(
 
 
 def _load_format(name: str) -> Any | None:
+    """``none``: no token strip decoding; any other name goes to :func:`agentrl.harmony.make_format`."""
     if name == "none":
         return None
-    if name == "harmony":
-        from agentrl.harmony import HarmonyFormat
+    from agentrl.harmony import make_format
 
-        return HarmonyFormat()
-    from agentrl.harmony import ChatTemplateFormat  # type: ignore[attr-defined]
-
-    return ChatTemplateFormat.from_pretrained(name)
+    return make_format(name)
 
 
 USAGE = """usage: agentrl view RUN_OR_JSONL [out=FILE.html] [format=harmony|none|HF_TOKENIZER_PATH] [title=TEXT] [limit=N]
