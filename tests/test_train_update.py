@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from _tiny_update import ragged_batch as _ragged_batch
+from _tiny_update import tiny_llama as _model
 
 from agentrl.harmony.trajectory import Trajectory
 from agentrl.train.algorithms import rollout_correction
@@ -16,35 +18,10 @@ from agentrl.train.config import build_config
 from agentrl.train.update import batched_logprobs, forward_logprobs, update_policy
 
 
-def _model(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1))
-
-
 def _batch(rewards, groups=None):
     trajs = [Trajectory(prompt_ids=[1, 2, 3], response_ids=[4 + i, 5], response_mask=[1, 1],
                         rollout_logprobs=[-1.0, -1.0], reward=r) for i, r in enumerate(rewards)]
     return collate(trajs, groups or [0] * len(trajs))
-
-
-def _ragged_batch(n: int, seed: int = 0):
-    """``n`` multi-turn-like rows: ragged responses with env tokens (mask 0) inside, rewards that vary
-    within each group of 3, rollout log-probs to be filled in by the caller."""
-    g = torch.Generator().manual_seed(seed)
-    trajs = []
-    for i in range(n):
-        length = int(torch.randint(2, 9, (1,), generator=g))
-        ids = torch.randint(6, 100, (length,), generator=g).tolist()
-        mask = [1] * length
-        if length > 4:
-            mask[2] = mask[3] = 0  # an env observation between two model turns
-        prompt = torch.randint(6, 100, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        trajs.append(Trajectory(prompt_ids=prompt, response_ids=ids, response_mask=mask,
-                                rollout_logprobs=[-1.0] * length, reward=float(i % 3 == 0) + 0.1 * i))
-    return collate(trajs, [i // 3 for i in range(n)])
 
 
 def _cfg(*extra: str):

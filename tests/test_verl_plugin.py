@@ -241,3 +241,46 @@ def test_stale_old_log_prob_is_detected_inside_verls_update_loop():
     assert "Nothing was trained" in str(err.value)
     with pytest.raises(StaleOldLogProbError, match="2 optimizer steps"):
         _run_verl_update(8, mini_batch_size=8, epochs=2)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_verl_onpolicy_loss_on_4_dp_ranks_gives_the_embedded_update_gradient(mode):
+    """A tiny model's batch split over 4 data-parallel ranks, each running verl's agentrl_onpolicy loss with
+    verl's global_batch_info (dp_size=4): the rank-averaged parameter gradient equals the gradient of one
+    embedded `update_policy` step on the whole batch (on-policy, same advantages)."""
+    import torch
+    from _tiny_update import ragged_batch, tiny_llama
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    import agentrl.train.verl_backend.plugin  # noqa: F401
+    from agentrl.train.algorithms import compute_advantages
+    from agentrl.train.config import build_config
+    from agentrl.train.update import forward_logprobs, update_policy
+
+    batch = ragged_batch(8)
+    model = tiny_llama()
+    cfg = build_config(["env=retool", "actor.grad_clip=1e9", f"actor.loss_agg_mode={mode}", "actor.micro_batch_size=3"])
+    m = update_policy(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), batch=batch, cfg=cfg,
+                      temperature=1.0)
+    assert m["actor/on_policy"] == 1.0
+    embedded = {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    model.zero_grad()
+    adv, _ = compute_advantages("grpo", token_level_rewards=batch.token_level_rewards,
+                                response_mask=batch.response_mask, index=batch.index)
+    mask = batch.response_mask
+    info = {"dp_size": 4, "batch_num_tokens": float(mask.sum()), "global_batch_size": float((mask.sum(-1) > 0).sum()),
+            "loss_scale_factor": None}
+    accumulated = {k: torch.zeros_like(p) for k, p in model.named_parameters()}
+    for rows in torch.arange(len(batch)).chunk(4):
+        model.zero_grad()
+        shard = batch.select(rows)
+        log_prob, _ = forward_logprobs(model, shard, chunk_size=1024, temperature=1.0, compute_entropy=False)
+        stale = log_prob.detach() + 0.3  # what verl's separate pass would hand over; the fix ignores it
+        loss, _ = get_policy_loss_fn("agentrl_onpolicy")(stale, log_prob, adv[rows], mask[rows], mode,
+                                                       _actor(global_batch_info=dict(info)), None)
+        loss.backward()
+        for k, p in model.named_parameters():
+            accumulated[k] += p.grad / 4  # FSDP's average over the data-parallel group
+    for k, g in embedded.items():
+        torch.testing.assert_close(accumulated[k], g, rtol=1e-5, atol=1e-8)
