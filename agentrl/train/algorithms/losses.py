@@ -7,10 +7,12 @@ Our own implementations of verl 0.9.1's ``agg_loss``, ``kl_penalty`` and the ``v
 Shapes: ``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask`` and ``rollout_is_weights`` are
 ``[B, T]``; log-probs are natural-log probabilities of the sampled tokens (fp32 recommended).
 
-Positions outside ``response_mask`` never reach a loss, a gradient or a metric, whatever they hold: the
-inputs are selected (``torch.where``) before any arithmetic, so ``NaN``/``inf`` in padding gives a finite
-loss and a zero gradient there. verl multiplies by the mask instead, so its sequence-level aggregations
-and its gradients turn such junk into NaN; on finite inputs the two agree to rounding.
+Positions outside ``response_mask`` never reach a loss, a gradient or a metric, whatever they hold:
+:func:`policy_loss` selects its inputs (``torch.where``) before any arithmetic, so ``NaN``/``inf`` in
+padding gives a finite loss and a zero gradient there; :func:`agg_loss` selects its loss matrix, so the
+value is finite and the gradient it sends back there is exactly 0. verl multiplies by the mask instead,
+so its sequence-level aggregations and its gradients turn such junk into NaN; on finite inputs the two
+agree to rounding.
 """
 
 from __future__ import annotations
