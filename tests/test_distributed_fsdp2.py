@@ -75,16 +75,3 @@ def test_distributed_config_errors_and_command():
     assert cmd[6:] == ["agentrl.cli", "train", "env=gsm8k", "trainer.n_gpus=2"]
     assert distributed.SAFE_ENV["NCCL_NVLS_ENABLE"] == "0"
 
-
-def test_checkpoints_say_which_trainer_resumes_them(tmp_path):
-    """A multi-GPU checkpoint (optimizer keyed by name) is refused by the single-process trainer, with the
-    fix in the message (the reverse is covered by FSDP2Parallel.load_checkpoint under torchrun)."""
-    import json
-
-    from agentrl.train.parallel import SingleProcess
-
-    ckpt = tmp_path / "step_000001"
-    ckpt.mkdir()
-    (ckpt / "state.json").write_text(json.dumps({"step": 1, "data_position": 2, "n_gpus": 2}))
-    with pytest.raises(ValueError, match="resume it with trainer.n_gpus > 1"):
-        SingleProcess().load_checkpoint(str(ckpt), model=None, optimizer=None)

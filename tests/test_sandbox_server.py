@@ -19,7 +19,7 @@ import uvicorn
 
 from agentrl.envs.sandbox import make_backend
 from agentrl.envs.sandbox.fusion import SandboxFusionBackend
-from agentrl.envs.sandbox.server import SandboxServerConfig, create_app, main, parse_args, uvicorn_config
+from agentrl.envs.sandbox.server import SandboxServerConfig, create_app, main, uvicorn_config
 
 if shutil.which("bwrap") is None:
     if os.environ.get("CI"):

@@ -81,20 +81,10 @@ class SingleProcess:
         return model, optimizer, {}
 
     def load_checkpoint(self, path: str, model: Any, optimizer: Any) -> dict[str, Any]:
-        """Restore ``model`` and ``optimizer`` from checkpoint directory ``path``; returns its ``state.json``.
-
-        Raises:
-            ValueError: the checkpoint was written by the multi-GPU trainer (its optimizer state is keyed
-                by parameter name).
-        """
+        """Restore ``model``, ``optimizer`` (and the RNG states) from checkpoint directory ``path``; returns
+        its ``state.json``. Checkpoints of multi-GPU runs load too (:func:`~agentrl.train.checkpoint.load_checkpoint`)."""
         from agentrl.train.checkpoint import load_checkpoint
 
-        state = _read_state(path)
-        if "n_gpus" in state:
-            raise ValueError(
-                f"{path} was written by the multi-GPU trainer (trainer.n_gpus={state['n_gpus']}); resume it "
-                "with trainer.n_gpus > 1"
-            )
         return load_checkpoint(path, model=model, optimizer=optimizer)
 
 

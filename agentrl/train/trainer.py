@@ -40,6 +40,7 @@ from agentrl.models.checkpoints import latest_checkpoint
 from agentrl.models.loading import load_model
 from agentrl.train.batch import collate
 from agentrl.train.checkpoint import save_checkpoint
+from agentrl.train.config import describe_device_defaults
 from agentrl.train.metrics import MetricsSink, NullSink, episode_metrics
 from agentrl.train.parallel import SingleProcess
 from agentrl.train.rollout import rollout
@@ -62,6 +63,7 @@ class Trainer:
         self.parallel = parallel or SingleProcess()
         self.parallel.check(cfg)
         self.console = console or Console(soft_wrap=True, quiet=not self.parallel.is_main)
+        self.console.print(describe_device_defaults(cfg), markup=False, highlight=False)
         self.run_dir = cfg.run_dir or default_run_dir(cfg)
         if self.parallel.is_main:
             os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
