@@ -9,6 +9,7 @@ is one line on stderr and exit status 2, never a traceback.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from agentrl.cli_args import HELP_FLAGS, fail, suggest
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"agentrl {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

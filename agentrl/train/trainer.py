@@ -72,8 +72,6 @@ class Trainer:
         self.cfg = cfg
         self.console = console or Console(soft_wrap=True)
         self.run_dir = cfg.run_dir or default_run_dir(cfg)
-        os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
-        OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -134,6 +132,9 @@ class Trainer:
         self.step = 0
         self.data_position = 0
         self.update_generator = torch.Generator().manual_seed(cfg.seed)
+        # the run starts (env, model and engine ready): only now is its directory written
+        os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
         self.sink = MetricsSink(
             self.run_dir,
             tensorboard=cfg.trainer.tensorboard,
