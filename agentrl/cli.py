@@ -48,10 +48,10 @@ def _unknown(argv: list[str], commands: dict[str, tuple[str, str]]) -> int:
         subs = [n.split(" ", 1)[1] for n in commands if n.startswith(argv[0] + " ")]
         if len(argv) == 1 or argv[1].startswith("-"):
             return fail("agentrl", f"{argv[0]} what? Use one of: {', '.join(f'{argv[0]} {s}' for s in subs)}")
-        hint = suggest(argv[1], subs, fallback=f" Use one of: {', '.join(subs)}.")
+        hint = suggest(argv[1], subs, fallback=f" Use one of: {', '.join(subs)}.", cutoff=0.6)
         return fail("agentrl", f"unknown command '{argv[0]} {argv[1]}'.{hint.replace('Did you mean: ', f'Did you mean: {argv[0]} ')}")
     names = sorted({n.split(" ")[0] for n in commands})
-    hint = suggest(argv[0], names, fallback=" Run `agentrl --help` for the commands.")
+    hint = suggest(argv[0], names, fallback=" Run `agentrl --help` for the commands.", cutoff=0.6)
     return fail("agentrl", f"unknown command {argv[0]!r}.{hint}")
 
 

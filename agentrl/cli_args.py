@@ -40,9 +40,9 @@ class UsageError(ValueError):
     """A mistake on the command line; the message is one line that says what was wrong and what to do."""
 
 
-def suggest(word: str, options: Sequence[str], *, fallback: str = "") -> str:
+def suggest(word: str, options: Sequence[str], *, fallback: str = "", cutoff: float = 0.5) -> str:
     """``" Did you mean: a, b?"`` with the close matches of ``word`` in ``options``, else ``fallback``."""
-    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=3, cutoff=0.5)
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=3, cutoff=cutoff)
     return f" Did you mean: {', '.join(close)}?" if close else fallback
 
 
@@ -240,8 +240,14 @@ def _value_error(spec: CommandSpec, key: str, value: str, detail: str = "") -> U
     if OmegaConf.is_config(example):
         example = OmegaConf.to_container(example)
     expected = f" expected {_type_label(tp)}" if tp is not None else f" {detail}"
+    if example is None:
+        example = _EXAMPLES.get(_strip_optional(tp))
     eg = f"; e.g. {key}={_show(example)}" if example is not None else ""
     return UsageError(f"bad value {key}={value!r}:{expected}{eg}")
+
+
+#: example values by type, for keys whose default is null
+_EXAMPLES: dict[Any, Any] = {int: 8, float: 0.5, bool: True, str: "TEXT"}
 
 
 def _show(value: Any) -> str:
@@ -264,7 +270,7 @@ def parse(spec: CommandSpec, argv: Sequence[str], *, base: DictConfig | None = N
             raise _bare_error(spec, bare[0])
         if field_type(spec.schema, spec.positional) is str:
             if len(bare) > 1:
-                raise UsageError(f"expected one {spec.positional.upper()}, got {len(bare)}: {' '.join(bare)}")
+                raise _bare_error(spec, bare[1])
             overrides.append(f"{spec.positional}={_quote(bare[0])}")
         else:
             overrides.append(f"{spec.positional}=[{','.join(_quote(b) for b in bare)}]")

@@ -21,7 +21,7 @@ import sys
 from omegaconf import OmegaConf
 
 from agentrl.cli_args import UsageError, fail, is_help
-from agentrl.train.config import ConfigError, build_config, help_text
+from agentrl.train.config import SPEC, ConfigError, build_config, help_text  # noqa: F401 (SPEC: the CLI's keys)
 
 
 def load_run_config(argv: list[str]):

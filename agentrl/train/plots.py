@@ -36,8 +36,9 @@ def _series(records: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[str, 
     return None
 
 
-def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
-    """Write the panels for ``run_dirs`` into ``out_dir``; returns the PNG paths written."""
+def plot_runs(run_dirs: list[str], out_dir: str, *, dpi: int = 80) -> list[str]:
+    """Write the panels for ``run_dirs`` into ``out_dir`` at ``dpi`` (the overview at 7/8 of it); returns
+    the PNG paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,12 +69,12 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
                 target.text(0.5, 0.5, "not logged", ha="center", va="center", transform=target.transAxes)
         path = os.path.join(out_dir, f"{stem}.png")
         fig.tight_layout()
-        fig.savefig(path, dpi=80)
+        fig.savefig(path, dpi=dpi)
         plt.close(fig)
         written.append(path)
     overview.tight_layout()
     path = os.path.join(out_dir, "overview.png")
-    overview.savefig(path, dpi=70)
+    overview.savefig(path, dpi=max(1, dpi * 7 // 8))
     plt.close(overview)
     written.append(path)
     return written
@@ -82,10 +83,11 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
 @dataclass
 class PlotConfig:
     """``runs``: run directories holding ``metrics.jsonl`` (bare words); ``out``: the output directory
-    (default: the first run's ``plots/``)."""
+    (default: the first run's ``plots/``); ``dpi``: resolution of the panels."""
 
     runs: list[str] = field(default_factory=list)
     out: str | None = None
+    dpi: int = 80
 
 
 SPEC = CommandSpec(
@@ -102,7 +104,9 @@ def _plot(cfg: Any) -> int:
     if not runs:
         raise UsageError("no run directory given; e.g. agentrl plot runs/retool-20261130-133143")
     try:
-        paths = plot_runs(runs, cfg.out or os.path.join(runs[0], "plots"))
+        if cfg.dpi < 10:
+            raise UsageError(f"dpi must be >= 10, got {cfg.dpi}; e.g. dpi=80")
+        paths = plot_runs(runs, cfg.out or os.path.join(runs[0], "plots"), dpi=cfg.dpi)
     except FileNotFoundError as exc:
         raise UsageError(f"{exc}; pass run directories that hold metrics.jsonl") from None
     for path in paths:
