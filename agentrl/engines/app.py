@@ -20,7 +20,7 @@ Endpoints:
 
 Requests and responses are pydantic models (:mod:`agentrl.engines.openai_api`). Errors follow the OpenAI
 shape ``{"error": {"message", "type", "code"}}``: 400 for a bad request (the message names the field), 401
-for a wrong API key, 500 when the engine fails.
+for a wrong API key, 503 when generation was aborted by a shutdown, 500 when the engine fails.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from agentrl.engines.base import Completion, RolloutEngine, SamplingParams
+from agentrl.engines.base import Completion, EngineAborted, RolloutEngine, SamplingParams
 from agentrl.engines.chat_stream import DeltaStreamer, delta_choice, sse_chunk
 from agentrl.engines.openai_api import (
     ChatChoice,
@@ -142,6 +142,10 @@ def create_app(
     @app.exception_handler(RequestError)
     async def bad_request(_: Request, exc: RequestError):
         return _error(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(EngineAborted)
+    async def shutting_down(_: Request, exc: EngineAborted):
+        return _error(503, str(exc), "server_shutting_down")
 
     @app.exception_handler(Exception)
     async def engine_failure(_: Request, exc: Exception):

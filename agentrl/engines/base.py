@@ -36,6 +36,10 @@ class Completion:
     routing: Any = None
 
 
+class EngineAborted(RuntimeError):
+    """Generation was stopped because the engine is shutting down (e.g. the server got SIGTERM)."""
+
+
 class RolloutEngine(Protocol):
     """Samples completions for a batch of token prompts.
 

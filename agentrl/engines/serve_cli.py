@@ -77,6 +77,8 @@ def serve(app: Any, sock: socket.socket, *, ready_line: str, on_exit: Any = None
             if on_exit is not None:
                 on_exit()
             super().handle_exit(sig, frame)
+            # a requested stop: exit normally (status 0) instead of uvicorn re-raising the signal at the end
+            self._captured_signals.clear()
 
     config = uvicorn.Config(
         app, log_level="warning", lifespan="off", timeout_graceful_shutdown=max(0.1, grace_s)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from agentrl.engines.base import Completion, SamplingParams
+from agentrl.engines.base import Completion, EngineAborted, SamplingParams
 
 
 @dataclass
@@ -32,10 +32,6 @@ class _Request:
     sampling: SamplingParams
     future: asyncio.Future
     on_token: Callable[[int, int], None] | None = None
-
-
-class EngineAborted(RuntimeError):
-    """Generation was stopped by :meth:`TransformersEngine.abort` (e.g. the server is shutting down)."""
 
 
 def _sampling_key(s: SamplingParams) -> tuple:

@@ -264,6 +264,8 @@ class _RunState:
             self.stop_reason = "answer" if traj.turns[-1].parsed.final is not None else "no_answer"
         elif was_call and len(traj.turns[-1].tools) == 0 and traj.turns[-1].parsed.tool_calls:
             self.stop_reason = "tool_limit"
+        elif traj.turns[-1].parsed.stop_token is None:  # the last reply was cut at the token limit
+            self.stop_reason = "token_limit"
         elif traj.num_turns >= env.limits.max_turns:
             self.stop_reason = "turn_limit"
         else:
