@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from agentrl.envs import default_format
 from agentrl.envs.builtin.gsm8k import GSM8KEnv
 from agentrl.envs.builtin.retool import ReToolEnv, make_problem
 from agentrl.envs.rewards import extract_boxed, math_equal, numeric_equal
 from agentrl.envs.sandbox import SandboxError, make_backend
+from agentrl.harmony import default_format
 from agentrl.harmony.types import Message
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

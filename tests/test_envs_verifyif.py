@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from agentrl.envs import default_format
 from agentrl.envs.builtin.verifyif import VerifyIFEnv, make_prompt
 from agentrl.envs.rewards.ifeval import CHECKERS, check, check_loose, follow_flags, split_sentences
+from agentrl.harmony import default_format
 from agentrl.harmony.types import Message
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agentrl.models.tiny import tiny_gpt_oss
 from agentrl.train.algorithms import is_on_policy, onpolicy_old_log_prob, policy_loss
 from agentrl.train.logprobs import model_token_logprobs
-from agentrl.train.models import tiny_gpt_oss
 
 
 def _setup(device, dtype, *, batch, seqlen, vocab, layers, experts, top_k, logit_scale):

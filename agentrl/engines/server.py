@@ -43,12 +43,11 @@ def load_local_engine(
     (``format="auto"``: Harmony for GPT-OSS, the HF chat template otherwise). Imports torch.
     Returns ``(engine, format, model name)``."""
     from agentrl.engines.transformers_engine import TransformersEngine
-    from agentrl.train.model_loading import load_model
-    from agentrl.train.trainer import make_format
+    from agentrl.models.loading import load_model
 
     loaded = load_model(model, device=device or "cpu", dtype=dtype, seed=seed)
     loaded.model.eval()
-    fmt = make_format(format, loaded)
+    fmt = loaded.chat_format(format)
     pad = getattr(loaded.tokenizer, "pad_token_id", None) if loaded.tokenizer is not None else None
     engine = TransformersEngine(
         loaded.model,

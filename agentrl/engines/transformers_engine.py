@@ -62,7 +62,7 @@ class TransformersEngine:
     - ``share_prefix``: run the token prefix common to a batch's prompts (system prompt, tool docs)
       once and copy its KV cache to every row; numerically the same model, less compute. Off
       automatically for sliding-window models.
-    - ``record_routing``: record each token's MoE experts (``agentrl.train.routing_replay``) and return
+    - ``record_routing``: record each token's MoE experts (``agentrl.models.routing``) and return
       them in ``Completion.routing`` as ``[L, n, k]`` int64 for the ``n`` tokens fed to the model
       (prompt, then the completion except possibly its last token), for routing replay in training.
       Needs an MoE model; disables prefix sharing and finished-row pruning (fixed batch layout).
@@ -175,7 +175,7 @@ class TransformersEngine:
     def _routing_per_row(recorder: Any, attention: torch.Tensor, width: int, tokens: list[list[int]]) -> list[torch.Tensor]:
         """Split a ``[L, B, S_rec, k]`` record into per-row ``[L, n_i, k]`` over the tokens each row really
         fed: its prompt, then its own completion tokens (not the ones sampled after it stopped)."""
-        from agentrl.train.routing_replay import split_by_mask
+        from agentrl.models.routing import split_by_mask
 
         routing = recorder.routing()
         fed = attention[:, : routing.shape[2]].clone().cpu()
@@ -251,7 +251,7 @@ class TransformersEngine:
         cache = None
         recorder = None
         if self.record_routing:
-            from agentrl.train.routing_replay import record_routing
+            from agentrl.models.routing import record_routing
 
             recorder = record_routing(self.model).__enter__()
         try:

@@ -30,7 +30,6 @@ from agentrl.envs.registry import env_class, make, register, registered
 _LAZY = {
     "AgentEnv": "agentrl.envs.env",
     "EnvLimits": "agentrl.envs.env",
-    "default_format": "agentrl.envs.env",
     "RewardContext": "agentrl.envs.rewards",
     "Rubric": "agentrl.envs.rewards",
     "MessageTuple": "agentrl.envs.spaces",
@@ -72,7 +71,6 @@ __all__ = [
     "ToolError",
     "ToolOutput",
     "UnicodeText",
-    "default_format",
     "env_class",
     "make",
     "observation_space",

@@ -7,12 +7,13 @@ Models:
     (vLLM, SGLang, ``agentrl serve model``). With ``format="auto"`` the format is the one the server
     describes (``agentrl serve model`` publishes it at ``/v1/agentrl/format``), else Harmony.
     Trajectories hold the sampled token ids and their log-probs.
-  - ``api="chat"``: chat completions with tools (any server or hosted API) through the product
-    :class:`~agentrl.runtime.Agent`; trajectories hold the replies rendered in the env's format.
+  - ``api="chat"``: chat completions with tools (any server or hosted API) through
+    :class:`~agentrl.runtime.ChatPolicy` (what the product ``Agent`` runs); trajectories hold the replies
+    rendered in the env's format.
 - a local model (a built-in name, a directory, a hub id): the transformers engine (imports torch).
 
-Both token paths use the trainer's own episode loop (:func:`agentrl.train.rollout.run_episode`), so an
-evaluation episode is exactly a training rollout.
+Every path runs the shared episode loop (:func:`agentrl.episodes.run_episode`) that training, the verl
+agent loop and the product ``Agent`` run, so an evaluation episode is exactly a training rollout.
 
 Samples: sample ``j`` of every task is drawn with ``seed + j``.
 
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
+from agentrl.episodes import TokenPolicy, run_episode
 from agentrl.evaluation.metrics import summarize
 from agentrl.harmony.trajectory import Trajectory
 
@@ -271,17 +273,6 @@ def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:
     return list(zip(ids, tasks, strict=True))
 
 
-def _make_format(name: str) -> Any:
-    """``auto``/``harmony``: HarmonyFormat; anything else: an HF tokenizer path for ChatTemplateFormat."""
-    if name in ("auto", "harmony"):
-        from agentrl.harmony import HarmonyFormat
-
-        return HarmonyFormat()
-    from agentrl.harmony import ChatTemplateFormat  # type: ignore[attr-defined]
-
-    return ChatTemplateFormat.from_pretrained(name)
-
-
 class Evaluation:
     """One ``agentrl eval`` invocation. ``await run()`` returns the metrics dict (also in ``metrics.json``).
 
@@ -469,7 +460,12 @@ class Evaluation:
 
             engine = await stack.enter_async_context(OpenAIEngine(self._endpoint(Endpoint)))
             served = await engine.endpoint.served_format() if cfg.format == "auto" else None
-            fmt = served or _make_format(cfg.format)  # auto: the server's own format, else Harmony
+            if served is not None:  # auto: the server's own format (agentrl serve model describes it)
+                fmt = served
+            else:
+                from agentrl.harmony import make_format
+
+                fmt = make_format(cfg.format)
         else:
             from agentrl.engines.server import load_local_engine
 
@@ -538,7 +534,7 @@ class _EpisodeRunner(abc.ABC):
 
 
 class _TokenRunner(_EpisodeRunner):
-    """Token-in-token-out episodes with the trainer's rollout loop."""
+    """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine."""
 
     _stop_ids: list[int] | None = None
 
@@ -549,8 +545,6 @@ class _TokenRunner(_EpisodeRunner):
         return self._stop_ids
 
     async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
-        from agentrl.train.rollout import run_episode
-
         cfg = self.cfg
         sampling = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
@@ -559,39 +553,27 @@ class _TokenRunner(_EpisodeRunner):
             stop_token_ids=self.stop_ids(env),
             seed=cfg.seed + sample,
         )
-        t0 = time.perf_counter()
-        traj, env_s, *_ = await run_episode(
-            env, self.backend, sampling, task, cfg.seed + sample
-        )  # (trajectory, env seconds[, routing])
-        traj.metadata.update(
-            api="completions", latency_s=time.perf_counter() - t0, env_s=env_s, requests=traj.num_turns
+        result = await run_episode(env, TokenPolicy(self.backend, sampling), task=task, seed=cfg.seed + sample)
+        result.trajectory.metadata.update(
+            api="completions", latency_s=result.wall_s, env_s=result.env_s, requests=len(result.steps)
         )
-        return traj
+        return result.trajectory
 
 
 class _ChatRunner(_EpisodeRunner):
-    """Chat-completions episodes through the product Agent (one Agent per worker env)."""
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        self._agents: dict[int, Any] = {}  # id(env) -> the Agent driving that env
-
-    async def make_env(self) -> Any:
-        from agentrl.runtime import Agent
-
-        env = self.cls(**self.env_kwargs)
-        self._agents[id(env)] = Agent(env, self.backend, time_limit_s=None)
-        return env
+    """Chat-completions episodes: a :class:`~agentrl.runtime.ChatPolicy` on the endpoint."""
 
     async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
+        from agentrl.runtime import ChatPolicy
+
         cfg = self.cfg
-        agent = self._agents[id(env)]
-        agent.sampling = {
+        sampling = {
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "max_completion_tokens": cfg.max_new_tokens,
             "seed": cfg.seed + sample,
         }
-        result = await agent.run_task(task)
-        assert result.trajectory is not None
+        policy = ChatPolicy(self.backend, sampling)
+        result = await run_episode(env, policy, task=task, seed=cfg.seed + sample)
+        policy.annotate(result)
         return result.trajectory

@@ -1,6 +1,6 @@
 """Atomic checkpoints: model, optimizer, RNG states, data position and step.
 
-Layout::
+Layout (read by :mod:`agentrl.models.checkpoints`, which finds the latest one)::
 
     RUN_DIR/checkpoints/step_000007/{model.pt, optimizer.pt, rng.pt, state.json}
     RUN_DIR/checkpoints/latest          # text: "step_000007"
@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from typing import Any
 
 import numpy as np
 import torch
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+from agentrl.models.checkpoints import checkpoint_root, list_checkpoints
 
 
 def rng_state() -> dict[str, Any]:
@@ -59,10 +58,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
 
 
 def save_checkpoint(
@@ -104,28 +99,6 @@ def save_checkpoint(
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     return final
-
-
-def list_checkpoints(run_dir: str) -> list[str]:
-    """Complete checkpoint directory names, oldest first (temporary ones excluded)."""
-    root = checkpoint_root(run_dir)
-    if not os.path.isdir(root):
-        return []
-    names = [n for n in os.listdir(root) if _STEP_DIR.match(n) and os.path.exists(os.path.join(root, n, "state.json"))]
-    return sorted(names, key=lambda n: int(_STEP_DIR.match(n).group(1)))
-
-
-def latest_checkpoint(run_dir: str) -> str | None:
-    """Directory of the newest complete checkpoint, or None."""
-    root = checkpoint_root(run_dir)
-    pointer = os.path.join(root, "latest")
-    if os.path.exists(pointer):
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
-        if os.path.exists(os.path.join(root, name, "state.json")):
-            return os.path.join(root, name)
-    names = list_checkpoints(run_dir)
-    return os.path.join(root, names[-1]) if names else None
 
 
 def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -34,28 +34,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.transformers_engine import TransformersEngine
+from agentrl.episodes import EnvPool, EpisodeResult
+from agentrl.models.checkpoints import latest_checkpoint
+from agentrl.models.loading import load_model
 from agentrl.train.batch import collate
-from agentrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
 from agentrl.train.metrics import MetricsSink, episode_metrics
-from agentrl.train.model_loading import LoadedModel, load_model
-from agentrl.train.rollout import EnvPool, Episode, collect
+from agentrl.train.rollout import rollout
 from agentrl.train.tasks import TaskSource, with_boxed_bonus
 from agentrl.train.update import update_policy
-
-
-def make_format(name: str, loaded: LoadedModel) -> Any:
-    """The ChatFormat for ``format=name`` (``auto`` picks what fits the model)."""
-    if name == "auto":
-        name = loaded.format_name
-    if name == "harmony":
-        from agentrl.harmony import HarmonyFormat
-
-        return HarmonyFormat()
-    if loaded.tokenizer is None:
-        raise ValueError(f"format={name} needs an HF tokenizer, but model has none (it speaks Harmony)")
-    from agentrl.harmony import ChatTemplateFormat
-
-    return ChatTemplateFormat(loaded.tokenizer)
 
 
 def default_run_dir(cfg: DictConfig) -> str:
@@ -102,7 +89,7 @@ class Trainer:
         )
         self.load_s = time.perf_counter() - t0
         self.model = self.loaded.model
-        self.format = make_format(cfg.format, self.loaded)
+        self.format = self.loaded.chat_format(cfg.format)
         self.ref_model = None
         if cfg.actor.use_kl_loss:  # the initial weights, frozen (copied before any checkpoint is loaded)
             self.ref_model = copy.deepcopy(self.model).eval()
@@ -122,7 +109,7 @@ class Trainer:
         pad = getattr(self.loaded.tokenizer, "pad_token_id", None) if self.loaded.tokenizer is not None else None
         self.pad_token_id = int(pad if pad is not None else 0)
         if cfg.actor.routing_replay:
-            from agentrl.train.routing_replay import find_routers
+            from agentrl.models.routing import find_routers
 
             find_routers(self.model)  # raises a clear error for dense models
         self.engine = TransformersEngine(
@@ -173,7 +160,7 @@ class Trainer:
             stop_token_ids=list(self.format.stop_token_ids),
         )
 
-    def _save_trajectories(self, name: str, episodes: list[Episode]) -> None:
+    def _save_trajectories(self, name: str, episodes: list[EpisodeResult]) -> None:
         if not self.cfg.trainer.save_trajectories:
             return
         path = os.path.join(self.run_dir, "trajectories", f"{name}.jsonl")
@@ -216,7 +203,7 @@ class Trainer:
         """Greedy (``eval.temperature``) episodes on the held-out tasks; ``eval/*`` metrics."""
         tasks = self.eval_tasks()
         self.engine.reseed(self.cfg.seed + 999_983)
-        result = await collect(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1, seed=self.cfg.seed + 7_777_777)
+        result = await rollout(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1, seed=self.cfg.seed + 7_777_777)
         self._save_trajectories(f"eval_step_{self.step:06d}", result.episodes)
         metrics = episode_metrics(result.episodes, prefix="eval/")
         metrics["eval/timing_s"] = result.wall_s
@@ -230,7 +217,7 @@ class Trainer:
         step = self.step + 1
         tasks = [self.train_task(self.data_position + i) for i in range(cfg.rollout.batch_size)]
         self.engine.reseed(cfg.seed * 1_000_003 + step)
-        result = await collect(
+        result = await rollout(
             pool, self.engine, self.sampling(cfg.rollout.temperature), tasks, n=cfg.rollout.n,
             seed=cfg.seed * 1_000_003 + self.data_position * cfg.rollout.n,
         )

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from agentrl.models.routing import align_to_mask, replay_routing
 from agentrl.train import distributed
 from agentrl.train.algorithms import (
     agg_loss,
@@ -35,7 +36,6 @@ from agentrl.train.algorithms import (
 from agentrl.train.batch import Batch
 from agentrl.train.logprobs import model_token_logprobs
 from agentrl.train.prefix_sharing import shared_prefix_logprobs
-from agentrl.train.routing_replay import align_to_mask, replay_routing
 
 
 def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:

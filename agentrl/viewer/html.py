@@ -209,15 +209,12 @@ def write_html(
 
 
 def _load_format(name: str) -> Any | None:
+    """``none``: no token strip decoding; any other name goes to :func:`agentrl.harmony.make_format`."""
     if name == "none":
         return None
-    if name == "harmony":
-        from agentrl.harmony import HarmonyFormat
+    from agentrl.harmony import make_format
 
-        return HarmonyFormat()
-    from agentrl.harmony import ChatTemplateFormat  # type: ignore[attr-defined]
-
-    return ChatTemplateFormat.from_pretrained(name)
+    return make_format(name)
 
 
 @dataclass
