@@ -459,7 +459,7 @@ class Evaluation:
             from agentrl.engines.openai_engine import Endpoint, OpenAIEngine
 
             engine = await stack.enter_async_context(OpenAIEngine(self._endpoint(Endpoint)))
-            served = await engine.endpoint.served_format() if cfg.format == "auto" else None
+            served = await _served_format(engine.endpoint) if cfg.format == "auto" else None
             if served is not None:  # auto: the server's own format (agentrl serve model describes it)
                 fmt = served
             else:
@@ -482,6 +482,17 @@ class Evaluation:
             max_retries=cfg.retries,
             max_concurrency=cfg.concurrency,
         )
+
+
+async def _served_format(endpoint: Any) -> Any:
+    """The endpoint's own ChatFormat, or ``None`` if it describes none or cannot be reached now (the
+    episodes then fail, are recorded in ``errors.jsonl`` and retried by the next run)."""
+    from agentrl.engines.openai_engine import EndpointError
+
+    try:
+        return await endpoint.served_format()
+    except EndpointError:
+        return None
 
 
 def _get(queue: Any, procs: list[Any]) -> Any:
