@@ -25,7 +25,7 @@ def _cfg(tmp_path, **over):
         "algorithm": {"adv_estimator": "grpo",
                       "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
         "trainer": {"n_gpus_per_node": 8, "nnodes": 2, "total_steps": 50},
-        "verl": {"engine": "vllm", "tensor_parallel": 4, "ulysses_sp": 2, "n_train_tasks": 16, "n_val_tasks": 4},
+        "verl": {"rollout": "vllm", "tensor_parallel": 4, "ulysses_sp": 2, "n_train_tasks": 16, "n_val_tasks": 4},
     }
     for key, value in over.items():
         node = cfg
@@ -122,7 +122,8 @@ def test_verl_rejects_incompatible_sizes_before_launch(tmp_path):
     "over, message",
     [
         ({"verl.tensor_parallel": 3}, "verl.tensor_parallel=3 must be >= 1 and divide the GPU count"),
-        ({"verl.engine": "trtllm"}, "verl.engine='trtllm' is not valid"),
+        ({"verl.rollout": "trtllm"}, "verl.rollout='trtllm' is not valid"),
+        ({"verl.rollout": "agentrl"}, "verl.rollout=agentrl runs one engine per GPU; set verl.tensor_parallel=1"),
         ({"model": "smollm2-135m"}, "GGUF checkpoint"),
         ({"verl.ulysses": 2}, "Valid verl.\\* keys"),
         ({"rollout.batch_size": 30, "actor.num_mini_batches": 4}, "divisible by actor.num_mini_batches"),

@@ -17,10 +17,13 @@ import json, verl
 from transformers import AttentionInterface
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+from verl.workers.rollout.replica import RolloutReplicaRegistry
 print(json.dumps({
     "agent_loop": _agent_loop_registry.get("agentrl"),
     "loss": "agentrl_onpolicy" in POLICY_LOSS_REGISTRY,
     "attention": getattr(AttentionInterface._global_mapping.get("agentrl_sink"), "__qualname__", None),
+    "rollout": [_ROLLOUT_REGISTRY.get(("agentrl", "async")), "agentrl" in RolloutReplicaRegistry._registry],
 }))
 """
 
@@ -39,9 +42,10 @@ def test_import_verl_registers_agent_loop_loss_and_attention():
     assert seen["agent_loop"] == {"_target_": "agentrl.train.verl_backend.agent_loop.AgentrlAgentLoop"}
     assert seen["loss"] is True
     assert seen["attention"] == "ulysses_attention.<locals>.attention"
+    assert seen["rollout"] == ["agentrl.train.verl_backend.rollout.AgentrlRollout", True]
     # verl's switch turns the plugin off: the registrations above came from the entry point
     off = _probe(VERL_USE_EXTERNAL_PLUGINS="none")
-    assert off == {"agent_loop": None, "loss": False, "attention": None}
+    assert off == {"agent_loop": None, "loss": False, "attention": None, "rollout": [None, False]}
 
 
 def test_onpolicy_loss_through_get_policy_loss_fn():

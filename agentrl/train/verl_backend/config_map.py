@@ -11,7 +11,11 @@ Names follow verl where the concept is the same, so most keys map one to one (:d
 derived ones: ``actor.num_mini_batches`` -> ``ppo_mini_batch_size = rollout.batch_size / num_mini_batches``;
 ``actor.policy_loss`` -> ``agentrl_onpolicy`` (our on-policy log-prob fix) when each rollout batch gets
 one optimizer step, else ``vanilla`` (verl's vanilla is already dual-clip); ``rollout.top_k=0`` -> ``-1``;
-``attn_implementation`` (default ``agentrl_sink`` for GPT-OSS models) -> ``override_config``.
+``attn_implementation`` (default ``agentrl_sink`` for GPT-OSS models) -> ``override_config``;
+``verl.rollout`` -> ``actor_rollout_ref.rollout.name`` as resolved on this machine by
+:func:`~agentrl.train.verl_backend.rollout_backend.choose_rollout` (``auto``: vllm or sglang, whichever is
+installed); with ``verl.rollout=agentrl``, ``rollout.max_batch_size`` -> ``rollout.max_num_seqs`` (the most
+sequences the engine samples in one batch).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.train.verl_backend.rollout_backend import ROLLOUT_NAME, RolloutChoice, choose_rollout
+
 AGENT_NAME = "agentrl"
 """The name our agent loop registers under in verl (and the ``agent_name`` of every dataset row)."""
 
@@ -32,7 +38,6 @@ SINK_ATTENTION = "agentrl_sink"
 ONPOLICY_LOSS = "agentrl_onpolicy"
 """The policy loss ``agentrl.train.algorithms.verl_registry`` registers in verl."""
 
-ROLLOUT_ENGINES = ("vllm", "sglang")
 STRATEGIES = ("fsdp", "fsdp2")
 
 
@@ -44,7 +49,9 @@ class VerlConfigError(ValueError):
 class VerlSection:
     """Settings only ``backend=verl`` reads (``verl.*`` keys of ``agentrl train``).
 
-    ``engine``: vLLM or SGLang rollout servers, ``tensor_parallel`` GPUs each. ``max_prompt_length`` /
+    ``rollout``: verl's rollout engine, ``auto`` | ``vllm`` | ``sglang`` | ``agentrl`` (agentrl's
+    transformers engine inside verl's training workers; see
+    :mod:`agentrl.train.verl_backend.rollout_backend`); ``tensor_parallel`` GPUs per vLLM/SGLang server. ``max_prompt_length`` /
     ``max_response_length``: verl's padded widths (the response is the whole multi-turn episode after
     the prompt). ``ulysses_sp``: Ulysses sequence-parallel group size (divides the attention heads).
     ``use_dynamic_bsz`` packs micro-batches up to ``max_tokens_per_gpu`` tokens; otherwise
@@ -53,7 +60,7 @@ class VerlSection:
     overrides appended last (``verl.overrides=[trainer.val_before_train=true]``).
     """
 
-    engine: str = "vllm"
+    rollout: str = "auto"
     tensor_parallel: int = 1
     gpu_memory_utilization: float = 0.6
     ulysses_sp: int = 1
@@ -127,7 +134,6 @@ MAPPING: list[tuple[str, str, Callable[[Any], Any]]] = [
     ("trainer.wandb_project", "trainer.project_name", str),
     ("trainer.n_gpus_per_node", "trainer.n_gpus_per_node", int),
     ("trainer.nnodes", "trainer.nnodes", int),
-    ("verl.engine", "actor_rollout_ref.rollout.name", _one_of("verl.engine", ROLLOUT_ENGINES)),
     ("verl.tensor_parallel", "actor_rollout_ref.rollout.tensor_model_parallel_size", int),
     ("verl.gpu_memory_utilization", "actor_rollout_ref.rollout.gpu_memory_utilization", float),
     ("verl.agent_workers", "actor_rollout_ref.rollout.agent.num_workers", int),
@@ -228,6 +234,14 @@ def _n_gpus(cfg: Any) -> int:
     return int(select(cfg, "trainer.n_gpus_per_node") or 8) * int(select(cfg, "trainer.nnodes") or 1)
 
 
+def rollout_choice(cfg: Any) -> RolloutChoice:
+    """The rollout engine ``verl.rollout`` resolves to on this machine, and why (VerlConfigError if invalid)."""
+    try:
+        return choose_rollout(str(select(cfg, "verl.rollout") or "auto"))
+    except ValueError as exc:
+        raise VerlConfigError(str(exc)) from None
+
+
 def check_ours(cfg: Any) -> None:
     """Cross-field checks verl makes late (after Ray starts) or not at all. Raises VerlConfigError."""
     model = select(cfg, "model")
@@ -246,6 +260,11 @@ def check_ours(cfg: Any) -> None:
                 f"{key}={size} must be >= 1 and divide the GPU count "
                 f"(trainer.n_gpus_per_node x trainer.nnodes = {n_gpus})"
             )
+    if rollout_choice(cfg).name == ROLLOUT_NAME and int(select(cfg, "verl.tensor_parallel") or 1) != 1:
+        raise VerlConfigError(
+            "verl.rollout=agentrl runs one engine per GPU; set verl.tensor_parallel=1, or use "
+            "verl.rollout=vllm/sglang for models that need tensor parallelism"
+        )
     batch = select(cfg, "rollout.batch_size")
     minis = select(cfg, "actor.num_mini_batches")
     if batch is not None and minis is not None and int(batch) % int(minis):
@@ -261,6 +280,10 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
     check_ours(cfg)
     out: dict[str, Any] = {"data.train_files": list(train_files), "data.val_files": list(val_files)}
     out.update(FIXED)
+    out["actor_rollout_ref.rollout.name"] = rollout_choice(cfg).name
+    if out["actor_rollout_ref.rollout.name"] == ROLLOUT_NAME and select(cfg, "rollout.max_batch_size") is not None:
+        # the transformers engine's batch bound, as in the embedded trainer (vLLM/SGLang keep verl's own)
+        out["actor_rollout_ref.rollout.max_num_seqs"] = int(select(cfg, "rollout.max_batch_size"))
     for ours, theirs, transform in MAPPING:
         value = select(cfg, ours)
         if value is not None:

@@ -5,7 +5,9 @@ from the env's tasks, maps our config to verl Hydra overrides, composes them wit
 ``ppo_trainer.yaml`` and runs verl's own validation (any failure: :class:`VerlConfigError` before
 launch), and writes the fully resolved verl config to ``<run_dir>/verl_config.yaml``.
 :func:`main` prints the plan (the exact command and the settings as verl resolved them) and, unless
-``dry_run``, runs ``python -m verl.trainer.main_ppo <overrides>`` and returns its exit code.
+``dry_run``, runs ``python -m verl.trainer.main_ppo <overrides>`` and returns its exit code. The plan
+names the rollout engine (``verl.rollout``) and why; launching with vLLM/SGLang when it is not installed
+here stops first with a message suggesting ``verl.rollout=agentrl``.
 
 verl starts (or, with ``RAY_ADDRESS`` set / ``ray start`` done on this node, joins) a Ray cluster; the
 agentrl plugin is loaded in every worker through the ``verl.plugins`` entry point, so agentrl must be
@@ -26,24 +28,28 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentrl.train.verl_backend.config_map import (
     VerlConfigError,
+    rollout_choice,
     select,
     verl_overrides,
     verl_settings,
     with_verl_defaults,
 )
 from agentrl.train.verl_backend.dataset import write_env_dataset
+from agentrl.train.verl_backend.rollout_backend import RolloutChoice
 from agentrl.train.verl_backend.validate import compose_verl_config, validate_verl_config
 
 
 @dataclass
 class LaunchPlan:
-    """What :func:`main` runs: ``command`` (argv), the ``settings`` we set, verl's ``resolved`` config."""
+    """What :func:`main` runs: ``command`` (argv), the ``settings`` we set, verl's ``resolved`` config,
+    and the ``rollout`` engine chosen (with why, and whether it is installed here)."""
 
     command: list[str]
     settings: dict[str, Any]
     resolved: DictConfig
     run_dir: Path
     config_path: Path
+    rollout: RolloutChoice
 
 
 def _run_dir(cfg: Any) -> Path:
@@ -87,12 +93,16 @@ def plan(cfg: Any) -> LaunchPlan:
     config_path = run_dir / "verl_config.yaml"
     config_path.write_text(OmegaConf.to_yaml(resolved))
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
-    return LaunchPlan(command, settings, resolved, run_dir, config_path)
+    return LaunchPlan(command, settings, resolved, run_dir, config_path, rollout_choice(cfg))
 
 
 def describe(p: LaunchPlan) -> str:
     """Human-readable plan: the command, then each key we set as verl resolved it."""
-    lines = ["verl command:", "  " + shlex.join(p.command), "", "resolved verl settings (ours):"]
+    lines = [f"rollout backend: {p.rollout.name}", f"  why: {p.rollout.reason}"]
+    if not p.rollout.installed:
+        lines.append(f"  warning: {p.rollout.name} is not installed here: launching from this machine stops before "
+                     f"verl starts; install {p.rollout.name} on every node, or set verl.rollout=agentrl")
+    lines += ["", "verl command:", "  " + shlex.join(p.command), "", "resolved verl settings (ours):"]
     for key in p.settings:
         value = OmegaConf.select(p.resolved, key.lstrip("+"))
         shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
@@ -116,4 +126,7 @@ def main(cfg: Any, dry_run: bool = False) -> int:
     if dry_run:
         print("\n--dry-run: nothing launched.")
         return 0
+    if not launch.rollout.installed:
+        print(f"agentrl train backend=verl: {launch.rollout.missing_message()}", file=sys.stderr)
+        return 2
     return subprocess.run(launch.command, env=dict(os.environ)).returncode

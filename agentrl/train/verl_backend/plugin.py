@@ -8,7 +8,10 @@ every Ray worker, so importing this module is what makes agentrl available insid
   through :func:`agentrl.train.algorithms.verl_registry.register_all`;
 - sink attention as the transformers attention implementation ``agentrl_sink``, Ulysses-aware
   (:mod:`agentrl.train.verl_backend.ulysses`), selectable with
-  ``actor_rollout_ref.model.override_config.attn_implementation=agentrl_sink``.
+  ``actor_rollout_ref.model.override_config.attn_implementation=agentrl_sink``;
+- the ``agentrl`` rollout (``actor_rollout_ref.rollout.name=agentrl``: agentrl's transformers engine in
+  verl's hybrid-engine workers) in verl's two rollout registries, through
+  :func:`agentrl.train.verl_backend.rollout_backend.register_rollout`.
 
 verl logs plugin failures only at debug level, so each part is registered separately and a failure is
 logged as a warning here and kept in :data:`FAILED` (what failed -> why); :data:`REGISTERED` maps each
@@ -44,10 +47,17 @@ def _attention() -> list[str]:
     return [register_ulysses_sink_attention()]
 
 
+def _rollout() -> list[str]:
+    from agentrl.train.verl_backend.rollout_backend import register_rollout
+
+    return register_rollout()
+
+
 PARTS: dict[str, Callable[[], list[str]]] = {
     "agent_loop": _agent_loop,
     "policy_loss": _policy_losses,
     "attention": _attention,
+    "rollout": _rollout,
 }
 
 
