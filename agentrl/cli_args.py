@@ -328,9 +328,41 @@ def to_object(spec: CommandSpec, cfg: DictConfig) -> Any:
         raise UsageError(str(cause).splitlines()[0]) from None
 
 
+def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> the first line of the string literal written under the field (an attribute docstring),
+    for the dataclasses that document their fields that way; nested dataclasses included."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
+    except (OSError, TypeError, SyntaxError):
+        return docs
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[prefix + node.target.id] = after.value.value.strip().splitlines()[0]
+    hints = _hints(schema)
+    for f in dataclasses.fields(schema):
+        tp = _strip_optional(hints.get(f.name, f.type))
+        if dataclasses.is_dataclass(tp):
+            docs.update(field_docs(tp, f"{prefix}{f.name}."))
+    return docs
+
+
 def help_text(spec: CommandSpec, *, docs: Mapping[str, str] | None = None) -> str:
-    """``usage``, then every key with its default (``(required)``), its valid values and a doc line."""
+    """``usage``, then every key with its default (``(required)``), its valid values and a doc line
+    (``docs``, else the fields' attribute docstrings)."""
     defaults = OmegaConf.structured(spec.schema)
+    docs = {**field_docs(spec.schema), **(docs or {})}
     lines = [f"usage: {spec.usage}", "", "keys (key=value; dotted keys nest; lists as key=[a,b]):"]
     for key in spec.keys():
         if OmegaConf.is_missing(defaults, key):

@@ -28,17 +28,29 @@ class ServeModelConfig:
     model's chat template otherwise). ``max_tokens``: the default limit of chat requests without one."""
 
     model: str
+    """A built-in name, a model directory (a trained checkpoint) or a hub id."""
     format: str = "auto"
+    """Chat format: auto (Harmony for GPT-OSS, else the model's chat template), harmony, chat_template."""
     host: str = "127.0.0.1"
+    """Address to bind (0.0.0.0 serves other machines; then set api_key)."""
     port: int = 8000
+    """TCP port (0: any free port, printed in the ready line)."""
     served_model_name: str | None = None
+    """Model id reported by /v1/models (default: the model's name)."""
     api_key: str | None = None
+    """Require `Authorization: Bearer KEY` (default: $AGENTRL_API_KEY if set)."""
     max_tokens: int = 1024
+    """Default completion limit of chat requests that set none."""
     device: str | None = None
+    """cpu or cuda (default: cpu)."""
     dtype: str = "float32"
+    """Weights dtype: float32, bfloat16, float16."""
     seed: int = 0
+    """Seed of the sampler (requests may pass their own seed)."""
     max_batch_size: int = 64
+    """Most sequences sampled in one batch."""
     timeout_graceful_shutdown_s: float = 2.0
+    """Seconds open connections get to finish after SIGTERM."""
 
 
 SPEC = CommandSpec(
