@@ -39,6 +39,7 @@ import httpx
 
 from agentrl.engines.base import Completion, SamplingParams
 from agentrl.http_retry import RETRY_STATUSES, RetryableStatus, retrying
+
 #: Connections per httpx pool (see the module docstring).
 POOL_SIZE = 4
 

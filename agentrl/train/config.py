@@ -21,9 +21,8 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from agentrl.cli_args import CommandSpec, UsageError, parse, schema_keys
-from agentrl.cli_args import suggest as _suggest
 from agentrl.cli_args import help_text as spec_help_text
-
+from agentrl.cli_args import suggest as _suggest
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
 from agentrl.train.verl_backend.config_map import VerlSection

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.cli_args import CommandSpec, UsageError, run
-
 from agentrl.train.metrics import read_metrics
 
 #: panel file stem -> (title, candidate metric keys in order of preference)

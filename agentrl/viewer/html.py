@@ -19,8 +19,8 @@ from __future__ import annotations
 import html
 import json
 import sys
-from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
