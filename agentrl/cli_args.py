@@ -221,6 +221,11 @@ def _normalise(spec: CommandSpec, argv: Sequence[str]) -> tuple[list[str], list[
     return overrides, bare
 
 
+def normalise(spec: CommandSpec, argv: Sequence[str]) -> list[str]:
+    """``argv``'s ``key=value`` overrides with canonical keys (``--key value`` and aliases resolved)."""
+    return _normalise(spec, argv)[0]
+
+
 def _bare_error(spec: CommandSpec, word: str) -> UsageError:
     if word.startswith("-"):
         return UsageError(f"unknown option {word!r}; arguments are key=value.{spec.help_hint()}")

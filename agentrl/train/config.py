@@ -11,6 +11,12 @@ arithmetic``, level 1) scored by the env's own reward, 4 tasks x 4 samples per s
 temperature 0.7, GRPO, Adam lr 2e-5, 20 steps within an 18-minute budget, greedy evaluation on 48 held-out
 questions before and after. Override them for bigger models and real env tasks (``data.tasks=env``,
 ``rollout.max_turns=8``, ...).
+
+Defaults per device: a GPU run (``device=cuda``) or a verl run (``backend=verl``) does not inherit the CPU
+run's learning rate, step count, sampling temperature, token budget and wall-time budget. For every key in
+:data:`DEVICE_DEFAULTS` that the command line does not set, a fresh run takes the value of its profile
+(:func:`device_profile`); :func:`describe_device_defaults` is the line the trainer and the verl launcher
+print at start. A resumed run keeps the values saved in its ``config.yaml``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from agentrl.cli_args import CommandSpec, UsageError, parse, schema_keys
+from agentrl.cli_args import CommandSpec, UsageError, normalise, parse, schema_keys
 from agentrl.cli_args import help_text as spec_help_text
 from agentrl.cli_args import suggest as _suggest
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
@@ -94,10 +100,12 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig:
-    """Optimisation. One optimizer step per mini-batch; ``ppo_epochs == num_mini_batches == 1`` makes
-    the update on-policy (old log-probs are the current ones, detached: the on-policy fix).
-    ``micro_batch_size`` sequences per forward/backward (gradient accumulation). ``freeze``: parameter
-    groups kept fixed. ``routing_replay``: replay the old-log-prob pass's MoE routing in the update."""
+    """Optimisation. One optimizer step per mini-batch (``ppo_epochs`` x ``num_mini_batches`` steps, fewer
+    when the usable rows make fewer chunks). A batch that gets exactly one step is trained on-policy: old
+    log-probs are the training forward's own, detached (the on-policy fix; ``onpolicy_fix=false`` always
+    runs a separate old-log-prob pass instead). ``micro_batch_size`` sequences per forward/backward
+    (gradient accumulation). ``freeze``: parameter groups kept fixed. ``routing_replay``: replay the
+    old-log-prob pass's MoE routing in the update."""
 
     lr: float = 2e-5
     weight_decay: float = 0.0
@@ -105,6 +113,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     ppo_epochs: int = 1
     num_mini_batches: int = 1
+    onpolicy_fix: bool = True
     micro_batch_size: int = 8
     policy_loss: str = "vanilla"  # PPO clip with dual clip (clip_ratio_c) for negative advantages
     loss_agg_mode: str = "token-mean"
@@ -195,6 +204,59 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Values that differ from the dataclass defaults (the embedded CPU run) on another profile: a real GPU run
+#: (``cuda``) or a verl run (``verl``). Keys set on the command line always win.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {},
+    "cuda": {
+        "actor.lr": 1e-6,
+        "trainer.total_steps": 200,
+        "rollout.temperature": 1.0,
+        "rollout.max_new_tokens": 1024,
+        "trainer.max_wall_s": 0.0,
+    },
+    "verl": {
+        "actor.lr": 1e-6,
+        "trainer.total_steps": 200,
+        "rollout.temperature": 1.0,
+        "rollout.max_new_tokens": 1024,
+        "trainer.max_wall_s": 0.0,
+    },
+}
+DEVICE_KEYS = tuple(sorted({k for profile in DEVICE_DEFAULTS.values() for k in profile}))
+
+
+def device_profile(cfg: Any) -> str:
+    """``verl`` for ``backend=verl``, else the device (``cpu`` or ``cuda``): the key of :data:`DEVICE_DEFAULTS`."""
+    return "verl" if cfg.backend == "verl" else str(cfg.device)
+
+
+def describe_device_defaults(cfg: Any) -> str:
+    """One line for the start of a run: the profile and its device-dependent settings as resolved, each
+    marked ``(set)`` where it differs from the profile's default, e.g. ``device=cuda defaults: actor.lr=1e-06
+    ... trainer.max_wall_s=0.0 (no limit) ... (override any with key=value)``."""
+    profile = device_profile(cfg)
+    schema = OmegaConf.structured(TrainConfig)
+    shown = []
+    for key in DEVICE_KEYS:
+        value = OmegaConf.select(cfg, key)
+        default = DEVICE_DEFAULTS.get(profile, {}).get(key, OmegaConf.select(schema, key))
+        note = " (no limit)" if key == "trainer.max_wall_s" and not value else ""
+        note += "" if value == default else " (set)"
+        shown.append(f"{key}={value!r}{note}")
+    where = "backend=verl" if profile == "verl" else f"device={profile}"
+    return f"{where} defaults: {' '.join(shown)} (override any with key=value)"
+
+
+def _set_by(overrides: list[str], key: str) -> bool:
+    """True if a dotted override sets ``key`` or one of its parents."""
+    for token in overrides:
+        name = token.split("=", 1)[0].lstrip("+~")
+        if key == name or key.startswith(name + "."):
+            return True
+    return False
+
+
 def _env_names() -> list[str]:
     from agentrl.envs.registry import registered
 
@@ -218,11 +280,17 @@ def all_keys() -> list[str]:
 
 def build_config(overrides: list[str], base: DictConfig | None = None) -> DictConfig:
     """Defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``
-    (parsed by :mod:`agentrl.cli_args`), validated; raises :class:`ConfigError`."""
+    (parsed by :mod:`agentrl.cli_args`), validated; raises :class:`ConfigError`. A fresh run (no ``base``)
+    takes its device profile's :data:`DEVICE_DEFAULTS` for every such key the overrides do not set."""
     try:
         cfg = parse(SPEC, overrides, base=base)
     except UsageError as exc:
         raise ConfigError(str(exc)) from None
+    if base is None:
+        given = normalise(SPEC, overrides)
+        for key, value in DEVICE_DEFAULTS.get(device_profile(cfg), {}).items():
+            if not _set_by(given, key):
+                OmegaConf.update(cfg, key, value, merge=False)
     validate(cfg)
     return cfg
 
@@ -282,5 +350,10 @@ def validate(cfg: DictConfig) -> None:
 
 
 def help_text() -> str:
-    """All keys with their defaults and valid values, for ``agentrl train --help``."""
-    return spec_help_text(SPEC)
+    """All keys with their defaults and valid values, for ``agentrl train --help``, and the defaults that
+    differ by device."""
+    lines = [spec_help_text(SPEC), "", "Defaults that differ by device (device=cuda, backend=verl; the values above are device=cpu):"]
+    for profile, values in DEVICE_DEFAULTS.items():
+        if values:
+            lines.append(f"  {profile}: " + " ".join(f"{k}={v!r}" for k, v in values.items()))
+    return "\n".join(lines)

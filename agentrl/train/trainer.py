@@ -39,6 +39,7 @@ from agentrl.models.checkpoints import latest_checkpoint
 from agentrl.models.loading import load_model
 from agentrl.train.batch import collate
 from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
+from agentrl.train.config import describe_device_defaults
 from agentrl.train.metrics import MetricsSink, episode_metrics
 from agentrl.train.rollout import rollout
 from agentrl.train.tasks import TaskSource, with_boxed_bonus
@@ -58,6 +59,7 @@ class Trainer:
         self.t_created = time.perf_counter()
         self.cfg = cfg
         self.console = console or Console(soft_wrap=True)
+        self.console.print(describe_device_defaults(cfg), markup=False, highlight=False)
         self.run_dir = cfg.run_dir or default_run_dir(cfg)
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
