@@ -61,14 +61,6 @@ def _with_env_model(argv: list[str]) -> list[str]:
     return argv
 
 
-def parse_args(argv: Sequence[str]) -> tuple[EvalConfig, bool]:
-    """``key=value`` arguments to an :class:`EvalConfig` and the progress flag. Raises :class:`UsageError`."""
-    from agentrl.cli_args import parse
-
-    config = to_object(SPEC, parse(SPEC, _with_env_model(list(argv))))
-    return config, config.progress
-
-
 async def run_eval(config: EvalConfig, *, progress: bool, console: Console) -> dict[str, Any]:
     """Run with a rich progress bar (when ``progress``) and return the metrics."""
     from rich.progress import (
