@@ -44,7 +44,7 @@ def test_help_lists_every_key(capsys):
     out = capsys.readouterr().out
     for key in all_keys():
         assert f"  {key} = " in out
-    assert "algorithm.adv_estimator = 'grpo'" in help_text()
+    assert "algorithm.adv_estimator = grpo  [" in help_text()
 
 
 def test_cli_bad_key_exits_2(capsys):
@@ -65,9 +65,29 @@ def test_resume_uses_saved_config_plus_overrides(tmp_path):
 
 def test_cli_unknown_env_and_model_suggest(tmp_path, capsys):
     assert main(["env=retol", f"run_dir={tmp_path / 'a'}", "trainer.tensorboard=false"]) == 2
-    assert "Did you mean retool" in capsys.readouterr().err
+    assert "Did you mean: retool?" in capsys.readouterr().err
     assert main(["env=retool", "model=smollm2-135", f"run_dir={tmp_path / 'b'}", "trainer.tensorboard=false"]) == 2
     assert "Did you mean 'smollm2-135m'" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # a failed start writes nothing
+
+
+def test_run_dir_holding_a_run_needs_resume_or_overwrite(tmp_path, capsys):
+    from agentrl.train.cli import check_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("env: gsm8k\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="resume=.*overwrite=true"):
+        check_run_dir(build_config(["env=gsm8k", f"run_dir={run}"]))
+    check_run_dir(build_config(["env=gsm8k", f"run_dir={run}", "overwrite=true"]))
+    assert not run.exists()  # removed: the run starts afresh
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="not a run directory"):
+        check_run_dir(build_config(["env=gsm8k", f"run_dir={other}", "overwrite=true"]))
+    assert (other / "mine.txt").exists()
 
 
 # ---------------------------------------------------------------------------- defaults per device

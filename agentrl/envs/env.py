@@ -14,7 +14,9 @@ Contract (generic like gymnasium's ``Env[ObsType, ActType]``: ``AgentEnv`` is an
   ``obs["tokens"]`` are the ids to append before sampling the next completion (empty once the episode is
   over). ``reward`` is 0 until the last step, which carries the episode reward.
 - The episode ends with ``terminated`` when the model gives a final answer (or, for single-turn envs,
-  after its one action) and with ``truncated`` when a limit is hit (turns, tool calls, total tokens).
+  after its one action) and with ``truncated`` when a limit is hit (turns, tool calls, total tokens) or
+  when its last completion stopped without a stop token (cut at the token limit; counted once, as
+  ``truncation``).
 - Bad model actions never raise: unparseable output, unknown tools, bad arguments, tool timeouts and tool
   exceptions become observations the model can read and are recorded in the trajectory with an error
   kind (``parse_error``, ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``,
@@ -22,7 +24,8 @@ Contract (generic like gymnasium's ``Env[ObsType, ActType]``: ``AgentEnv`` is an
 - ``env.trajectory`` is the token-exact :class:`~agentrl.harmony.trajectory.Trajectory`; the final step
   also puts it in ``info["trajectory"]`` together with ``info["reward_components"]`` and
   ``info["stop_reason"]`` (also in ``trajectory.metadata``): ``answer`` (a final answer), ``no_answer``
-  (a single-turn env's action without one), ``tool_limit``, ``turn_limit`` or ``token_limit``.
+  (a single-turn env's action without one), ``tool_limit``, ``turn_limit`` or ``token_limit`` (the
+  total-token budget, or a last completion cut before its stop token).
 - ``areset``/``astep`` are the async twins (tool calls of one action run concurrently); the sync methods
   drive them on a private event loop. Use one style per env instance. ``close()``/``aclose()`` are
   idempotent.
@@ -44,7 +47,7 @@ import gymnasium
 import numpy as np
 
 from agentrl.envs.rewards.base import RewardContext, Rubric
-from agentrl.envs.spaces import as_token_array, observation_space, token_ids_space
+from agentrl.envs.spaces import CompletionSpace, as_token_array, observation_space
 from agentrl.envs.tasks import load_task_file
 from agentrl.envs.tools.base import Tool
 from agentrl.envs.tools.dispatch import Sessions, ToolBox
@@ -156,7 +159,7 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         if self._task_list is not None and not self._task_list:
             raise ValueError("tasks is empty; pass at least one task or None for the offline generator")
         self._obs_takes_history = "history" in inspect.signature(self.format.render_observation).parameters
-        self.action_space = token_ids_space(self.format.vocab_size)
+        self.action_space = CompletionSpace(self.format.vocab_size, self.format.stop_token_ids)
         self.observation_space = observation_space(self.format.vocab_size)
         self._sessions = Sessions()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -316,6 +319,10 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
             obs_messages = [self._no_action_message(parsed)]
             if not errors:
                 errors.append("parse_error")
+        if terminated and parsed.stop_token is None:
+            # the episode ends on a completion cut off before its stop token: truncated, not finished
+            # (the cut is already counted once, as the parse error ``truncation``)
+            terminated, truncated, limit_hit = False, True, "token_limit"
 
         obs_ids: list[int] = []
         if not (terminated or truncated):

@@ -4,7 +4,8 @@ Models:
 
 - an OpenAI-compatible endpoint (``model="http://host:port/v1"``):
   - ``api="completions"``: token-in-token-out through :class:`~agentrl.engines.openai_engine.OpenAIEngine`
-    (vLLM, SGLang, ``agentrl serve model``); the format must match the served model's tokenizer.
+    (vLLM, SGLang, ``agentrl serve model``). With ``format="auto"`` the format is the one the server
+    describes (``agentrl serve model`` publishes it at ``/v1/agentrl/format``), else Harmony.
     Trajectories hold the sampled token ids and their log-probs.
   - ``api="chat"``: chat completions with tools (any server or hosted API) through
     :class:`~agentrl.runtime.ChatPolicy` (what the product ``Agent`` runs); trajectories hold the replies
@@ -21,7 +22,8 @@ as it finishes; ``metadata`` carries ``item_id``, ``sample``, ``correct``, ``ans
 ``errors.jsonl`` (episodes that failed, e.g. an endpoint down after retries; they are retried on the
 next run), ``config.json`` and ``metrics.json``. Rerunning with the same ``out`` skips finished
 ``(item, sample)`` pairs; a config that changes what is measured (env, model, api, format, sampling)
-is refused.
+is refused unless ``overwrite=True``, which starts the directory afresh. Nothing is written before the
+run starts (its tasks loaded): a run that fails to start leaves no directory behind.
 """
 
 from __future__ import annotations
@@ -68,12 +70,14 @@ class EvalConfig:
 
     ``n`` samples per task, ``ks`` the k of pass@k/maj@k (default: powers of two up to ``n``), ``limit``
     tasks from ``tasks`` (a file in the env's format) or the env's offline ``split``; ``format`` the
-    ChatFormat for token APIs (``auto``: Harmony for endpoints, what fits a local model); ``concurrency``
+    ChatFormat for token APIs (``auto``: the endpoint's own when it describes one, else Harmony;
+    what fits a local model); ``concurrency``
     episodes in flight (also the HTTP request bound), ``processes`` client processes; sampling
     ``temperature``/``top_p``/``max_new_tokens`` per model action, ``seed`` (sample j uses ``seed + j``);
     ``out`` the run directory; ``api_key``/``served_model`` override ``OPENAI_API_KEY``/``OPENAI_MODEL``;
     ``retries``/``timeout_s`` per request; ``sandbox`` the code-sandbox backend shared by envs that take
-    one; ``env_kwargs`` env constructor arguments (e.g. limits).
+    one; ``env_kwargs`` env constructor arguments (e.g. limits); ``overwrite`` replaces the results
+    already in ``out`` instead of resuming them; ``progress`` shows a progress bar.
     """
 
     env: str
@@ -98,6 +102,8 @@ class EvalConfig:
     timeout_s: float = 300.0
     sandbox: str = "local"
     env_kwargs: dict[str, Any] = field(default_factory=dict)
+    overwrite: bool = False
+    progress: bool = True
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.limit < 1 or self.concurrency < 1:
@@ -130,15 +136,29 @@ class EvalConfig:
         return Path("runs") / "eval" / f"{self.env}-{name}"
 
 
+def answers_comparable(env: Any) -> bool:
+    """Whether ``env``'s answers can be compared for a majority vote: it is graded on an answer (a rubric
+    verifier of type NumericAnswer, MathAnswer or ExactMatch), not on free text."""
+    from agentrl.envs.rewards.common import ExactMatch
+    from agentrl.envs.rewards.math import MathAnswer, NumericAnswer
+
+    verifiers = [fn for _, fn, _ in getattr(getattr(env, "rubric", None), "items", [])]
+    return any(isinstance(v, (MathAnswer, NumericAnswer, ExactMatch)) for v in verifiers)
+
+
 def comparable_answer(env: Any, final: str | None) -> str | None:
-    """A normalised answer for majority voting, for envs graded on a math/number answer (a rubric
-    verifier of type NumericAnswer or MathAnswer); ``None`` otherwise or without a final answer.
-    Numbers are normalised exactly (``"1,000"``, ``"1000.0"`` -> ``"1000"``); other answers by whitespace."""
+    """A normalised answer for majority voting (see :func:`answers_comparable`); ``None`` without a final
+    answer or when answers are not comparable. Math/number answers are normalised exactly (``"1,000"``,
+    ``"1000.0"`` -> ``"1000"``); ExactMatch answers by the verifier's own normalisation; others by whitespace."""
+    from agentrl.envs.rewards.common import ExactMatch
     from agentrl.envs.rewards.math import MathAnswer, NumericAnswer, final_answer_text, last_number, to_number
 
     verifiers = [fn for _, fn, _ in getattr(getattr(env, "rubric", None), "items", [])]
-    if final is None or not any(isinstance(v, (MathAnswer, NumericAnswer)) for v in verifiers):
+    if final is None or not answers_comparable(env):
         return None
+    if not any(isinstance(v, (MathAnswer, NumericAnswer)) for v in verifiers):
+        exact = next(v for v in verifiers if isinstance(v, ExactMatch))
+        return exact.normalize(final)
     text = final_answer_text(final).strip()
     number = to_number(text)
     if number is None and any(isinstance(v, NumericAnswer) for v in verifiers):
@@ -149,8 +169,14 @@ def comparable_answer(env: Any, final: str | None) -> str | None:
 class ResultStore:
     """The run directory: finished episodes (``trajectories.jsonl``), failures (``errors.jsonl``), config."""
 
+    #: what a run writes into its directory (``overwrite`` removes exactly these)
+    FILES = ("trajectories.jsonl", "errors.jsonl", "config.json", "metrics.json", "trajectories.html")
+
     def __init__(self, out: Path, config: EvalConfig, *, write_config: bool = True):
         self.out = out
+        if write_config and config.overwrite:
+            for name in self.FILES:
+                (out / name).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         self.traj_path = out / "trajectories.jsonl"
         self.error_path = out / "errors.jsonl"
@@ -170,7 +196,7 @@ class ResultStore:
             if diff:
                 raise ValueError(
                     f"{out} holds a run with a different config ({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in diff.items())}); "
-                    "use another out=..."
+                    "use another out=..., or overwrite=true to start it afresh"
                 )
         saved = {k: v for k, v in current.items() if k != "api_key"}
         cfg_path.write_text(json.dumps(saved, indent=1, default=repr))
@@ -222,6 +248,15 @@ class ResultStore:
         self._fd = self._err = -1
 
 
+def items_digest(items: list[tuple[str, dict[str, Any]]]) -> str:
+    """A fingerprint of the evaluated items (ids and task contents), so runs over different items can be
+    told apart (``agentrl eval --compare`` warns)."""
+    import hashlib
+
+    blob = json.dumps([[i, t] for i, t in items], sort_keys=True, default=repr).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:
     """``(item_id, task)`` for the first ``limit`` tasks of the env's evaluation split (or ``tasks`` file)."""
     from agentrl.envs.registry import env_class
@@ -250,11 +285,13 @@ class Evaluation:
         self.config = config
         self.on_progress = on_progress
         self.window = (0.0, 0.0)  # monotonic start/end of the episodes this process ran
-        self.store = ResultStore(config.out_dir(), config, write_config=not _child)
+        # the parent opens the directory in run(), once the tasks loaded: a failed start writes nothing
+        self.store: ResultStore = ResultStore(config.out_dir(), config, write_config=False) if _child else None  # type: ignore[assignment]
 
     async def run(self) -> dict[str, Any]:
         cfg = self.config
         items = load_tasks(cfg)
+        self.store = ResultStore(cfg.out_dir(), cfg)
         done = {(t.metadata.get("item_id"), t.metadata.get("sample")) for t in self.store.load()}
         todo = [
             (item_id, task, j) for item_id, task in items for j in range(cfg.n) if (item_id, j) not in done
@@ -289,6 +326,7 @@ class Evaluation:
                 grouped[item][sample] = t
         metrics = summarize({k: list(v.values()) for k, v in grouped.items()}, self.config.ks)
         metrics["env"], metrics["model"], metrics["api"] = self.config.env, self.config.model, self.config.api
+        metrics["items_digest"] = items_digest(items)
         metrics["incomplete_items"] = len(wanted) - sum(
             1 for v in grouped.values() if len(v) == self.config.n
         )
@@ -324,8 +362,9 @@ class Evaluation:
                         model=cfg.model,
                         latency_s=result.wall_s,
                         correct=bool(traj.reward_components.get("correct", traj.reward >= 1.0)),
-                        answer=comparable_answer(runner.cls, _final(traj)),
                     )
+                    if answers_comparable(runner.cls):  # present (even None) = maj@k is reported
+                        traj.metadata["answer"] = comparable_answer(runner.cls, _final(traj))
                     self.store.write(traj)
                     counts["done"] += 1
                     counts["streak"] = 0
@@ -413,9 +452,13 @@ class Evaluation:
             from agentrl.engines.openai_engine import Endpoint, OpenAIEngine
 
             engine = await stack.enter_async_context(OpenAIEngine(self._endpoint(Endpoint)))
-            from agentrl.harmony import make_format
+            served = await _served_format(engine.endpoint) if cfg.format == "auto" else None
+            if served is not None:  # auto: the server's own format (agentrl serve model describes it)
+                fmt = served
+            else:
+                from agentrl.harmony import make_format
 
-            fmt = make_format(cfg.format)
+                fmt = make_format(cfg.format)
         else:
             from agentrl.engines.server import load_local_engine
 
@@ -432,6 +475,17 @@ class Evaluation:
             max_retries=cfg.retries,
             max_concurrency=cfg.concurrency,
         )
+
+
+async def _served_format(endpoint: Any) -> Any:
+    """The endpoint's own ChatFormat, or ``None`` if it describes none or cannot be reached now (the
+    episodes then fail, are recorded in ``errors.jsonl`` and retried by the next run)."""
+    from agentrl.engines.openai_engine import EndpointError
+
+    try:
+        return await endpoint.served_format()
+    except EndpointError:
+        return None
 
 
 def _get(queue: Any, procs: list[Any]) -> Any:

@@ -21,14 +21,14 @@ print at start. A resumed run keeps the values saved in its ``config.yaml``.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from agentrl.cli_args import CommandSpec, UsageError, normalise, parse, schema_keys
+from agentrl.cli_args import help_text as spec_help_text
+from agentrl.cli_args import suggest as _suggest
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
 
@@ -44,8 +44,8 @@ ROLLOUT_IS = ("token", "sequence")
 BACKENDS = ("embedded", "verl")
 
 
-class ConfigError(ValueError):
-    """A bad key or value in the training config; the message says what to do."""
+class ConfigError(UsageError):
+    """A bad key or value in the training config; the message says what to do (exit status 2)."""
 
 
 @dataclass
@@ -220,6 +220,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     backend: str = "embedded"  # "verl": agentrl.train.verl_backend.launch
+    overwrite: bool = False  # start run_dir afresh even if it holds a run (else resume= continues it)
     verl: VerlSection = field(default_factory=VerlSection)
 
 
@@ -288,60 +289,40 @@ def _set_by(overrides: list[str], key: str) -> bool:
     return False
 
 
-def all_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
+def _env_names() -> list[str]:
+    from agentrl.envs.registry import registered
+
+    return list(registered())
+
+
+SPEC = CommandSpec(
+    prog="agentrl train",
+    schema=TrainConfig,
+    usage="agentrl train env=NAME [key=value ...] [resume=RUN_DIR] [overwrite=true]",
+    choices={**_CHOICES, "env": _env_names},
+    examples={"env": "env=retool"},
+    notes="Dotted OmegaConf overrides; lists as actor.freeze=[attention,mlp]; dicts as env_kwargs.KEY=VALUE.",
+)
+
+
+def all_keys() -> list[str]:
     """Every dotted leaf key of the config schema, e.g. ``actor.lr``."""
-    keys = []
-    for f in dataclasses.fields(node):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if dataclasses.is_dataclass(default):
-            keys += all_keys(type(default), f"{prefix}{f.name}.")
-        else:
-            keys.append(f"{prefix}{f.name}")
-    return keys
-
-
-def _suggest(word: str, options: list[str] | tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(word, list(options), n=3, cutoff=0.5)
-    return f" Did you mean: {', '.join(close)}?" if close else ""
-
-
-def _check_key(key: str) -> None:
-    keys = all_keys()
-    if key in keys or any(k.startswith(key + ".") for k in keys):
-        return
-    if key.startswith(("env_kwargs.", "model_kwargs.")):
-        return
-    raise ConfigError(f"unknown config key {key!r}.{_suggest(key, keys)} Run `agentrl train --help` for all keys.")
-
-
-def parse_overrides(argv: list[str]) -> list[str]:
-    """Validate ``key=value`` tokens (keys checked against the schema)."""
-    for token in argv:
-        if "=" not in token or token.startswith("="):
-            raise ConfigError(f"expected key=value, got {token!r} (e.g. env=retool trainer.total_steps=10)")
-        _check_key(token.split("=", 1)[0].lstrip("+~"))
-    return argv
+    return schema_keys(TrainConfig)
 
 
 def build_config(overrides: list[str], base: DictConfig | None = None) -> DictConfig:
-    """Defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``,
-    validated; raises :class:`ConfigError`. A fresh run (no ``base``) takes its device profile's
-    :data:`DEVICE_DEFAULTS` for every such key the overrides do not set."""
-    parse_overrides(overrides)
-    schema = OmegaConf.structured(TrainConfig)
+    """Defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``
+    (parsed by :mod:`agentrl.cli_args`), validated; raises :class:`ConfigError`. A fresh run (no ``base``)
+    takes its device profile's :data:`DEVICE_DEFAULTS` for every such key the overrides do not set."""
     try:
-        cfg = OmegaConf.merge(schema, base) if base is not None else schema
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-        if base is None:
-            for key, value in DEVICE_DEFAULTS.get(device_profile(cfg), {}).items():
-                if not _set_by(overrides, key):
-                    OmegaConf.update(cfg, key, value, merge=False)
-    except (ValidationError, ConfigKeyError) as exc:
-        first = str(exc).splitlines()[0]
-        key = getattr(exc, "full_key", None)
-        raise ConfigError(f"bad config value{f' for {key}' if key else ''}: {first}") from None
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"bad config: {exc}") from None
+        cfg = parse(SPEC, overrides, base=base)
+    except UsageError as exc:
+        raise ConfigError(str(exc)) from None
+    if base is None:
+        given = normalise(SPEC, overrides)
+        for key, value in DEVICE_DEFAULTS.get(device_profile(cfg), {}).items():
+            if not _set_by(given, key):
+                OmegaConf.update(cfg, key, value, merge=False)
     validate(cfg)
     return cfg
 
@@ -401,19 +382,9 @@ def validate(cfg: DictConfig) -> None:
 
 
 def help_text() -> str:
-    """All keys with their defaults, for ``agentrl train --help``."""
-    defaults = OmegaConf.structured(TrainConfig)
-    lines = [
-        "usage: agentrl train env=NAME [key=value ...] [resume=RUN_DIR]",
-        "",
-        "Dotted OmegaConf overrides; lists as actor.freeze=[attention,mlp]. Keys and defaults:",
-    ]
-    for key in all_keys():
-        value = OmegaConf.select(defaults, key, throw_on_missing=False)
-        shown = "(required)" if OmegaConf.is_missing(defaults, key) else repr(OmegaConf.to_object(value) if OmegaConf.is_config(value) else value)
-        choices = f"  [{', '.join(_CHOICES[key])}]" if key in _CHOICES else ""
-        lines.append(f"  {key} = {shown}{choices}")
-    lines += ["", "Defaults that differ by device (device=cuda, backend=verl; the values above are device=cpu):"]
+    """All keys with their defaults and valid values, for ``agentrl train --help``, and the defaults that
+    differ by device."""
+    lines = [spec_help_text(SPEC), "", "Defaults that differ by device (device=cuda, backend=verl; the values above are device=cpu):"]
     for profile, values in DEVICE_DEFAULTS.items():
         if values:
             lines.append(f"  {profile}: " + " ".join(f"{k}={v!r}" for k, v in values.items()))

@@ -65,9 +65,6 @@ class Trainer:
         self.console = console or Console(soft_wrap=True, quiet=not self.parallel.is_main)
         self.console.print(describe_device_defaults(cfg), markup=False, highlight=False)
         self.run_dir = cfg.run_dir or default_run_dir(cfg)
-        if self.parallel.is_main:
-            os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
-            OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -133,6 +130,9 @@ class Trainer:
         self.update_generator = torch.Generator().manual_seed(cfg.seed)
         self.sink: MetricsSink | NullSink = NullSink()
         if self.parallel.is_main:
+            # the run starts (env, model and engine ready): only now is its directory written
+            os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
+            OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
             self.sink = MetricsSink(
                 self.run_dir,
                 tensorboard=cfg.trainer.tensorboard,
