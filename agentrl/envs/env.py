@@ -502,7 +502,7 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         traj.metadata["stop_reason"] = stop_reason
         traj.metadata["errors"] = dict(self._errors)
         traj.metadata["tool_calls"] = self._tool_calls
-        final = next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)
+        final = traj.final_answer
         ctx = RewardContext(
             task=self.task,
             final=final,

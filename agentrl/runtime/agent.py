@@ -205,7 +205,7 @@ class Agent:
             policy.sync(result.steps)
             traj = result.trajectory
             traj.metadata["latency_s"] = result.wall_s
-            answer = next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)
+            answer = traj.final_answer
             return AgentResult(
                 answer=answer if result.stop_reason == "answer" else None,
                 stop_reason=result.stop_reason,
