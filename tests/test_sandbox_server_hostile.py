@@ -15,7 +15,8 @@ import pytest
 import sandbox_fusion as sf
 from test_sandbox_server import _serve
 
-from agentrl.envs.sandbox.server import SandboxServerConfig, field_docs, parse_args
+from agentrl.cli_args import UsageError, field_docs
+from agentrl.envs.sandbox.server import SandboxServerConfig, parse_args
 
 if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)
@@ -201,10 +202,11 @@ def test_config_dataclass_drives_the_command_line():
     a = parse_args(["--port", "9001", "--max-timeout-s", "5", "--unsafe-no-isolation"])
     b = parse_args(["port=9001", "max_timeout_s=5", "unsafe_no_isolation=true"])
     assert a == b and a.port == 9001 and a.max_timeout_s == 5.0 and a.unsafe_no_isolation
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="max_timeout_s must be a positive number"):
         parse_args(["max_timeout_s=nan"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="token must be"):
         parse_args(["token=a/b"])
+    assert parse_args(["--max-timeout", "7"]).max_timeout_s == 7.0  # the flag's old name still works
     os.environ["AGENTRL_SANDBOX_TOKEN"] = "from-env"
     try:
         assert parse_args([]).token == "from-env"

@@ -21,14 +21,10 @@ the server's logs.
 
 from __future__ import annotations
 
-import argparse
-import ast
 import asyncio
 import base64
 import binascii
-import dataclasses
 import hmac
-import inspect
 import logging
 import math
 import os
@@ -43,6 +39,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from agentrl.cli_args import CommandSpec, parse, run, to_object
 from agentrl.envs.sandbox import fusion_api as api
 from agentrl.envs.sandbox.base import SandboxBackend, SandboxMessages, SandboxUnavailable, make_backend
 from agentrl.envs.sandbox.http_guard import ConnectionLimits, guarded_protocol
@@ -112,23 +109,6 @@ class SandboxServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field of dataclass ``cls`` (for help texts)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for stmt, nxt in zip(body, body[1:], strict=False):
-        if (
-            isinstance(stmt, ast.AnnAssign)
-            and isinstance(stmt.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
-    return docs
 
 
 class _Gate:
@@ -408,44 +388,28 @@ def _raise_fd_limit(wanted: int) -> None:
             log.warning("RLIMIT_NOFILE allows only %d fds; lower max_connections below %d", new, new - 256)
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+SPEC = CommandSpec(
+    prog="agentrl serve sandbox",
+    schema=SandboxServerConfig,
+    usage="agentrl serve sandbox [port=8080] [token=SECRET] [key=value ...]",
+    choices={"log_level": LOG_LEVELS},
+    aliases={"max_timeout": "max_timeout_s"},  # the flag's name before it carried its unit
+    notes="Serves the isolated local sandbox pool over SandboxFusion's HTTP API. Options also as --key value\n"
+    "(--max-timeout-s 30) and bare --flags for booleans (--unsafe-no-isolation).",
+)
+
+
 def parse_args(argv: list[str]) -> SandboxServerConfig:
-    """``SandboxServerConfig`` from command-line words: ``--max-timeout-s 30`` or ``max_timeout_s=30``."""
-    docs = field_docs(SandboxServerConfig)
-    p = argparse.ArgumentParser(
-        prog="agentrl serve sandbox",
-        description="Serve the isolated local sandbox pool over SandboxFusion's HTTP API. Options may also be "
-        "given as key=value.",
-    )
-    for f in dataclasses.fields(SandboxServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action="store_true", help=docs.get(f.name))
-        else:
-            kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=f.default, help=docs.get(f.name), metavar=f.name.upper())
-    words: list[str] = []
-    for word in argv:
-        key, eq, value = word.partition("=")
-        if eq and not word.startswith("-"):
-            words += (
-                [f"--{key.replace('_', '-')}", value]
-                if value.lower() not in ("true", "false")
-                else ([f"--{key.replace('_', '-')}"] if value.lower() == "true" else [])
-            )
-        else:
-            words.append(word)
-    args = p.parse_args(words)
-    try:
-        return SandboxServerConfig(**vars(args))
-    except ValueError as exc:
-        p.error(str(exc))
-        raise  # unreachable: p.error exits
+    """``SandboxServerConfig`` from command-line words (``max_timeout_s=30`` or ``--max-timeout-s 30``), read by
+    the shared parser (:mod:`agentrl.cli_args`); raises :class:`~agentrl.cli_args.UsageError`."""
+    return to_object(SPEC, parse(SPEC, argv))
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of ``agentrl serve sandbox [options]``; returns the exit code."""
-    config = parse_args(argv)
-    return serve(config)
+    """Entry point of ``agentrl serve sandbox [key=value ...]``; returns the exit code (2: a usage error)."""
+    return run(SPEC, argv, lambda cfg: serve(to_object(SPEC, cfg)))
 
 
 def serve(config: SandboxServerConfig) -> int:
