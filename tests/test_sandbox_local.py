@@ -242,6 +242,22 @@ def test_network_namespace_alone_isolates_without_seccomp():
 
 
 @needs_bwrap
+@pytest.mark.parametrize("cwd", ["/tmp", "/dev/shm", "/usr"])
+def test_pool_starts_from_any_working_directory(cwd, monkeypatch):
+    """The host's working directory is not the sandbox's (a cwd that exists inside would pin a mount there)."""
+    if not os.path.isdir(cwd):
+        pytest.skip(f"no {cwd} here")
+    monkeypatch.chdir(cwd)
+
+    async def scenario():
+        async with LocalSandbox(workers=1) as pool:
+            r = await pool.run("import os\nprint(os.getcwd())")
+            assert r.ok and r.stdout == "/tmp\n", r
+
+    asyncio.run(scenario())
+
+
+@needs_bwrap
 def test_pool_recovers_from_a_dead_worker():
     async def scenario():
         async with LocalSandbox(workers=1) as pool:

@@ -170,6 +170,9 @@ def bwrap_command(python: str, *, mode: str, source_fd: int, ro_binds: tuple[str
     cmd += ["--perms", "0755", "--size", str(_SHARED_TMPFS_BYTES), "--tmpfs", "/dev/shm"]
     cmd += ["--mqueue", "/dev/mqueue"]
     cmd += ["--ro-bind-data", str(source_fd), WORKER_PATH_INSIDE]
+    # bubblewrap would otherwise start in the host's working directory where it exists inside (e.g. /tmp), which
+    # then pins that mount: the worker could not unmount it.
+    cmd += ["--chdir", "/"]
     cmd += ["--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8"]
     cmd += ["--cap-drop", "ALL"]
     for cap in _WORKER_CAPS[mode]:
