@@ -85,6 +85,8 @@ PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 4, 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_SET_NO_NEW_PRIVS = 22, 2, 38
 #: Result kinds the code's process may report; everything else about a result is decided by the worker.
 _RESULT_KINDS = ("ok", "error", "oom")
+#: How long the worker sleeps on a stateless run's exit alone before it also reads the run's pipes, seconds.
+_QUIET_WAIT_S = 0.01
 #: The worker's health check waits at most this long for the kernel to free a finished run's memory.
 _SETTLE_S = 2.0
 
@@ -688,8 +690,12 @@ class Worker:
         for fd in (out_w, err_w, res_w, stdin_fd):
             os.close(fd)
         pidfd = os.pidfd_open(pid)
+        # Sleep until the child exits; read its pipes only then, unless it runs longer (e.g. blocked on a full
+        # pipe). Every page the worker writes while the child lives is copied (copy-on-write); once the child is
+        # gone, the page is the worker's alone again and merely made writable.
+        exited = bool(select.select((pidfd,), (), (), min(_QUIET_WAIT_S, req["timeout"]))[0])
         try:
-            col = self.collect(pid, pidfd, out_r, err_r, res_r, start + req["timeout"], True, fetch)
+            col = self.collect(pid, pidfd, out_r, err_r, res_r, start + req["timeout"], True, fetch, exited)
         finally:
             for fd in (out_r, err_r, res_r, pidfd):
                 _close(fd)
@@ -809,8 +815,9 @@ class Worker:
         before, self.oom_seen[cgroup] = self.oom_seen.get(cgroup, 0), count
         return count > before
 
-    def collect(self, pid, pidfd, out_r, err_r, res_r, deadline, one_shot, fetch):
+    def collect(self, pid, pidfd, out_r, err_r, res_r, deadline, one_shot, fetch, exited=False):
         """Gather output until the run finishes (a one-shot child exits, a kernel answers) or the deadline.
+        ``exited``: the process has already exited (its output is still in the pipes).
 
         When the process is finished (one-shot, died, timed out or corrupted its channel) it is killed with
         its process group and reaped; in every case all other processes of the call are killed after it.
@@ -822,7 +829,6 @@ class Worker:
         poller = select.poll()
         for fd in (out_r, err_r, res_r, pidfd):
             poller.register(fd, select.POLLIN)
-        exited = False
         while not exited:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
