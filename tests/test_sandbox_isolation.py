@@ -575,6 +575,34 @@ def _fake_escape_sysv(worker) -> None:
     )
 
 
+def _fake_escape_mqueue(worker) -> None:
+    """A POSIX message queue left in the sandbox's own IPC namespace (code only ever gets one of its own)."""
+    code = "import ctypes, os; assert ctypes.CDLL(None).mq_open(b'/escaped', os.O_CREAT | os.O_RDWR, 0o600, None) >= 0"
+    subprocess.run(
+        ["nsenter", f"--ipc=/proc/{_worker_pid(worker)}/ns/ipc", sys.executable, "-c", code], check=True
+    )
+
+
+def _holder(argv: list[str]) -> subprocess.Popen:
+    """Start ``argv`` (a Python script that prints 'held' once it holds its object, then waits) and wait for it."""
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def _fake_escape_unix_socket(worker) -> subprocess.Popen:
+    """A unix socket in the sandbox's network namespace, held by a process outside the sandbox (one the worker
+    can neither see nor kill), as a listener that a stateless run could reach."""
+    code = "import socket, sys; s = socket.socket(socket.AF_UNIX); s.bind(b'\\0escaped'); s.listen(1); print('held', flush=True); sys.stdin.readline()"
+    return _holder(["nsenter", f"--net=/proc/{_worker_pid(worker)}/ns/net", sys.executable, "-c", code])
+
+
+def _fake_escape_process(worker) -> subprocess.Popen:
+    """A process in the sandbox's pid namespace that the worker cannot kill (it belongs to the host's root)."""
+    code = "import sys; print('held', flush=True); sys.stdin.readline()"
+    return _holder(["nsenter", f"--target={_worker_pid(worker)}", "--pid", sys.executable, "-c", code])
+
+
 def _fake_escape_memory(worker):
     """A process outside the sandbox charging 32 MiB to the worker's run cgroup (memory a run never gave back)."""
     holder = subprocess.Popen(
@@ -597,7 +625,7 @@ def _fake_escape_memory(worker):
 @pytest.mark.skipif(
     not AS_ROOT or shutil.which("nsenter") is None, reason="faking an escape needs root and nsenter"
 )
-@pytest.mark.parametrize("escape", ["files", "sysv", "memory"])
+@pytest.mark.parametrize("escape", ["files", "sysv", "mqueue", "unix_socket", "process", "memory"])
 def test_health_check_notices_leftovers_and_replaces_the_worker_keeping_its_sessions(escape):
     with SyncSandbox("local", workers=1, memory_mb=MEMORY_MB) as box:
         backend = box._backend
@@ -606,9 +634,14 @@ def test_health_check_notices_leftovers_and_replaces_the_worker_keeping_its_sess
         if escape == "memory" and worker.cgroup is None:
             pytest.skip("no memory cgroup here")
         assert box.run("kept = 'alive'", session=sid).ok
-        holder = {"files": _fake_escape_files, "sysv": _fake_escape_sysv, "memory": _fake_escape_memory}[
-            escape
-        ](worker)
+        holder = {
+            "files": _fake_escape_files,
+            "sysv": _fake_escape_sysv,
+            "mqueue": _fake_escape_mqueue,
+            "unix_socket": _fake_escape_unix_socket,
+            "process": _fake_escape_process,
+            "memory": _fake_escape_memory,
+        }[escape](worker)
         try:
             assert box.run("print(1)").ok  # the request after which the worker checks itself
             states = box._loop.run_until_complete(backend.health())
@@ -624,6 +657,7 @@ def test_health_check_notices_leftovers_and_replaces_the_worker_keeping_its_sess
                 box._loop.run_until_complete(__import__("asyncio").sleep(0.05))
             assert not worker.alive  # retired and stopped once its last session was released
         finally:
-            if escape == "memory":
+            if holder is not None:
+                holder.stdin.close()  # a holder that waits on stdin ends (with its child under nsenter)
                 holder.kill()
                 holder.wait()
