@@ -110,6 +110,8 @@ def fresh_argv(same_isolation: bool) -> list[str]:
     argv = iso.bwrap_command("/usr/bin/python3", mode=mode, source_fd=-1, ro_binds=())
     at = argv.index("--ro-bind-data")  # the worker's source is not needed: the snippet runs with -c
     argv = argv[:at] + argv[at + 3 :]
+    at = argv.index("LD_BIND_NOW")  # a worker's tuning, not isolation (no effect on a fresh interpreter's start)
+    argv = argv[: at - 1] + argv[at + 2 :]
     # a private /tmp of the pool's default size, as each pool execution gets
     at = argv.index("/tmp")
     argv[at - 2] = str(256 << 20)

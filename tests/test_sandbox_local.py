@@ -57,6 +57,20 @@ def test_stateless_basics(sb):
     assert r.stdout == "True []\n"
 
 
+def test_code_environment_is_exactly_the_documented_one(sb):
+    """Nothing of the host's or the worker's own environment (e.g. its LD_BIND_NOW) reaches the code."""
+    from agentrl.envs.sandbox._worker import CODE_ENV
+
+    code = "import os\nprint(sorted(os.environ.items()))"
+    expected = sorted({**CODE_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items())
+    sid = sb.create_session()
+    try:
+        for r in (sb.run(code), sb.run(code, session=sid)):
+            assert r.ok and eval(r.stdout) == expected, r
+    finally:
+        sb.release_session(sid)
+
+
 def test_ordinary_libraries_work_inside(sb):
     code = (
         "import multiprocessing as mp, subprocess, concurrent.futures as cf, tempfile, os\n"
