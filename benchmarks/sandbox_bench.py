@@ -2,8 +2,8 @@
 
 Runs in one process, side by side, on this machine's cores (2 on the reference machine):
 
-1. pool, stateless: ``LocalSandbox()`` (default size: 2 workers per core), trivial snippets with 8 per core in
-   flight -> exec/s;
+1. pool, stateless: ``LocalSandbox()`` (default size: ``WORKERS_PER_CORE`` per core), trivial snippets with 8 per
+   core in flight -> exec/s;
 2. pool, stateful: sequential runs in one session -> p50 latency, ms;
 3. baselines, with as many in flight as the pool (a fresh sandbox gains from concurrency: its time goes as
    much to kernel waits for namespace setup and teardown as to CPU) -> exec/s:
@@ -44,7 +44,7 @@ import httpx
 from agentrl.envs.sandbox import _worker
 from agentrl.envs.sandbox import isolation as iso
 from agentrl.envs.sandbox.cgroups import descendants
-from agentrl.envs.sandbox.local import LocalSandbox
+from agentrl.envs.sandbox.local import WORKERS_PER_CORE, LocalSandbox
 
 SNIPPET = "print(1 + 1)"
 
@@ -110,7 +110,8 @@ def fresh_argv(same_isolation: bool) -> list[str]:
     argv = iso.bwrap_command("/usr/bin/python3", mode=mode, source_fd=-1, ro_binds=())
     at = argv.index("--ro-bind-data")  # the worker's source is not needed: the snippet runs with -c
     argv = argv[:at] + argv[at + 3 :]
-    at = argv.index("LD_BIND_NOW")  # a worker's tuning, not isolation (no effect on a fresh interpreter's start)
+    # a worker's tuning, not isolation (no effect on a fresh interpreter's start)
+    at = argv.index("LD_BIND_NOW")
     argv = argv[: at - 1] + argv[at + 2 :]
     # a private /tmp of the pool's default size, as each pool execution gets
     at = argv.index("/tmp")
@@ -227,7 +228,8 @@ async def main(argv: list[str]) -> int:
     pool_cpu = 0.0
     pool_n = 0
     in_flight = 8 * args.cores
-    async with LocalSandbox(workers=2 * args.cores) as sb:
+    workers = WORKERS_PER_CORE * args.cores
+    async with LocalSandbox(workers=workers) as sb:
         await bench_pool_stateless(sb, 1.0, in_flight)  # warm-up
         for _ in range(args.rounds):
             c0 = pool_cpu_s(sb)
@@ -243,7 +245,7 @@ async def main(argv: list[str]) -> int:
     fresh, fresh_ns_only = statistics.mean(fresh_rates[True]), statistics.mean(fresh_rates[False])
     pool_ms = 1000 * pool_cpu / pool_n
     print(
-        f"pool stateless: {pool:.0f} exec/s ({2 * args.cores} workers, {in_flight} in flight); rounds: "
+        f"pool stateless: {pool:.0f} exec/s ({workers} workers, {in_flight} in flight); rounds: "
         + ", ".join(f"{r:.0f}" for r in pool_rates),
         flush=True,
     )
@@ -262,7 +264,7 @@ async def main(argv: list[str]) -> int:
         flush=True,
     )
     if not args.skip_http:
-        http = await bench_http(2 * args.cores, args.seconds, 16)
+        http = await bench_http(workers, args.seconds, 16)
         print(f"agentrl serve sandbox over loopback HTTP: {http:.0f} req/s (16 clients)", flush=True)
     print(
         json.dumps(

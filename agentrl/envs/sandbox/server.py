@@ -57,7 +57,7 @@ class SandboxServerConfig:
     port: int = 8080
     """TCP port."""
     workers: int | None = None
-    """Sandboxes in the pool (parallel executions); default twice the CPU count."""
+    """Sandboxes in the pool (parallel executions); default three per CPU (``local.WORKERS_PER_CORE``)."""
     memory_mb: int = 1024
     """Memory limit of one execution, MiB (address space per process, and everything the run holds)."""
     max_processes: int = 64
