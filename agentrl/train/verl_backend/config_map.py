@@ -16,11 +16,25 @@ one optimizer step, else ``vanilla`` (verl's vanilla is already dual-clip); ``ro
 :func:`~agentrl.train.verl_backend.rollout_backend.choose_rollout` (``auto``: vllm or sglang, whichever is
 installed); with ``verl.rollout=agentrl``, ``rollout.max_batch_size`` -> ``rollout.max_num_seqs`` (the most
 sequences the engine samples in one batch).
+
+Run directory, logging and resume (the embedded trainer's layout, see :mod:`agentrl.train.trainer`):
+``run_dir`` (made absolute) -> ``trainer.default_local_dir = RUN_DIR/checkpoints`` (verl's checkpoints,
+``global_step_<N>/`` + ``latest_checkpointed_iteration.txt``), ``trainer.experiment_name``, and
+``trainer.agentrl.{run_dir,tensorboard}`` for the ``agentrl`` logger backend
+(:mod:`agentrl.train.verl_backend.tracking`), which ``trainer.logger`` always includes, so verl's
+per-step metrics land in ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/tensorboard`` (``trainer.wandb`` adds
+verl's ``wandb`` backend). ``trainer.save_every`` -> ``trainer.save_freq`` (0: none),
+``trainer.keep_checkpoints`` -> ``trainer.max_actor_ckpt_to_keep``. ``resume=RUN_DIR`` ->
+``trainer.resume_mode=resume_path`` with ``trainer.resume_from_path`` = the run's latest verl checkpoint
+(:func:`latest_verl_checkpoint`; VerlConfigError when there is none); without ``resume=``,
+``trainer.resume_mode=auto`` (a run directory that already holds a checkpoint continues from it, as the
+embedded trainer does).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +51,12 @@ SINK_ATTENTION = "agentrl_sink"
 
 ONPOLICY_LOSS = "agentrl_onpolicy"
 """The policy loss ``agentrl.train.algorithms.verl_registry`` registers in verl."""
+
+TRACKING_NAME = "agentrl"
+"""The logger backend :mod:`agentrl.train.verl_backend.tracking` registers in verl (``trainer.logger``)."""
+
+TRACKING_CONFIG_KEY = "agentrl"
+"""The section under verl's ``trainer`` telling that backend where to write (``run_dir``, ``tensorboard``)."""
 
 STRATEGIES = ("fsdp", "fsdp2")
 
@@ -242,6 +262,34 @@ def rollout_choice(cfg: Any) -> RolloutChoice:
         raise VerlConfigError(str(exc)) from None
 
 
+def latest_verl_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """``RUN_DIR/checkpoints/global_step_<N>`` named by verl's ``latest_checkpointed_iteration.txt``, or
+    None when the run has no complete checkpoint."""
+    root = Path(run_dir) / "checkpoints"
+    tracker = root / "latest_checkpointed_iteration.txt"
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        return None
+    folder = root / f"global_step_{int(text)}"
+    return folder if folder.is_dir() else None
+
+
+def _resume_settings(cfg: Any) -> dict[str, Any]:
+    resume = select(cfg, "resume")
+    if not resume:
+        return {"trainer.resume_mode": "auto"}
+    folder = latest_verl_checkpoint(resume)
+    if folder is None:
+        raise VerlConfigError(
+            f"resume={resume}: no verl checkpoint there ({Path(resume) / 'checkpoints'} has no "
+            "latest_checkpointed_iteration.txt naming a global_step_<N> folder). The run saved none "
+            "(trainer.save_every=0, or it stopped before its first save); start it again without resume="
+        )
+    return {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(folder.resolve())}
+
+
 def check_ours(cfg: Any) -> None:
     """Cross-field checks verl makes late (after Ray starts) or not at all. Raises VerlConfigError."""
     model = select(cfg, "model")
@@ -293,12 +341,19 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
         out["actor_rollout_ref.actor.ppo_mini_batch_size"] = int(batch) // int(minis)
     on_policy = int(select(cfg, "actor.ppo_epochs") or 1) == 1 and int(minis or 1) == 1
     out["actor_rollout_ref.actor.policy_loss.loss_mode"] = ONPOLICY_LOSS if on_policy else "vanilla"
-    logger = ["console", "wandb"] if select(cfg, "trainer.wandb") else ["console"]
-    out["trainer.logger"] = logger
+    out["trainer.logger"] = ["console", TRACKING_NAME] + (["wandb"] if select(cfg, "trainer.wandb") else [])
     run_dir = select(cfg, "run_dir")
     if run_dir:
+        run_dir = os.path.abspath(str(run_dir))
         out["trainer.default_local_dir"] = str(Path(run_dir) / "checkpoints")
         out["trainer.experiment_name"] = Path(run_dir).name
+        out[f"+trainer.{TRACKING_CONFIG_KEY}.run_dir"] = run_dir
+        tensorboard = select(cfg, "trainer.tensorboard")
+        out[f"+trainer.{TRACKING_CONFIG_KEY}.tensorboard"] = True if tensorboard is None else bool(tensorboard)
+    keep = select(cfg, "trainer.keep_checkpoints")
+    if keep is not None:
+        out["trainer.max_actor_ckpt_to_keep"] = int(keep)
+    out.update(_resume_settings(cfg))
     attention = select(cfg, "attn_implementation")
     if attention is None and is_gpt_oss(str(select(cfg, "model"))):
         attention = SINK_ATTENTION

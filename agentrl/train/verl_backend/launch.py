@@ -3,7 +3,11 @@
 :func:`plan` does everything short of launching: it writes ``<run_dir>/verl_data/{train,val}.parquet``
 from the env's tasks, maps our config to verl Hydra overrides, composes them with verl's own
 ``ppo_trainer.yaml`` and runs verl's own validation (any failure: :class:`VerlConfigError` before
-launch), and writes the fully resolved verl config to ``<run_dir>/verl_config.yaml``.
+launch), and writes our config to ``<run_dir>/config.yaml`` (what ``resume=RUN_DIR`` reloads, as for the
+embedded trainer) and the fully resolved verl config to ``<run_dir>/verl_config.yaml``. The run directory
+is made absolute (verl's Ray workers may run elsewhere); verl writes its checkpoints under
+``<run_dir>/checkpoints``, our logger backend ``metrics.jsonl`` and ``tensorboard/``, and the agent loop
+``trajectories/`` (with ``trainer.save_trajectories``).
 :func:`main` prints the plan (the exact command and the settings as verl resolved them) and, unless
 ``dry_run``, runs ``python -m verl.trainer.main_ppo <overrides>`` and returns its exit code. The plan
 names the rollout engine (``verl.rollout``) and why; launching with vLLM/SGLang when it is not installed
@@ -20,6 +24,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +61,7 @@ def _run_dir(cfg: Any) -> Path:
     run_dir = select(cfg, "run_dir")
     if run_dir:
         return Path(run_dir)
-    return Path("runs") / f"verl-{select(cfg, 'env')}"
+    return Path("runs") / f"verl-{select(cfg, 'env')}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def plan(cfg: Any) -> LaunchPlan:
@@ -65,7 +70,10 @@ def plan(cfg: Any) -> LaunchPlan:
     env = select(cfg, "env")
     if not env:
         raise VerlConfigError("env is not set; pass env=<name>, e.g. env=retool")
-    run_dir = _run_dir(cfg)
+    run_dir = _run_dir(cfg).resolve()
+    cfg.run_dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml")  # what resume=RUN_DIR starts from
     max_turns = select(cfg, "rollout.max_turns")
     env_kwargs = dict(select(cfg, "env_kwargs") or {})
     if max_turns is not None:
@@ -84,6 +92,7 @@ def plan(cfg: Any) -> LaunchPlan:
         format=str(select(cfg, "format") or "auto"),
         max_new_tokens=select(cfg, "rollout.max_new_tokens"),
         format_reward=float(select(cfg, "data.format_reward") or 0.0),
+        trajectory_dir=str(run_dir / "trajectories") if select(cfg, "trainer.save_trajectories") is not False else None,
     )
     files = ([str(Path(train_file).resolve())], [str(Path(val_file).resolve())])
     settings = verl_settings(cfg, *files)
@@ -107,8 +116,15 @@ def describe(p: LaunchPlan) -> str:
         value = OmegaConf.select(p.resolved, key.lstrip("+"))
         shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
         lines.append(f"  {key.lstrip('+')} = {shown!r}")
+    trainer = p.resolved.trainer
+    if trainer.resume_mode == "resume_path":
+        resume = f"resume: from {trainer.resume_from_path}"
+    else:
+        resume = f"resume: {trainer.resume_mode} (continues from {trainer.default_local_dir} if it holds a checkpoint)"
     lines += [
         "",
+        f"run directory: {p.run_dir} (config.yaml, metrics.jsonl, tensorboard/, trajectories/, checkpoints/)",
+        resume,
         f"dataset: {p.run_dir / 'verl_data'} (train.parquet, val.parquet)",
         f"full resolved verl config: {p.config_path}",
     ]
