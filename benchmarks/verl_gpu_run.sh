@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# verl for real on GPUs: `agentrl train backend=verl env=retool verl.rollout=agentrl` (verl 0.9.1's main_ppo:
+# Ray, FSDP2, our agent loop, rollout, on-policy loss and sink attention on a GPT-OSS-architecture model),
+# a checkpoint and `resume=`, then the step-1 loss/grad-norm comparison with the embedded trainer on the
+# same episodes, a short embedded run for the per-step figures side by side, and a report.
+#
+# Usage, on the GPU machine, from the bundle folder written by benchmarks/verl_gpu_bundle.py:
+#     bash run/verl_gpu_run.sh OUT_DIR
+# Every GPU of the machine is used (trainer.n_gpus_per_node = GPU count: FSDP over all of them).
+# Knobs (environment): STEPS (20), SAVE_EVERY (10), RESUME_STEPS (3), EMBEDDED_STEPS (10), BATCH (8),
+# GROUP (4), NEW_TOKENS (48), TURNS (2), LAYERS (4), HIDDEN (256), EXPERTS (8), BUDGET_S (450: later
+# phases are skipped when they would not fit).
+# If the bundle carries site.tar.xz in parts (site.tar.xz.part-aa, -ab, ...), each call stages the parts
+# it carries in /tmp/verl_parts and the run starts once all parts of MANIFEST.txt are there.
+# Output in OUT_DIR: report.md, verl_metrics.jsonl, embedded_metrics.jsonl, step1.json, logs.tar.xz,
+# run_meta.txt. The last line printed is
+#     verl_run: gpus=<n> steps=<n> resumed=<yes|no> step1_loss_rel_diff_vs_embedded=<x>
+set -uo pipefail
+OUT=${1:?usage: verl_gpu_run.sh OUT_DIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+BUNDLE=$(cd "$(dirname "$0")/.." && pwd)
+RUNS=$(cd "$(dirname "$0")" && pwd)
+T0=$SECONDS
+BUDGET_S=${BUDGET_S:-450}
+STEPS=${STEPS:-20} SAVE_EVERY=${SAVE_EVERY:-10} RESUME_STEPS=${RESUME_STEPS:-3} EMBEDDED_STEPS=${EMBEDDED_STEPS:-10}
+BATCH=${BATCH:-8} GROUP=${GROUP:-4} NEW_TOKENS=${NEW_TOKENS:-48} TURNS=${TURNS:-2}
+LAYERS=${LAYERS:-4} HIDDEN=${HIDDEN:-256} EXPERTS=${EXPERTS:-8}
+SITE=/tmp/verl_site WORK=/tmp/verl_work LOGS=$OUT/logs
+MODEL=$WORK/model RUN=$WORK/verl_run EMB=$WORK/embedded_run
+mkdir -p "$WORK" "$LOGS"
+log() { echo "[verl_gpu_run +$((SECONDS - T0))s] $*"; }
+left() { echo $((BUDGET_S - (SECONDS - T0))); }
+
+# NVLink multicast stays off (device rules); unbuffered Python; no network.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export RAY_USAGE_STATS_ENABLED=0 RAY_DEDUP_LOGS=1 WANDB_MODE=disabled AGENTRL_CACHE=$WORK/cache
+
+# ---------------------------------------------------------------- 1. the site folder (Ray, verl, agentrl, ...)
+archive=""
+if [ -f "$BUNDLE/site.tar.xz" ]; then
+  archive=$BUNDLE/site.tar.xz
+else
+  mkdir -p /tmp/verl_parts
+  for part in "$BUNDLE"/site.tar.xz.part-*; do [ -f "$part" ] && cp -v "$part" /tmp/verl_parts/; done
+  missing=0
+  for part in $(awk '/^site.tar.xz.part-/ {print $1}' "$BUNDLE/MANIFEST.txt"); do
+    [ -f "/tmp/verl_parts/$part" ] || { log "part $part not here yet"; missing=1; }
+  done
+  if [ $missing = 1 ]; then log "parts staged in /tmp/verl_parts; run the next call now (30 s warm window)"; exit 0; fi
+  cat /tmp/verl_parts/site.tar.xz.part-* > /tmp/site.tar.xz && archive=/tmp/site.tar.xz
+fi
+want=$(awk '$1 == "site.tar.xz" {print $3}' "$BUNDLE/MANIFEST.txt")
+if [ ! -f "$SITE/.sha256" ] || [ "$(cat "$SITE/.sha256")" != "$want" ]; then
+  got=$(sha256sum "$archive" | cut -d' ' -f1)
+  [ "$got" = "$want" ] || { log "FAIL: $archive sha256 $got != MANIFEST $want"; exit 1; }
+  rm -rf "$SITE" && mkdir -p "$SITE"
+  log "unpacking $(du -h "$archive" | cut -f1) into $SITE"
+  tar -xJf "$archive" -C "$SITE" || { log "FAIL: unpacking"; exit 1; }
+  echo "$want" > "$SITE/.sha256"
+fi
+export PYTHONPATH=$SITE
+cd "$WORK"  # never the repo checkout: its agentrl must not shadow the bundle's (and Ray workers start here)
+GPUS=$(nvidia-smi -L | grep -c "^GPU")
+NCPU=$(nproc)
+{ nvidia-smi -L; echo "cpus $NCPU"; } > "$OUT/run_meta.txt"
+
+ray_stop() { timeout 60 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1; true; }
+
+# ---------------------------------------------------------------- 2. preflight: imports, plugin, versions
+log "preflight (gpus=$GPUS cpus=$NCPU)"
+timeout 180 python3 - >> "$OUT/run_meta.txt" 2> "$LOGS/preflight.err" <<'EOF'
+import importlib.metadata as md, sys
+import torch
+assert torch.cuda.is_available(), "torch sees no GPU"
+import ray, transformers, verl, tensordict, transfer_queue  # noqa: F401
+import agentrl
+from agentrl.train.verl_backend import plugin
+assert agentrl.__file__.startswith("/tmp/verl_site/"), f"agentrl from {agentrl.__file__}, not the bundle"
+assert not plugin.FAILED, f"plugin parts failed: {plugin.FAILED}"
+need = {"agent_loop", "policy_loss", "attention", "rollout", "tracking"}
+assert need <= set(plugin.REGISTERED), f"plugin registered only {sorted(plugin.REGISTERED)}"
+print("python", sys.version.split()[0])
+for name in ("torch", "triton", "transformers", "tokenizers", "ray", "verl", "tensordict", "transferqueue",
+             "agentrl-sdk", "numpy", "protobuf", "peft", "accelerate"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+print("plugin", dict(plugin.REGISTERED))
+EOF
+rc=$?
+cat "$OUT/run_meta.txt"
+if [ $rc != 0 ]; then log "FAIL: preflight rc=$rc"; tail -30 "$LOGS/preflight.err"; exit 1; fi
+
+# ---------------------------------------------------------------- 3. a tiny GPT-OSS checkpoint (random init, bf16)
+if [ ! -f "$MODEL/config.json" ]; then
+  log "model: GPT-OSS architecture, $LAYERS layers, hidden $HIDDEN, $EXPERTS experts top-2, o200k_harmony vocabulary"
+  timeout 180 python3 - "$MODEL" "$LAYERS" "$HIDDEN" "$EXPERTS" > "$LOGS/model.log" 2>&1 <<'EOF'
+import sys
+import torch
+from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
+from agentrl.models.tiny import tiny_gpt_oss
+out, layers, hidden, experts = sys.argv[1], *map(int, sys.argv[2:])
+model = tiny_gpt_oss(num_layers=layers, hidden=hidden, experts=experts, top_k=2, seed=0, dtype=torch.bfloat16)
+model.config.architectures = ["GptOssForCausalLM"]
+model.save_pretrained(out)
+harmony_hf_tokenizer().save_pretrained(out)
+print("parameters", sum(p.numel() for p in model.parameters()))
+EOF
+  rc=$?; cat "$LOGS/model.log" | tail -3
+  [ $rc = 0 ] || { log "FAIL: model rc=$rc"; exit 1; }
+fi
+
+# ---------------------------------------------------------------- 4. verl: STEPS GRPO steps, checkpoints every SAVE_EVERY
+COMMON=(env=retool "model=$MODEL" verl.rollout=agentrl attn_implementation=agentrl_sink
+        "trainer.n_gpus_per_node=$GPUS" "rollout.batch_size=$BATCH" "rollout.n=$GROUP"
+        "rollout.max_new_tokens=$NEW_TOKENS" "rollout.max_turns=$TURNS" actor.entropy_coeff=0.01 seed=0)
+VERL=(backend=verl "${COMMON[@]}" "trainer.save_every=$SAVE_EVERY" verl.max_prompt_length=1024
+      verl.max_response_length=512 verl.n_train_tasks=512 verl.n_val_tasks=8 verl.agent_workers=2
+      "verl.overrides=[actor_rollout_ref.actor.fsdp_config.use_torch_compile=false,ray_kwargs.ray_init.num_cpus=$NCPU,+ray_kwargs.ray_init.num_gpus=$GPUS,+ray_kwargs.ray_init.include_dashboard=false,transfer_queue.backend.SimpleStorage.num_data_storage_units=2]")
+FILTER='^(rollout backend|  why|run directory|resume:|Traceback|.*Error|.*error:|.*Resuming from|.*Training from scratch|.*Saving checkpoint to|.*step:[0-9]+ )'
+short() { grep -E "$FILTER" | sed -E 's/^(.*step:[0-9]+) - .*(actor\/grad_norm:[^ ]+).*(timing_s\/step:[^ ]+).*/\1 \2 \3/' | cut -c1-300; }
+
+rm -rf "$RUN"; ray_stop
+log "verl run: $STEPS steps on $GPUS GPU(s)"
+set -x
+timeout $(( $(left) - 150 > 120 ? $(left) - 150 : 120 )) python3 -m agentrl.cli train "${VERL[@]}" \
+  "trainer.total_steps=$STEPS" "run_dir=$RUN" > "$LOGS/verl_train.log" 2>&1
+train_rc=$?
+set +x
+short < "$LOGS/verl_train.log" | tail -40
+ray_stop
+log "verl run rc=$train_rc, metrics steps: $(python3 -c "import json;print([json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')])" 2>/dev/null)"
+steps_done=$(python3 -c "import json;print(max(json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')))" 2>/dev/null || echo 0)
+
+# ---------------------------------------------------------------- 5. resume= for RESUME_STEPS more steps
+resumed=no
+if [ -f "$RUN/checkpoints/latest_checkpointed_iteration.txt" ] && [ "$(left)" -gt 120 ]; then
+  total=$(( $(cat "$RUN/checkpoints/latest_checkpointed_iteration.txt") + RESUME_STEPS ))
+  log "resume=$RUN trainer.total_steps=$total"
+  set -x
+  timeout $(( $(left) - 90 > 90 ? $(left) - 90 : 90 )) python3 -m agentrl.cli train "resume=$RUN" \
+    "trainer.total_steps=$total" > "$LOGS/verl_resume.log" 2>&1
+  resume_rc=$?
+  set +x
+  short < "$LOGS/verl_resume.log" | tail -12
+  ray_stop
+  last=$(python3 -c "import json;print(max(json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')))" 2>/dev/null || echo 0)
+  if [ $resume_rc = 0 ] && [ "$last" = "$total" ] && grep -q "Resuming from" "$LOGS/verl_resume.log"; then
+    resumed=yes; steps_done=$last
+  fi
+  log "resume rc=$resume_rc, last step $last, resumed=$resumed"
+else
+  log "SKIP resume: no checkpoint or no time left ($(left) s)"
+fi
+cp "$RUN/metrics.jsonl" "$OUT/verl_metrics.jsonl" 2>/dev/null
+
+# ---------------------------------------------------------------- 6. step 1: verl vs the embedded trainer, same episodes
+if [ -f "$RUN/metrics.jsonl" ] && [ "$(left)" -gt 40 ]; then
+  log "step-1 comparison on verl's step-1 episodes"
+  timeout $(( $(left) > 120 ? 120 : $(left) )) python3 "$RUNS/verl_step1_compare.py" --run "$RUN" --model "$MODEL" \
+    --device cuda --dtype bfloat16 --out "$OUT/step1.json" > "$LOGS/step1.log" 2>&1
+  log "step-1 comparison rc=$?: $(tail -1 "$LOGS/step1.log")"
+fi
+
+# ---------------------------------------------------------------- 7. the embedded trainer, same settings, for the figures side by side
+if [ "$(left)" -gt 70 ]; then
+  log "embedded run: $EMBEDDED_STEPS steps"
+  rm -rf "$EMB"
+  timeout $(( $(left) - 15 )) python3 -m agentrl.cli train "${COMMON[@]}" device=cuda dtype=bfloat16 \
+    "trainer.total_steps=$EMBEDDED_STEPS" trainer.save_every=0 eval.num_tasks=0 trainer.progress=false \
+    "run_dir=$EMB" > "$LOGS/embedded.log" 2>&1
+  log "embedded run rc=$?"
+  grep -E "^step " "$LOGS/embedded.log" | tail -3
+  cp "$EMB/metrics.jsonl" "$OUT/embedded_metrics.jsonl" 2>/dev/null
+else
+  log "SKIP embedded run: $(left) s left"
+fi
+
+# ---------------------------------------------------------------- 8. report
+args=(--verl "$RUN" --gpus "$GPUS" --resumed "$resumed")
+[ -f "$EMB/metrics.jsonl" ] && args+=(--embedded "$EMB")
+[ -f "$OUT/step1.json" ] && args+=(--step1 "$OUT/step1.json")
+python3 "$RUNS/verl_run_report.py" "${args[@]}" > "$OUT/report.md" 2> "$LOGS/report.err"
+tar -cJf "$OUT/logs.tar.xz" -C "$OUT" logs && rm -rf "$LOGS"
+grep -E "means over|^step1|rel_diff" "$OUT/report.md" | cut -c1-400
+log "done (train rc=$train_rc)"
+rel=$(python3 -c "import json;print(f\"{json.load(open('$OUT/step1.json'))['loss']['rel_diff']:.3g}\")" 2>/dev/null || echo nan)
+echo "verl_run: gpus=$GPUS steps=$steps_done resumed=$resumed step1_loss_rel_diff_vs_embedded=$rel"
