@@ -9,7 +9,9 @@
 # Every GPU of the machine is used (trainer.n_gpus_per_node = GPU count: FSDP over all of them).
 # Knobs (environment): STEPS (20), SAVE_EVERY (10), RESUME_STEPS (3), EMBEDDED_STEPS (10), BATCH (8),
 # GROUP (4), NEW_TOKENS (48), TURNS (2), LAYERS (4), HIDDEN (256), EXPERTS (8), BUDGET_S (450: later
-# phases are skipped when they would not fit).
+# phases are skipped when they would not fit). For a rehearsal without GPUs (tests/_verl_cpu_platform.py):
+# GPUS=1 DEVICE=cpu DTYPE=float32 ATTN=eager EXTRA_OVERRIDES=,trainer.device=cpu,... plus the platform's
+# environment (see tests/test_verl_main_ppo_cpu.py).
 # If the bundle carries site.tar.xz in parts (site.tar.xz.part-aa, -ab, ...), each call stages the parts
 # it carries in /tmp/verl_parts and the run starts once all parts of MANIFEST.txt are there.
 # Output in OUT_DIR: report.md, verl_metrics.jsonl, embedded_metrics.jsonl, step1.json, logs.tar.xz,
@@ -26,6 +28,7 @@ BUDGET_S=${BUDGET_S:-450}
 STEPS=${STEPS:-20} SAVE_EVERY=${SAVE_EVERY:-10} RESUME_STEPS=${RESUME_STEPS:-3} EMBEDDED_STEPS=${EMBEDDED_STEPS:-10}
 BATCH=${BATCH:-8} GROUP=${GROUP:-4} NEW_TOKENS=${NEW_TOKENS:-48} TURNS=${TURNS:-2}
 LAYERS=${LAYERS:-4} HIDDEN=${HIDDEN:-256} EXPERTS=${EXPERTS:-8}
+DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} ATTN=${ATTN:-agentrl_sink} EXTRA_OVERRIDES=${EXTRA_OVERRIDES:-}
 SITE=/tmp/verl_site WORK=/tmp/verl_work LOGS=$OUT/logs
 MODEL=$WORK/model RUN=$WORK/verl_run EMB=$WORK/embedded_run
 mkdir -p "$WORK" "$LOGS"
@@ -60,20 +63,21 @@ if [ ! -f "$SITE/.sha256" ] || [ "$(cat "$SITE/.sha256")" != "$want" ]; then
   tar -xJf "$archive" -C "$SITE" || { log "FAIL: unpacking"; exit 1; }
   echo "$want" > "$SITE/.sha256"
 fi
-export PYTHONPATH=$SITE
+export PYTHONPATH=$SITE${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}
 cd "$WORK"  # never the repo checkout: its agentrl must not shadow the bundle's (and Ray workers start here)
-GPUS=$(nvidia-smi -L | grep -c "^GPU")
+GPUS=${GPUS:-$(nvidia-smi -L | grep -c "^GPU")}
 NCPU=$(nproc)
-{ nvidia-smi -L; echo "cpus $NCPU"; } > "$OUT/run_meta.txt"
+RAY_CPUS=${RAY_CPUS:-$(( NCPU > 16 ? NCPU : 16 ))}  # a scheduling count: verl's TransferQueue alone takes 4 "CPUs"
+{ nvidia-smi -L 2>/dev/null; echo "gpus $GPUS cpus $NCPU ray_cpus $RAY_CPUS"; } > "$OUT/run_meta.txt"
 
 ray_stop() { timeout 60 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1; true; }
 
 # ---------------------------------------------------------------- 2. preflight: imports, plugin, versions
 log "preflight (gpus=$GPUS cpus=$NCPU)"
-timeout 180 python3 - >> "$OUT/run_meta.txt" 2> "$LOGS/preflight.err" <<'EOF'
+timeout 180 python3 - "$DEVICE" >> "$OUT/run_meta.txt" 2> "$LOGS/preflight.err" <<'EOF'
 import importlib.metadata as md, sys
 import torch
-assert torch.cuda.is_available(), "torch sees no GPU"
+assert sys.argv[1] != "cuda" or torch.cuda.is_available(), "torch sees no GPU"
 import ray, transformers, verl, tensordict, transfer_queue  # noqa: F401
 import agentrl
 from agentrl.train.verl_backend import plugin
@@ -114,12 +118,12 @@ EOF
 fi
 
 # ---------------------------------------------------------------- 4. verl: STEPS GRPO steps, checkpoints every SAVE_EVERY
-COMMON=(env=retool "model=$MODEL" verl.rollout=agentrl attn_implementation=agentrl_sink
+COMMON=(env=retool "model=$MODEL" verl.rollout=agentrl "attn_implementation=$ATTN"
         "trainer.n_gpus_per_node=$GPUS" "rollout.batch_size=$BATCH" "rollout.n=$GROUP"
         "rollout.max_new_tokens=$NEW_TOKENS" "rollout.max_turns=$TURNS" actor.entropy_coeff=0.01 seed=0)
 VERL=(backend=verl "${COMMON[@]}" "trainer.save_every=$SAVE_EVERY" verl.max_prompt_length=1024
       verl.max_response_length=512 verl.n_train_tasks=512 verl.n_val_tasks=8 verl.agent_workers=2
-      "verl.overrides=[actor_rollout_ref.actor.fsdp_config.use_torch_compile=false,ray_kwargs.ray_init.num_cpus=$NCPU,+ray_kwargs.ray_init.num_gpus=$GPUS,+ray_kwargs.ray_init.include_dashboard=false,transfer_queue.backend.SimpleStorage.num_data_storage_units=2]")
+      "verl.overrides=[actor_rollout_ref.actor.fsdp_config.use_torch_compile=false,ray_kwargs.ray_init.num_cpus=$RAY_CPUS,+ray_kwargs.ray_init.num_gpus=$GPUS,+ray_kwargs.ray_init.include_dashboard=false,transfer_queue.backend.SimpleStorage.num_data_storage_units=2$EXTRA_OVERRIDES]")
 FILTER='^(rollout backend|  why|run directory|resume:|Traceback|.*Error|.*error:|.*Resuming from|.*Training from scratch|.*Saving checkpoint to|.*step:[0-9]+ )'
 short() { grep -E "$FILTER" | sed -E 's/^(.*step:[0-9]+) - .*(actor\/grad_norm:[^ ]+).*(timing_s\/step:[^ ]+).*/\1 \2 \3/' | cut -c1-300; }
 
@@ -161,7 +165,7 @@ cp "$RUN/metrics.jsonl" "$OUT/verl_metrics.jsonl" 2>/dev/null
 if [ -f "$RUN/metrics.jsonl" ] && [ "$(left)" -gt 40 ]; then
   log "step-1 comparison on verl's step-1 episodes"
   timeout $(( $(left) > 120 ? 120 : $(left) )) python3 "$RUNS/verl_step1_compare.py" --run "$RUN" --model "$MODEL" \
-    --device cuda --dtype bfloat16 --out "$OUT/step1.json" > "$LOGS/step1.log" 2>&1
+    --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/step1.json" > "$LOGS/step1.log" 2>&1
   log "step-1 comparison rc=$?: $(tail -1 "$LOGS/step1.log")"
 fi
 
@@ -169,7 +173,7 @@ fi
 if [ "$(left)" -gt 70 ]; then
   log "embedded run: $EMBEDDED_STEPS steps"
   rm -rf "$EMB"
-  timeout $(( $(left) - 15 )) python3 -m agentrl.cli train "${COMMON[@]}" device=cuda dtype=bfloat16 \
+  timeout $(( $(left) - 15 )) python3 -m agentrl.cli train "${COMMON[@]}" "device=$DEVICE" "dtype=$DTYPE" \
     "trainer.total_steps=$EMBEDDED_STEPS" trainer.save_every=0 eval.num_tasks=0 trainer.progress=false \
     "run_dir=$EMB" > "$LOGS/embedded.log" 2>&1
   log "embedded run rc=$?"

@@ -11,14 +11,19 @@ entropy coefficient, clipping, learning rate), and its step-1 figures are compar
   micro-batches) vs the embedded ``actor/pg_loss - entropy_coeff * actor/entropy``;
 - ``actor/pg_loss`` and ``actor/grad_norm`` (before clipping) on both sides.
 
+With ``--reference-attn eager`` (the default when the run used ``agentrl_sink``) the embedded update also
+runs with transformers' eager attention (which implements GPT-OSS's sinks in plain PyTorch) on the same
+episodes: ``embedded_reference`` and its relative differences check the sink kernel inside the model, in
+the run's dtype, independently of verl.
+
 Relative difference: ``|verl - embedded| / max(|verl|, |embedded|)`` (0 when both are 0). Prints a JSON
-record, then one summary line last::
+record, then the summary line (and, with a reference, one more line)::
 
     step1: loss verl=<x> embedded=<y> rel_diff=<r>  grad_norm verl=<a> embedded=<b> rel_diff=<s>
 
 Usage (on a GPU machine, after the verl run):
     python benchmarks/verl_step1_compare.py --run RUN_DIR --model MODEL_DIR [--device cuda]
-        [--dtype bfloat16] [--attn agentrl_sink] [--out step1.json]
+        [--dtype bfloat16] [--attn agentrl_sink] [--reference-attn eager|none] [--out step1.json]
 """
 
 from __future__ import annotations
@@ -83,13 +88,14 @@ def embedded_step(run_dir: str, model_dir: str, device: str, dtype: str, attn: s
     metrics["groups"] = len(set(groups))
     metrics["model_tokens"] = int(batch.response_mask.sum())
     metrics["entropy_coeff"] = float(cfg.actor.entropy_coeff)
+    metrics["attn_implementation"] = loaded.attn_implementation
     return metrics
 
 
-def compare(verl: dict, ours: dict) -> dict:
+def compare(verl: dict, ours: dict, reference: dict | None = None) -> dict:
     coeff = ours["entropy_coeff"]
     ours_loss = ours["actor/pg_loss"] - coeff * ours["actor/entropy"]
-    out = {
+    out: dict = {
         "episodes": ours["episodes"], "groups": ours["groups"], "model_tokens": ours["model_tokens"],
         "entropy_coeff": coeff,
         "loss": {"verl": verl.get("actor/loss"), "embedded": ours_loss},
@@ -103,6 +109,14 @@ def compare(verl: dict, ours: dict) -> dict:
         if pair["verl"] is None:
             raise SystemExit(f"verl's step 1 has no {key} metric (keys: actor/loss, actor/pg_loss, actor/grad_norm)")
         pair["rel_diff"] = rel_diff(float(pair["verl"]), float(pair["embedded"]))
+    if reference is not None:
+        ref = {"attn_implementation": reference["attn_implementation"],
+               "loss": reference["actor/pg_loss"] - coeff * reference["actor/entropy"],
+               "grad_norm": reference["actor/grad_norm"], "entropy": reference["actor/entropy"]}
+        for key in ("loss", "grad_norm"):
+            ref[f"{key}_rel_diff_vs_embedded"] = rel_diff(float(ref[key]), float(out[key]["embedded"]))
+            ref[f"{key}_rel_diff_vs_verl"] = rel_diff(float(ref[key]), float(out[key]["verl"]))
+        out["embedded_reference"] = ref
     return out
 
 
@@ -113,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attn", default=None, help="attention implementation (default: the run's)")
+    ap.add_argument("--reference-attn", default=None,
+                    help="also run the embedded update with this attention (default: eager when --attn is agentrl_sink)")
     ap.add_argument("--out", default=None, help="also write the JSON record here")
     args = ap.parse_args(argv)
     from omegaconf import OmegaConf
@@ -121,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
 
     saved = OmegaConf.load(os.path.join(args.run, "config.yaml"))  # verl's attention: the same rule as launch
     attn = args.attn or saved.get("attn_implementation") or (SINK_ATTENTION if is_gpt_oss(args.model) else None)
-    result = compare(verl_metrics(args.run), embedded_step(args.run, args.model, args.device, args.dtype, attn))
+    reference_attn = args.reference_attn or ("eager" if attn == SINK_ATTENTION else None)
+    ours = embedded_step(args.run, args.model, args.device, args.dtype, attn)
+    reference = None
+    if reference_attn and reference_attn != "none":
+        reference = embedded_step(args.run, args.model, args.device, args.dtype, reference_attn)
+    result = compare(verl_metrics(args.run), ours, reference)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
@@ -130,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     loss, gn = result["loss"], result["grad_norm"]
     print(f"step1: loss verl={loss['verl']:.6g} embedded={loss['embedded']:.6g} rel_diff={loss['rel_diff']:.3g}  "
           f"grad_norm verl={gn['verl']:.6g} embedded={gn['embedded']:.6g} rel_diff={gn['rel_diff']:.3g}", flush=True)
+    if "embedded_reference" in result:
+        ref = result["embedded_reference"]
+        print(f"step1 reference ({ref['attn_implementation']}): loss={ref['loss']:.6g} "
+              f"rel_diff_vs_embedded={ref['loss_rel_diff_vs_embedded']:.3g}  grad_norm={ref['grad_norm']:.6g} "
+              f"rel_diff_vs_embedded={ref['grad_norm_rel_diff_vs_embedded']:.3g}", flush=True)
     return 0
 
 
