@@ -135,6 +135,8 @@ timeout $(( $(left) - 150 > 120 ? $(left) - 150 : 120 )) python3 -m agentrl.cli 
 train_rc=$?
 set +x
 short < "$LOGS/verl_train.log" | tail -40
+NOISE='target_num_threads|UserWarning|warnings.warn|SimpleStorageUnit|Per-operation|Time range|perf_utils'
+[ $train_rc = 0 ] || grep -vE "$NOISE" "$LOGS/verl_train.log" | tail -60 | cut -c1-300
 ray_stop
 log "verl run rc=$train_rc, metrics steps: $(python3 -c "import json;print([json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')])" 2>/dev/null)"
 steps_done=$(python3 -c "import json;print(max(json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')))" 2>/dev/null || echo 0)
@@ -150,6 +152,7 @@ if [ -f "$RUN/checkpoints/latest_checkpointed_iteration.txt" ] && [ "$(left)" -g
   resume_rc=$?
   set +x
   short < "$LOGS/verl_resume.log" | tail -12
+  [ $resume_rc = 0 ] || grep -vE "$NOISE" "$LOGS/verl_resume.log" | tail -40 | cut -c1-300
   ray_stop
   last=$(python3 -c "import json;print(max(json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')))" 2>/dev/null || echo 0)
   if [ $resume_rc = 0 ] && [ "$last" = "$total" ] && grep -q "Resuming from" "$LOGS/verl_resume.log"; then
@@ -166,7 +169,9 @@ if [ -f "$RUN/metrics.jsonl" ] && [ "$(left)" -gt 40 ]; then
   log "step-1 comparison on verl's step-1 episodes"
   timeout $(( $(left) > 120 ? 120 : $(left) )) python3 "$RUNS/verl_step1_compare.py" --run "$RUN" --model "$MODEL" \
     --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/step1.json" > "$LOGS/step1.log" 2>&1
-  log "step-1 comparison rc=$?: $(tail -1 "$LOGS/step1.log")"
+  cmp_rc=$?
+  log "step-1 comparison rc=$cmp_rc"; grep -E "^step1" "$LOGS/step1.log"
+  [ $cmp_rc = 0 ] || tail -20 "$LOGS/step1.log" | cut -c1-300
 fi
 
 # ---------------------------------------------------------------- 7. the embedded trainer, same settings, for the figures side by side
@@ -176,8 +181,10 @@ if [ "$(left)" -gt 70 ]; then
   timeout $(( $(left) - 15 )) python3 -m agentrl.cli train "${COMMON[@]}" "device=$DEVICE" "dtype=$DTYPE" \
     "trainer.total_steps=$EMBEDDED_STEPS" trainer.save_every=0 eval.num_tasks=0 trainer.progress=false \
     "run_dir=$EMB" > "$LOGS/embedded.log" 2>&1
-  log "embedded run rc=$?"
+  emb_rc=$?
+  log "embedded run rc=$emb_rc"
   grep -E "^step " "$LOGS/embedded.log" | tail -3
+  [ $emb_rc = 0 ] || tail -20 "$LOGS/embedded.log" | cut -c1-300
   cp "$EMB/metrics.jsonl" "$OUT/embedded_metrics.jsonl" 2>/dev/null
 else
   log "SKIP embedded run: $(left) s left"

@@ -129,6 +129,7 @@ def test_verl_rejects_incompatible_sizes_before_launch(tmp_path):
         ({"model": "smollm2-135m"}, "GGUF checkpoint"),
         ({"verl.ulysses": 2}, "Valid verl.\\* keys"),
         ({"rollout.batch_size": 30, "actor.num_mini_batches": 4}, "divisible by actor.num_mini_batches"),
+        ({"attn_implementation": "eager"}, "verl.ulysses_sp needs packed sequences"),
     ],
 )
 def test_our_checks(tmp_path, over, message):
@@ -199,3 +200,15 @@ def test_cli_resume_reloads_the_saved_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"resume: from {run / 'checkpoints' / 'global_step_4'}" in out
     assert "trainer.total_training_steps = 6" in out and "actor_rollout_ref.rollout.name = 'agentrl'" in out
+
+
+@pytest.mark.parametrize("model, attention, packed", [
+    ("openai/gpt-oss-20b", None, True),  # agentrl_sink: packed rows kept apart
+    ("openai/gpt-oss-20b", "eager", False),  # GPT-OSS eager attends across packed rows: padded rows instead
+    ("Qwen/Qwen3-8B", None, True),  # verl's default flash_attention_2
+    ("Qwen/Qwen3-8B", "sdpa", False),
+])
+def test_packed_rows_only_with_an_attention_that_keeps_them_apart(tmp_path, model, attention, packed):
+    over = {"model": model, "verl.ulysses_sp": 1, "attn_implementation": attention}
+    kv = dict(o.split("=", 1) for o in verl_overrides(_cfg(tmp_path, **over), ["t.parquet"], ["v.parquet"]))
+    assert kv["actor_rollout_ref.model.use_remove_padding"] == ("true" if packed else "false")

@@ -12,7 +12,11 @@ derived ones: ``actor.num_mini_batches`` -> ``ppo_mini_batch_size = rollout.batc
 ``actor.policy_loss`` -> ``agentrl_onpolicy`` (our on-policy log-prob fix) when each rollout batch gets
 one optimizer step, else ``vanilla`` (verl's vanilla is already dual-clip); ``rollout.top_k=0`` -> ``-1``;
 ``attn_implementation`` (default ``agentrl_sink`` for GPT-OSS models) -> ``override_config``;
-``verl.rollout`` -> ``actor_rollout_ref.rollout.name`` as resolved on this machine by
+``actor_rollout_ref.model.use_remove_padding`` (verl's packed training rows) is on exactly when the attention
+keeps packed sequences apart (:data:`PACKED_ATTENTION`, or verl's default flash_attention_2 when none is
+set): GPT-OSS's eager attention would attend across the packed sequences, so with
+``attn_implementation=eager`` verl trains on padded rows instead (and Ulysses, which needs packed rows,
+is refused); ``verl.rollout`` -> ``actor_rollout_ref.rollout.name`` as resolved on this machine by
 :func:`~agentrl.train.verl_backend.rollout_backend.choose_rollout` (``auto``: vllm or sglang, whichever is
 installed); with ``verl.rollout=agentrl``, ``rollout.max_batch_size`` -> ``rollout.max_num_seqs`` (the most
 sequences the engine samples in one batch).
@@ -57,6 +61,10 @@ TRACKING_NAME = "agentrl"
 
 TRACKING_CONFIG_KEY = "agentrl"
 """The section under verl's ``trainer`` telling that backend where to write (``run_dir``, ``tensorboard``)."""
+
+PACKED_ATTENTION = (SINK_ATTENTION, "flash_attention_2", "flash_attention_3")
+"""Attention implementations that keep sequences packed into one row apart (through ``position_ids``), so
+verl may train on packed rows (``use_remove_padding``); eager and sdpa would attend across sequences."""
 
 STRATEGIES = ("fsdp", "fsdp2")
 
@@ -176,7 +184,6 @@ FIXED: dict[str, Any] = {
     "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_NAME,
     "actor_rollout_ref.rollout.calculate_log_probs": True,  # rollout log-probs: correction + on-policy check
     "actor_rollout_ref.rollout.mode": "async",
-    "actor_rollout_ref.model.use_remove_padding": True,  # packed sequences (sink attention under Ulysses)
     "data.return_raw_chat": True,
     "data.filter_overlong_prompts": False,  # the env renders the prompt, not verl's chat template
     "trainer.val_before_train": False,
@@ -290,6 +297,19 @@ def _resume_settings(cfg: Any) -> dict[str, Any]:
     return {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(folder.resolve())}
 
 
+def resolved_attention(cfg: Any) -> str | None:
+    """``attn_implementation``, or ``agentrl_sink`` for a GPT-OSS model when unset (None: verl's default)."""
+    attention = select(cfg, "attn_implementation")
+    if attention is None and is_gpt_oss(str(select(cfg, "model"))):
+        attention = SINK_ATTENTION
+    return None if attention is None else str(attention)
+
+
+def packs_sequences(attention: str | None) -> bool:
+    """True when ``attention`` keeps sequences packed in one row apart (None: verl's flash_attention_2)."""
+    return attention is None or attention in PACKED_ATTENTION
+
+
 def check_ours(cfg: Any) -> None:
     """Cross-field checks verl makes late (after Ray starts) or not at all. Raises VerlConfigError."""
     model = select(cfg, "model")
@@ -308,6 +328,12 @@ def check_ours(cfg: Any) -> None:
                 f"{key}={size} must be >= 1 and divide the GPU count "
                 f"(trainer.n_gpus_per_node x trainer.nnodes = {n_gpus})"
             )
+    attention = resolved_attention(cfg)
+    if int(select(cfg, "verl.ulysses_sp") or 1) > 1 and not packs_sequences(attention):
+        raise VerlConfigError(
+            f"verl.ulysses_sp needs packed sequences, which attn_implementation={attention} would attend "
+            f"across; use attn_implementation={SINK_ATTENTION} (GPT-OSS) or flash_attention_2, or verl.ulysses_sp=1"
+        )
     if rollout_choice(cfg).name == ROLLOUT_NAME and int(select(cfg, "verl.tensor_parallel") or 1) != 1:
         raise VerlConfigError(
             "verl.rollout=agentrl runs one engine per GPU; set verl.tensor_parallel=1, or use "
@@ -354,9 +380,8 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
     if keep is not None:
         out["trainer.max_actor_ckpt_to_keep"] = int(keep)
     out.update(_resume_settings(cfg))
-    attention = select(cfg, "attn_implementation")
-    if attention is None and is_gpt_oss(str(select(cfg, "model"))):
-        attention = SINK_ATTENTION
+    attention = resolved_attention(cfg)
+    out["actor_rollout_ref.model.use_remove_padding"] = packs_sequences(attention)
     if attention:
         out["+actor_rollout_ref.model.override_config.attn_implementation"] = str(attention)
     return out
