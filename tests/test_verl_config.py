@@ -189,6 +189,7 @@ def test_cli_resume_reloads_the_saved_config(tmp_path, capsys):
     assert main(argv) == 0
     first = capsys.readouterr().out
     assert f"run directory: {run}" in first and "resume: auto" in first
+    assert f"hydra.run.dir={run / 'hydra'}" in first  # Hydra's own output in the run dir, never ./outputs
     assert (run / "config.yaml").is_file() and (run / "verl_data" / "train.parquet").is_file()
 
     assert main([f"resume={run}", "trainer.total_steps=6", "--dry-run"]) == 2  # no checkpoint yet

@@ -29,7 +29,7 @@ CPU_OVERRIDES = ("verl.overrides=[trainer.device=cpu,actor_rollout_ref.rollout.d
                  "transfer_queue.backend.SimpleStorage.num_data_storage_units=2]")
 
 
-def _launch(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+def _launch(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")]),
@@ -40,8 +40,9 @@ def _launch(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
         "RAY_DEDUP_LOGS": "0",
         "PYTHONUNBUFFERED": "1",
     }
+    cwd.mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-c", LAUNCH, *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
 
 
 def _records(run: Path) -> list[dict]:
@@ -65,7 +66,8 @@ def test_verl_main_ppo_trains_checkpoints_and_resumes_on_cpu(tmp_path):
               "verl.max_prompt_length=512", "verl.max_response_length=64", "verl.n_train_tasks=16",
               "verl.n_val_tasks=2", "verl.agent_workers=1", CPU_OVERRIDES]
 
-    first = _launch([*common, "trainer.total_steps=2", f"run_dir={run}"])
+    cwd = tmp_path / "cwd"
+    first = _launch([*common, "trainer.total_steps=2", f"run_dir={run}"], cwd)
     assert first.returncode == 0, (first.stdout + first.stderr)[-6000:]
     records = _records(run)
     assert [r["step"] for r in records] == [1, 2]
@@ -86,7 +88,10 @@ def test_verl_main_ppo_trains_checkpoints_and_resumes_on_cpu(tmp_path):
         assert len(lines) == 4 and {x["metadata"]["global_steps"] for x in lines} == {step - 1}
         assert len({x["metadata"]["group"] for x in lines}) == 2
 
-    resumed = _launch([f"resume={run}", "trainer.total_steps=3"])
+    assert (run / "hydra" / ".hydra" / "overrides.yaml").is_file()  # Hydra's record, in the run directory
+    assert not (cwd / "outputs").exists()  # and not in ./outputs of wherever the run was started
+
+    resumed = _launch([f"resume={run}", "trainer.total_steps=3"], cwd)
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-6000:]
     assert f"resume: from {run / 'checkpoints' / 'global_step_2'}" in out

@@ -9,7 +9,8 @@ failure: :class:`VerlConfigError` before launch), and writes our config to ``<ru
 ``resume=RUN_DIR`` reloads, as for the embedded trainer) and the fully resolved verl config to
 ``<run_dir>/verl_config.yaml``. The run directory is made absolute (verl's Ray workers may run elsewhere);
 verl writes its checkpoints under ``<run_dir>/checkpoints``, our logger backend ``metrics.jsonl`` and
-``tensorboard/``, and the agent loop ``trajectories/`` (with ``trainer.save_trajectories``).
+``tensorboard/``, the agent loop ``trajectories/`` (with ``trainer.save_trajectories``), and Hydra its
+``.hydra/`` record and ``main_ppo.log`` under ``<run_dir>/hydra`` (``hydra.run.dir``; never ``./outputs``).
 :func:`main` prints the plan (the exact command and the settings as verl resolved them) and, unless
 ``dry_run``, runs ``python -m verl.trainer.main_ppo <overrides>`` and returns its exit code. The plan
 names the rollout engine (``verl.rollout``) and why; launching with vLLM/SGLang when it is not installed
@@ -37,6 +38,7 @@ from agentrl.train.verl_backend.config_map import (
     LOSS_MODE_KEY,
     VerlConfigError,
     choose_policy_loss,
+    hydra_value,
     rollout_choice,
     select,
     verl_overrides,
@@ -127,7 +129,10 @@ def plan(cfg: Any) -> LaunchPlan:
     validate_verl_config(resolved)
     config_path = run_dir / "verl_config.yaml"
     config_path.write_text(OmegaConf.to_yaml(resolved))
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    # Hydra's own output (.hydra/, main_ppo.log) goes into the run directory, not ./outputs/ of wherever
+    # the user (or a test) started from; it changes nothing in verl's job config
+    hydra_dir = f"hydra.run.dir={hydra_value(str(run_dir / 'hydra'))}"
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, hydra_dir]
     return LaunchPlan(command, settings, resolved, run_dir, config_path, rollout_choice(cfg), why,
                       _defaults_line(cfg))
 
@@ -152,7 +157,7 @@ def describe(p: LaunchPlan) -> str:
         resume = f"resume: {trainer.resume_mode} (continues from {trainer.default_local_dir} if it holds a checkpoint)"
     lines += [
         "",
-        f"run directory: {p.run_dir} (config.yaml, metrics.jsonl, tensorboard/, trajectories/, checkpoints/)",
+        f"run directory: {p.run_dir} (config.yaml, metrics.jsonl, tensorboard/, trajectories/, checkpoints/, hydra/)",
         resume,
         f"policy loss: {OmegaConf.select(p.resolved, LOSS_MODE_KEY)}: {p.loss_reason}",
         f"dataset: {p.run_dir / 'verl_data'} (train.parquet, val.parquet)",
