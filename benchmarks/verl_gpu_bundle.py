@@ -7,7 +7,7 @@ script, run on a machine with PyPI access, writes to ``OUT_DIR``:
 - ``site.tar.xz``: one site folder holding every missing distribution for CPython 3.12 on manylinux
   x86-64, unpacked from its wheel (pinned below: the versions verl's whole ``main_ppo`` was rehearsed
   with on the CPU, ``tests/test_verl_main_ppo_cpu.py``), plus agentrl itself as a wheel built from this
-  checkout (so the ``verl.plugins`` entry point that loads our plugin in every verl process is there).
+  checkout's tracked files (so the ``verl.plugins`` entry point that loads our plugin in every verl process is there).
   Wheels are unpacked into one folder, not ``pip install --target``ed one by one (distributions sharing
   a top-level folder, e.g. ``google/`` or ``opentelemetry/``, would replace each other). Ray's Java jar
   (``ray/jars``, 31 MiB, only for Java workers) is left out so that the bundle fits one call.
@@ -81,7 +81,19 @@ def download(wheels: Path, python_version: str) -> None:
     sdists = wheels.parent / "sdist"
     pip("download", "-q", "--no-deps", "--no-binary=:all:", "-d", str(sdists), *SDISTS)
     pip("wheel", "-q", "--no-deps", "-w", str(wheels), *map(str, sorted(sdists.iterdir())))
-    pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(REPO))
+    pip("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(tracked_copy(wheels.parent / "src")))
+
+
+def tracked_copy(dest: Path) -> Path:
+    """The checkout's git-tracked files (as they are on disk) copied to ``dest``: agentrl's wheel is built
+    from these alone, never from stale ``build/`` leftovers or untracked files of the checkout."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True).stdout
+    for name in filter(None, files.decode().split("\0")):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
 
 
 def unpack(wheels: Path, site: Path) -> list[str]:

@@ -7,15 +7,17 @@
 # Usage, on the GPU machine, from the bundle folder written by benchmarks/verl_gpu_bundle.py:
 #     bash run/verl_gpu_run.sh OUT_DIR
 # Every GPU of the machine is used (trainer.n_gpus_per_node = GPU count: FSDP over all of them).
-# Knobs (environment): STEPS (20), SAVE_EVERY (10), RESUME_STEPS (3), EMBEDDED_STEPS (10), BATCH (8),
+# Knobs (environment): STEPS (20), SAVE_EVERY (5), RESUME_STEPS (3), EMBEDDED_STEPS (10), BATCH (8),
 # GROUP (4), NEW_TOKENS (48), TURNS (2), LAYERS (4), HIDDEN (256), EXPERTS (8), BUDGET_S (450: later
-# phases are skipped when they would not fit). For a rehearsal without GPUs (tests/_verl_cpu_platform.py):
+# phases are skipped when they would not fit), STALL_S (180: a training launch that prints nothing for
+# this long is stopped, so a hang cannot eat the budget). For a rehearsal without GPUs (tests/_verl_cpu_platform.py):
 # GPUS=1 DEVICE=cpu DTYPE=float32 ATTN=eager EXTRA_OVERRIDES=,trainer.device=cpu,... plus the platform's
 # environment (see tests/test_verl_main_ppo_cpu.py).
 # If the bundle carries site.tar.xz in parts (site.tar.xz.part-aa, -ab, ...), each call stages the parts
 # it carries in /tmp/verl_parts and the run starts once all parts of MANIFEST.txt are there.
-# Output in OUT_DIR: report.md, verl_metrics.jsonl, embedded_metrics.jsonl, step1.json, logs.tar.xz,
-# run_meta.txt. The last line printed is
+# Output in OUT_DIR: report.md, verl_metrics.jsonl, embedded_metrics.jsonl, step1.json, logs.tar.xz (every
+# log, also when a phase fails or the script exits early; the verl run's config.yaml, verl_config.yaml,
+# tensorboard/ and hydra/), run_meta.txt. The last line printed is
 #     verl_run: gpus=<n> steps=<n> resumed=<yes|no> step1_loss_rel_diff_vs_embedded=<x>
 set -uo pipefail
 OUT=${1:?usage: verl_gpu_run.sh OUT_DIR}
@@ -25,7 +27,8 @@ BUNDLE=$(cd "$(dirname "$0")/.." && pwd)
 RUNS=$(cd "$(dirname "$0")" && pwd)
 T0=$SECONDS
 BUDGET_S=${BUDGET_S:-450}
-STEPS=${STEPS:-20} SAVE_EVERY=${SAVE_EVERY:-10} RESUME_STEPS=${RESUME_STEPS:-3} EMBEDDED_STEPS=${EMBEDDED_STEPS:-10}
+STALL_S=${STALL_S:-180}
+STEPS=${STEPS:-20} SAVE_EVERY=${SAVE_EVERY:-5} RESUME_STEPS=${RESUME_STEPS:-3} EMBEDDED_STEPS=${EMBEDDED_STEPS:-10}
 BATCH=${BATCH:-8} GROUP=${GROUP:-4} NEW_TOKENS=${NEW_TOKENS:-48} TURNS=${TURNS:-2}
 LAYERS=${LAYERS:-4} HIDDEN=${HIDDEN:-256} EXPERTS=${EXPERTS:-8}
 DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} ATTN=${ATTN:-agentrl_sink} EXTRA_OVERRIDES=${EXTRA_OVERRIDES:-}
@@ -34,6 +37,29 @@ MODEL=$WORK/model RUN=$WORK/verl_run EMB=$WORK/embedded_run
 mkdir -p "$WORK" "$LOGS"
 log() { echo "[verl_gpu_run +$((SECONDS - T0))s] $*"; }
 left() { echo $((BUDGET_S - (SECONDS - T0))); }
+pack_logs() { [ -d "$LOGS" ] && tar -cJf "$OUT/logs.tar.xz" -C "$OUT" logs && rm -rf "$LOGS"; true; }
+trap pack_logs EXIT  # the logs come back as one file whatever happens (the device returns at most 8 files)
+
+# watched LIMIT_S LOG CMD...: CMD's exit code, its output in LOG; stopped (124) after LIMIT_S seconds, or
+# once LOG has not grown for STALL_S seconds (a hang, e.g. Ray waiting for resources it will never get).
+watched() {
+  local limit=$1 logf=$2 waited=0 quiet=0 size last=-1 pid
+  shift 2
+  setsid "$@" > "$logf" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 2; waited=$((waited + 2))
+    size=$(stat -c %s "$logf" 2>/dev/null || echo 0)
+    if [ "$size" = "$last" ]; then quiet=$((quiet + 2)); else quiet=0; last=$size; fi
+    if [ $waited -ge "$limit" ] || [ $quiet -ge "$STALL_S" ]; then
+      log "stopping ($logf) after $waited s ($quiet s without output; limit $limit s, stall limit $STALL_S s)"
+      kill -TERM -- "-$pid" 2>/dev/null; sleep 5; kill -KILL -- "-$pid" 2>/dev/null
+      wait "$pid" 2>/dev/null
+      return 124
+    fi
+  done
+  wait "$pid"
+}
 
 # NVLink multicast stays off (device rules); unbuffered Python; no network.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -70,7 +96,9 @@ NCPU=$(nproc)
 RAY_CPUS=${RAY_CPUS:-$(( NCPU > 16 ? NCPU : 16 ))}  # a scheduling count: verl's TransferQueue alone takes 4 "CPUs"
 { nvidia-smi -L 2>/dev/null; echo "gpus $GPUS cpus $NCPU ray_cpus $RAY_CPUS"; } > "$OUT/run_meta.txt"
 
-ray_stop() { timeout 60 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1; true; }
+# After each launch, `ray stop --force` ends whatever Ray processes a stopped launch left behind: every Ray
+# process of the machine, so RAY_STOP=0 on a shared machine (a CPU rehearsal), where others may run Ray.
+ray_stop() { [ "${RAY_STOP:-1}" = 1 ] && timeout 60 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1; true; }
 
 # ---------------------------------------------------------------- 2. preflight: imports, plugin, versions
 log "preflight (gpus=$GPUS cpus=$NCPU)"
@@ -130,8 +158,8 @@ short() { grep -E "$FILTER" | sed -E 's/^(.*step:[0-9]+) - .*(actor\/grad_norm:[
 rm -rf "$RUN"; ray_stop
 log "verl run: $STEPS steps on $GPUS GPU(s)"
 set -x
-timeout $(( $(left) - 150 > 120 ? $(left) - 150 : 120 )) python3 -m agentrl.cli train "${VERL[@]}" \
-  "trainer.total_steps=$STEPS" "run_dir=$RUN" > "$LOGS/verl_train.log" 2>&1
+watched $(( $(left) - 150 > 120 ? $(left) - 150 : 120 )) "$LOGS/verl_train.log" python3 -m agentrl.cli train \
+  "${VERL[@]}" "trainer.total_steps=$STEPS" "run_dir=$RUN"
 train_rc=$?
 set +x
 short < "$LOGS/verl_train.log" | tail -40
@@ -147,8 +175,8 @@ if [ -f "$RUN/checkpoints/latest_checkpointed_iteration.txt" ] && [ "$(left)" -g
   total=$(( $(cat "$RUN/checkpoints/latest_checkpointed_iteration.txt") + RESUME_STEPS ))
   log "resume=$RUN trainer.total_steps=$total"
   set -x
-  timeout $(( $(left) - 90 > 90 ? $(left) - 90 : 90 )) python3 -m agentrl.cli train "resume=$RUN" \
-    "trainer.total_steps=$total" > "$LOGS/verl_resume.log" 2>&1
+  watched $(( $(left) - 90 > 90 ? $(left) - 90 : 90 )) "$LOGS/verl_resume.log" python3 -m agentrl.cli train \
+    "resume=$RUN" "trainer.total_steps=$total"
   resume_rc=$?
   set +x
   short < "$LOGS/verl_resume.log" | tail -12
@@ -163,6 +191,10 @@ else
   log "SKIP resume: no checkpoint or no time left ($(left) s)"
 fi
 cp "$RUN/metrics.jsonl" "$OUT/verl_metrics.jsonl" 2>/dev/null
+mkdir -p "$LOGS/verl_run" && cp -r "$RUN/config.yaml" "$RUN/verl_config.yaml" "$RUN/tensorboard" "$RUN/hydra" \
+  "$LOGS/verl_run/" 2>/dev/null  # what was run, and verl's metrics as TensorBoard events
+{ echo "--- verl run directory"; (cd "$RUN" 2>/dev/null && ls -la . tensorboard checkpoints hydra 2>&1 | cut -c1-160)
+  du -sh "$RUN"/checkpoints/global_step_* 2>/dev/null; } >> "$OUT/run_meta.txt"
 
 # ---------------------------------------------------------------- 6. step 1: verl vs the embedded trainer, same episodes
 if [ -f "$RUN/metrics.jsonl" ] && [ "$(left)" -gt 40 ]; then
@@ -195,7 +227,7 @@ args=(--verl "$RUN" --gpus "$GPUS" --resumed "$resumed")
 [ -f "$EMB/metrics.jsonl" ] && args+=(--embedded "$EMB")
 [ -f "$OUT/step1.json" ] && args+=(--step1 "$OUT/step1.json")
 python3 "$RUNS/verl_run_report.py" "${args[@]}" > "$OUT/report.md" 2> "$LOGS/report.err"
-tar -cJf "$OUT/logs.tar.xz" -C "$OUT" logs && rm -rf "$LOGS"
+pack_logs
 grep -E "means over|^step1|rel_diff" "$OUT/report.md" | cut -c1-400
 log "done (train rc=$train_rc)"
 rel=$(python3 -c "import json;print(f\"{json.load(open('$OUT/step1.json'))['loss']['rel_diff']:.3g}\")" 2>/dev/null || echo nan)
