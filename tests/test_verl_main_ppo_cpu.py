@@ -76,7 +76,9 @@ def test_verl_main_ppo_trains_checkpoints_and_resumes_on_cpu(tmp_path):
                 "perf/throughput", "perf/total_num_tokens", "actor/grad_norm", "actor/pg_loss",
                 "critic/score/mean", "rollout_corr/kl", "rollout_corr/k3_kl", "training/rollout_probs_diff_mean"):
         assert isinstance(step1.get(key), (int, float)), key
-    assert step1["actor/ppo_ratio_max"] == step1["actor/ppo_ratio_min"] == 1.0  # agentrl_onpolicy: ratio 1
+    # agentrl_onpolicy: verl's vanilla loss at old_log_prob = log_prob.detach(), so the ratio is exactly 1
+    assert step1["actor/onpolicy_fix"] == 1.0
+    assert step1["actor/ppo_kl"] == 0.0 and step1["actor/pg_clipfrac"] == 0.0
     assert step1["actor/grad_norm"] > 0  # the env scores wrong answers by length: GRPO has a signal
     assert step1["training/off_policy/trajectory_staleness/max"] == 0  # sync trainer: fresh weights
     assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
