@@ -157,11 +157,10 @@ short() { grep -E "$FILTER" | sed -E 's/^(.*step:[0-9]+) - .*(actor\/grad_norm:[
 
 rm -rf "$RUN"; ray_stop
 log "verl run: $STEPS steps on $GPUS GPU(s)"
-set -x
-watched $(( $(left) - 150 > 120 ? $(left) - 150 : 120 )) "$LOGS/verl_train.log" python3 -m agentrl.cli train \
-  "${VERL[@]}" "trainer.total_steps=$STEPS" "run_dir=$RUN"
+TRAIN=(python3 -m agentrl.cli train "${VERL[@]}" "trainer.total_steps=$STEPS" "run_dir=$RUN")
+log "command: $(printf '%q ' "${TRAIN[@]}")"
+watched $(( $(left) - 150 > 120 ? $(left) - 150 : 120 )) "$LOGS/verl_train.log" "${TRAIN[@]}"
 train_rc=$?
-set +x
 short < "$LOGS/verl_train.log" | tail -40
 NOISE='target_num_threads|UserWarning|warnings.warn|SimpleStorageUnit|Per-operation|Time range|perf_utils'
 [ $train_rc = 0 ] || grep -vE "$NOISE" "$LOGS/verl_train.log" | tail -60 | cut -c1-300
@@ -174,11 +173,10 @@ resumed=no
 if [ -f "$RUN/checkpoints/latest_checkpointed_iteration.txt" ] && [ "$(left)" -gt 120 ]; then
   total=$(( $(cat "$RUN/checkpoints/latest_checkpointed_iteration.txt") + RESUME_STEPS ))
   log "resume=$RUN trainer.total_steps=$total"
-  set -x
+  log "command: python3 -m agentrl.cli train resume=$RUN trainer.total_steps=$total"
   watched $(( $(left) - 90 > 90 ? $(left) - 90 : 90 )) "$LOGS/verl_resume.log" python3 -m agentrl.cli train \
     "resume=$RUN" "trainer.total_steps=$total"
   resume_rc=$?
-  set +x
   short < "$LOGS/verl_resume.log" | tail -12
   [ $resume_rc = 0 ] || grep -vE "$NOISE" "$LOGS/verl_resume.log" | tail -40 | cut -c1-300
   ray_stop
