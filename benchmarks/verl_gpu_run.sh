@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # verl for real on GPUs: `agentrl train backend=verl env=retool verl.rollout=agentrl` (verl 0.9.1's main_ppo:
-# Ray, FSDP2, our agent loop, rollout, on-policy loss and sink attention on a GPT-OSS-architecture model),
-# a checkpoint and `resume=`, then the step-1 loss/grad-norm comparison with the embedded trainer on the
-# same episodes, a short embedded run for the per-step figures side by side, and a report.
+# Ray, FSDP2, our agent loop, rollout, on-policy loss and sink attention on a GPT-OSS-architecture model)
+# with checkpoints, then the step-1 loss/grad-norm comparison with the embedded trainer on the same
+# episodes, `resume=` from the latest checkpoint, a short embedded run for the per-step figures side by
+# side, and a report (in this order; a phase that would not fit in BUDGET_S is skipped).
 #
 # Usage, on the GPU machine, from the bundle folder written by benchmarks/verl_gpu_bundle.py:
 #     bash run/verl_gpu_run.sh OUT_DIR
 # Every GPU of the machine is used (trainer.n_gpus_per_node = GPU count: FSDP over all of them).
 # Knobs (environment): STEPS (20), SAVE_EVERY (5), RESUME_STEPS (3), EMBEDDED_STEPS (10), BATCH (8),
-# GROUP (4), NEW_TOKENS (48), TURNS (2), LAYERS (4), HIDDEN (256), EXPERTS (8), BUDGET_S (450: later
-# phases are skipped when they would not fit), STALL_S (180: a training launch that prints nothing for
-# this long is stopped, so a hang cannot eat the budget). For a rehearsal without GPUs (tests/_verl_cpu_platform.py):
+# GROUP (4), NEW_TOKENS (48), TURNS (2), LAYERS (4), HIDDEN (256), EXPERTS (8), TASKS (512 training tasks
+# in verl's dataset), BUDGET_S (450), AFTER_S (150: seconds kept for the phases after the first launch),
+# STALL_S (180: a training launch that prints nothing for this long is stopped, so a hang cannot eat the
+# budget), EMBEDDED_PARALLEL (0; 1: the embedded run goes beside verl's start-up, minutes of CPU-side
+# work before verl touches the GPU, instead of after the resume). Each verl launch spends about 2.5 min
+# starting on one H200 (Ray, workers, FSDP) and its first step about 1 min more (kernel compilation).
+# For a rehearsal without GPUs (tests/_verl_cpu_platform.py): RAY_STOP=0 (see ray_stop below)
 # GPUS=1 DEVICE=cpu DTYPE=float32 ATTN=eager EXTRA_OVERRIDES=,trainer.device=cpu,... plus the platform's
 # environment (see tests/test_verl_main_ppo_cpu.py).
 # If the bundle carries site.tar.xz in parts (site.tar.xz.part-aa, -ab, ...), each call stages the parts
@@ -30,7 +35,8 @@ BUDGET_S=${BUDGET_S:-450}
 STALL_S=${STALL_S:-180}
 STEPS=${STEPS:-20} SAVE_EVERY=${SAVE_EVERY:-5} RESUME_STEPS=${RESUME_STEPS:-3} EMBEDDED_STEPS=${EMBEDDED_STEPS:-10}
 BATCH=${BATCH:-8} GROUP=${GROUP:-4} NEW_TOKENS=${NEW_TOKENS:-48} TURNS=${TURNS:-2}
-LAYERS=${LAYERS:-4} HIDDEN=${HIDDEN:-256} EXPERTS=${EXPERTS:-8}
+LAYERS=${LAYERS:-4} HIDDEN=${HIDDEN:-256} EXPERTS=${EXPERTS:-8} TASKS=${TASKS:-512}
+AFTER_S=${AFTER_S:-150} EMBEDDED_PARALLEL=${EMBEDDED_PARALLEL:-0}
 DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bfloat16} ATTN=${ATTN:-agentrl_sink} EXTRA_OVERRIDES=${EXTRA_OVERRIDES:-}
 SITE=/tmp/verl_site WORK=/tmp/verl_work LOGS=$OUT/logs
 MODEL=$WORK/model RUN=$WORK/verl_run EMB=$WORK/embedded_run
@@ -101,8 +107,8 @@ RAY_CPUS=${RAY_CPUS:-$(( NCPU > 16 ? NCPU : 16 ))}  # a scheduling count: verl's
 ray_stop() { [ "${RAY_STOP:-1}" = 1 ] && timeout 60 python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1; true; }
 
 # ---------------------------------------------------------------- 2. preflight: imports, plugin, versions
-log "preflight (gpus=$GPUS cpus=$NCPU)"
-timeout 180 python3 - "$DEVICE" >> "$OUT/run_meta.txt" 2> "$LOGS/preflight.err" <<'EOF'
+log "preflight (gpus=$GPUS cpus=$NCPU), in the background while the model is written"
+timeout 180 python3 - "$DEVICE" > "$LOGS/preflight.out" 2> "$LOGS/preflight.err" <<'EOF' &
 import importlib.metadata as md, sys
 import torch
 assert sys.argv[1] != "cuda" or torch.cuda.is_available(), "torch sees no GPU"
@@ -122,9 +128,7 @@ for name in ("torch", "triton", "transformers", "tokenizers", "ray", "verl", "te
         print(name, "missing")
 print("plugin", dict(plugin.REGISTERED))
 EOF
-rc=$?
-cat "$OUT/run_meta.txt"
-if [ $rc != 0 ]; then log "FAIL: preflight rc=$rc"; tail -30 "$LOGS/preflight.err"; exit 1; fi
+preflight_pid=$!
 
 # ---------------------------------------------------------------- 3. a tiny GPT-OSS checkpoint (random init, bf16)
 if [ ! -f "$MODEL/config.json" ]; then
@@ -144,22 +148,45 @@ EOF
   rc=$?; cat "$LOGS/model.log" | tail -3
   [ $rc = 0 ] || { log "FAIL: model rc=$rc"; exit 1; }
 fi
+wait $preflight_pid; rc=$?
+cat "$LOGS/preflight.out" >> "$OUT/run_meta.txt"; cat "$OUT/run_meta.txt"
+if [ $rc != 0 ]; then log "FAIL: preflight rc=$rc"; tail -30 "$LOGS/preflight.err"; exit 1; fi
 
 # ---------------------------------------------------------------- 4. verl: STEPS GRPO steps, checkpoints every SAVE_EVERY
 COMMON=(env=retool "model=$MODEL" verl.rollout=agentrl "attn_implementation=$ATTN"
         "trainer.n_gpus_per_node=$GPUS" "rollout.batch_size=$BATCH" "rollout.n=$GROUP"
         "rollout.max_new_tokens=$NEW_TOKENS" "rollout.max_turns=$TURNS" actor.entropy_coeff=0.01 seed=0)
 VERL=(backend=verl "${COMMON[@]}" "trainer.save_every=$SAVE_EVERY" verl.max_prompt_length=1024
-      verl.max_response_length=512 verl.n_train_tasks=512 verl.n_val_tasks=8 verl.agent_workers=2
+      verl.max_response_length=512 "verl.n_train_tasks=$TASKS" verl.n_val_tasks=8 verl.agent_workers=2
       "verl.overrides=[actor_rollout_ref.actor.fsdp_config.use_torch_compile=false,ray_kwargs.ray_init.num_cpus=$RAY_CPUS,+ray_kwargs.ray_init.num_gpus=$GPUS,+ray_kwargs.ray_init.include_dashboard=false,transfer_queue.backend.SimpleStorage.num_data_storage_units=2$EXTRA_OVERRIDES]")
 FILTER='^(rollout backend|  why|run directory|resume:|Traceback|.*Error|.*error:|.*Resuming from|.*Training from scratch|.*Saving checkpoint to|.*step:[0-9]+ )'
 short() { grep -E "$FILTER" | sed -E 's/^(.*step:[0-9]+) - .*(actor\/grad_norm:[^ ]+).*(timing_s\/step:[^ ]+).*/\1 \2 \3/' | cut -c1-300; }
 
+embedded_run() {  # embedded_run LIMIT_S: the embedded trainer with the same settings, for the figures side by side
+  rm -rf "$EMB"
+  timeout "$1" python3 -m agentrl.cli train "${COMMON[@]}" "device=$DEVICE" "dtype=$DTYPE" \
+    "trainer.total_steps=$EMBEDDED_STEPS" trainer.save_every=0 eval.num_tasks=0 trainer.progress=false \
+    "run_dir=$EMB" > "$LOGS/embedded.log" 2>&1
+}
+embedded_done() {  # embedded_done RC
+  log "embedded run rc=$1"
+  grep -E "^step " "$LOGS/embedded.log" | tail -3
+  [ "$1" = 0 ] || tail -20 "$LOGS/embedded.log" | cut -c1-300
+  cp "$EMB/metrics.jsonl" "$OUT/embedded_metrics.jsonl" 2>/dev/null
+}
+
 rm -rf "$RUN"; ray_stop
+emb_pid=""
+if [ "$EMBEDDED_PARALLEL" = 1 ]; then
+  # beside verl's start-up (Ray, workers: minutes of CPU-side work before verl touches the GPU)
+  log "embedded run: $EMBEDDED_STEPS steps, started beside verl's launch"
+  embedded_run $(( $(left) - AFTER_S > 60 ? $(left) - AFTER_S : 60 )) &
+  emb_pid=$!
+fi
 log "verl run: $STEPS steps on $GPUS GPU(s)"
 TRAIN=(python3 -m agentrl.cli train "${VERL[@]}" "trainer.total_steps=$STEPS" "run_dir=$RUN")
 log "command: $(printf '%q ' "${TRAIN[@]}")"
-watched $(( $(left) - 150 > 120 ? $(left) - 150 : 120 )) "$LOGS/verl_train.log" "${TRAIN[@]}"
+watched $(( $(left) - AFTER_S > 120 ? $(left) - AFTER_S : 120 )) "$LOGS/verl_train.log" "${TRAIN[@]}"
 train_rc=$?
 short < "$LOGS/verl_train.log" | tail -40
 NOISE='target_num_threads|UserWarning|warnings.warn|SimpleStorageUnit|Per-operation|Time range|perf_utils'
@@ -167,11 +194,23 @@ NOISE='target_num_threads|UserWarning|warnings.warn|SimpleStorageUnit|Per-operat
 ray_stop
 log "verl run rc=$train_rc, metrics steps: $(python3 -c "import json;print([json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')])" 2>/dev/null)"
 steps_done=$(python3 -c "import json;print(max(json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')))" 2>/dev/null || echo 0)
+if [ -n "$emb_pid" ]; then wait $emb_pid; embedded_done $?; fi
 
-# ---------------------------------------------------------------- 5. resume= for RESUME_STEPS more steps
+# ---------------------------------------------------------------- 5. step 1: verl vs the embedded trainer, same episodes
+if [ -f "$RUN/metrics.jsonl" ] && [ "$(left)" -gt 40 ]; then
+  log "step-1 comparison on verl's step-1 episodes"
+  timeout $(( $(left) > 120 ? 120 : $(left) )) python3 "$RUNS/verl_step1_compare.py" --run "$RUN" --model "$MODEL" \
+    --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/step1.json" > "$LOGS/step1.log" 2>&1
+  cmp_rc=$?
+  log "step-1 comparison rc=$cmp_rc"; grep -E "^step1" "$LOGS/step1.log"
+  [ $cmp_rc = 0 ] || tail -20 "$LOGS/step1.log" | cut -c1-300
+fi
+
+# ---------------------------------------------------------------- 6. resume= for RESUME_STEPS more steps
 resumed=no
 if [ -f "$RUN/checkpoints/latest_checkpointed_iteration.txt" ] && [ "$(left)" -gt 120 ]; then
-  total=$(( $(cat "$RUN/checkpoints/latest_checkpointed_iteration.txt") + RESUME_STEPS ))
+  ckpt=$(cat "$RUN/checkpoints/latest_checkpointed_iteration.txt")
+  total=$(( (ckpt > steps_done ? ckpt : steps_done) + RESUME_STEPS ))  # past every step already logged
   log "resume=$RUN trainer.total_steps=$total"
   log "command: python3 -m agentrl.cli train resume=$RUN trainer.total_steps=$total"
   watched $(( $(left) - 90 > 90 ? $(left) - 90 : 90 )) "$LOGS/verl_resume.log" python3 -m agentrl.cli train \
@@ -191,31 +230,16 @@ fi
 cp "$RUN/metrics.jsonl" "$OUT/verl_metrics.jsonl" 2>/dev/null
 mkdir -p "$LOGS/verl_run" && cp -r "$RUN/config.yaml" "$RUN/verl_config.yaml" "$RUN/tensorboard" "$RUN/hydra" \
   "$LOGS/verl_run/" 2>/dev/null  # what was run, and verl's metrics as TensorBoard events
+mkdir -p "$LOGS/verl_run/trajectories" && cp "$RUN"/trajectories/step_000001-* "$LOGS/verl_run/trajectories/" 2>/dev/null
 { echo "--- verl run directory"; (cd "$RUN" 2>/dev/null && ls -la . tensorboard checkpoints hydra 2>&1 | cut -c1-160)
   du -sh "$RUN"/checkpoints/global_step_* 2>/dev/null; } >> "$OUT/run_meta.txt"
 
-# ---------------------------------------------------------------- 6. step 1: verl vs the embedded trainer, same episodes
-if [ -f "$RUN/metrics.jsonl" ] && [ "$(left)" -gt 40 ]; then
-  log "step-1 comparison on verl's step-1 episodes"
-  timeout $(( $(left) > 120 ? 120 : $(left) )) python3 "$RUNS/verl_step1_compare.py" --run "$RUN" --model "$MODEL" \
-    --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/step1.json" > "$LOGS/step1.log" 2>&1
-  cmp_rc=$?
-  log "step-1 comparison rc=$cmp_rc"; grep -E "^step1" "$LOGS/step1.log"
-  [ $cmp_rc = 0 ] || tail -20 "$LOGS/step1.log" | cut -c1-300
-fi
-
 # ---------------------------------------------------------------- 7. the embedded trainer, same settings, for the figures side by side
-if [ "$(left)" -gt 70 ]; then
+if [ -n "$emb_pid" ]; then
+  :  # ran beside verl's launch
+elif [ "$(left)" -gt 70 ]; then
   log "embedded run: $EMBEDDED_STEPS steps"
-  rm -rf "$EMB"
-  timeout $(( $(left) - 15 )) python3 -m agentrl.cli train "${COMMON[@]}" "device=$DEVICE" "dtype=$DTYPE" \
-    "trainer.total_steps=$EMBEDDED_STEPS" trainer.save_every=0 eval.num_tasks=0 trainer.progress=false \
-    "run_dir=$EMB" > "$LOGS/embedded.log" 2>&1
-  emb_rc=$?
-  log "embedded run rc=$emb_rc"
-  grep -E "^step " "$LOGS/embedded.log" | tail -3
-  [ $emb_rc = 0 ] || tail -20 "$LOGS/embedded.log" | cut -c1-300
-  cp "$EMB/metrics.jsonl" "$OUT/embedded_metrics.jsonl" 2>/dev/null
+  embedded_run $(( $(left) - 15 )); embedded_done $?
 else
   log "SKIP embedded run: $(left) s left"
 fi
