@@ -194,7 +194,6 @@ NOISE='target_num_threads|UserWarning|warnings.warn|SimpleStorageUnit|Per-operat
 ray_stop
 log "verl run rc=$train_rc, metrics steps: $(python3 -c "import json;print([json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')])" 2>/dev/null)"
 steps_done=$(python3 -c "import json;print(max(json.loads(l)['step'] for l in open('$RUN/metrics.jsonl')))" 2>/dev/null || echo 0)
-if [ -n "$emb_pid" ]; then wait $emb_pid; embedded_done $?; fi
 
 # ---------------------------------------------------------------- 5. step 1: verl vs the embedded trainer, same episodes
 if [ -f "$RUN/metrics.jsonl" ] && [ "$(left)" -gt 40 ]; then
@@ -236,7 +235,7 @@ mkdir -p "$LOGS/verl_run/trajectories" && cp "$RUN"/trajectories/step_000001-* "
 
 # ---------------------------------------------------------------- 7. the embedded trainer, same settings, for the figures side by side
 if [ -n "$emb_pid" ]; then
-  :  # ran beside verl's launch
+  wait $emb_pid; embedded_done $?  # started beside verl's launch
 elif [ "$(left)" -gt 70 ]; then
   log "embedded run: $EMBEDDED_STEPS steps"
   embedded_run $(( $(left) - 15 )); embedded_done $?
