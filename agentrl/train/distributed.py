@@ -218,6 +218,13 @@ def check_config(cfg: Any, n_procs: int) -> None:
             f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by trainer.n_gpus={n_procs} "
             "(each rank rolls out whole task groups)"
         )
+    from agentrl.train.teachers import SCRIPTED_TEACHERS
+
+    if cfg.sft.steps and (cfg.sft.data or cfg.sft.teacher != "auto" or cfg.env in SCRIPTED_TEACHERS):
+        raise ValueError(
+            f"sft.steps={cfg.sft.steps} with trainer.n_gpus={n_procs}: the SFT stage runs in the single-process "
+            "trainer only; run `agentrl sft ...` first and pass model=runs/<sft run> sft.steps=0"
+        )
 
 
 def make_distributed_trainer(cfg: Any) -> Any:
@@ -254,10 +261,11 @@ class DistributedTrainerMixin:
         if rank() == 0:
             super()._save_trajectories(name, episodes)
 
-    async def evaluate(self, pool: Any) -> dict[str, float]:
-        from agentrl.train.metrics import episode_metrics
+    async def evaluate(self, pool: Any, label: str | None = None) -> dict[str, float]:
+        from agentrl.train.metrics import episode_metrics, eval_summary
         from agentrl.train.rollout import collect
 
+        label = label or ("before" if self.step == 0 else f"step_{self.step}")
         tasks = self.eval_tasks()[rank() :: world_size()]
         self.engine.reseed(self.cfg.seed + 999_983 + rank())
         with unsharded(self.model):
@@ -266,7 +274,7 @@ class DistributedTrainerMixin:
         self._save_trajectories(f"eval_step_{self.step:06d}", result.episodes)
         metrics = episode_metrics(gather_objects(result.episodes), prefix="eval/")
         metrics["eval/timing_s"] = max(gather_objects([result.wall_s]))
-        self.eval_history[self.step] = (metrics["eval/critic/score/mean"], metrics["eval/critic/score/sem"])
+        self.eval_history[label] = {"step": self.step, **eval_summary(metrics)}
         return metrics
 
     async def train_step(self, pool: Any) -> dict[str, float]:
@@ -335,7 +343,7 @@ class DistributedTrainerMixin:
                 optimizer=_FullState(optim_state),
                 extra={
                     "update_generator": self.update_generator.get_state().tolist(),
-                    "eval_history": {str(k): list(v) for k, v in self.eval_history.items()},
+                    "eval_history": self.eval_history,
                     "n_gpus": world_size(),
                 },
                 keep=self.cfg.trainer.keep_checkpoints,
@@ -371,7 +379,7 @@ class DistributedTrainerMixin:
         self.step = int(state["step"])
         self.data_position = int(state["data_position"])
         self.update_generator.set_state(torch.tensor(state["update_generator"], dtype=torch.uint8))
-        self.eval_history = {int(k): tuple(v) for k, v in state.get("eval_history", {}).items()}
+        self.eval_history = dict(state.get("eval_history", {}))
         self.sink.truncate_after(self.step)
         self.console.print(f"resumed from {ckpt}: step {self.step}, data position {self.data_position}")
 

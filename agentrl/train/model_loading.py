@@ -8,6 +8,10 @@ Names (``model=`` in the train config):
 - ``tiny-gpt-oss``: a randomly initialised few-layer GPT-OSS (``agentrl.train.models.tiny_gpt_oss``)
   that uses the real o200k_harmony tokenizer; for tests and GPU smoke runs.
 - a local directory with ``config.json`` (``save_pretrained`` output), loaded with ``AutoModelForCausalLM``.
+- a run directory of ``agentrl train`` / ``agentrl sft`` (``runs/<run>``, holding ``config.yaml`` and
+  ``checkpoints/``), or one checkpoint directory in it (``runs/<run>/checkpoints/step_000020``): the run's
+  base model (its ``model`` and ``model_kwargs``, itself any of these forms) with the checkpoint's weights
+  (the latest complete checkpoint of a run directory).
 - ``org/name``: a Hugging Face hub id (needs network or a warm HF cache).
 
 :func:`load_model` returns the model on ``device`` in ``dtype`` plus a tokenizer (``None`` for
@@ -86,6 +90,33 @@ def _load_pretrained(name: str, dtype: torch.dtype, attn: str | None) -> tuple[A
     return model, AutoTokenizer.from_pretrained(name)
 
 
+def run_checkpoint(path: str) -> tuple[str, dict[str, Any], str] | None:
+    """``(base model name, base model_kwargs, checkpoint dir)`` when ``path`` is a training run directory
+    (latest complete checkpoint) or a checkpoint directory inside one; None when it is neither. Raises
+    ValueError for a run directory without a checkpoint."""
+    from omegaconf import OmegaConf
+
+    from agentrl.train.checkpoint import latest_checkpoint
+
+    if not os.path.isdir(path):
+        return None
+    if os.path.exists(os.path.join(path, "model.pt")) and os.path.exists(os.path.join(path, "state.json")):
+        ckpt, run = path, os.path.dirname(os.path.dirname(os.path.abspath(path)))
+    elif os.path.exists(os.path.join(path, "config.yaml")) and os.path.isdir(os.path.join(path, "checkpoints")):
+        ckpt, run = latest_checkpoint(path), path
+        if ckpt is None:
+            raise ValueError(f"run directory {path!r} has no complete checkpoint yet (checkpoints/ is empty)")
+    else:
+        return None
+    config = os.path.join(run, "config.yaml")
+    if not os.path.exists(config):
+        raise ValueError(f"checkpoint {ckpt!r} is not inside a run directory with config.yaml; cannot tell its base model")
+    cfg = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
+    if not isinstance(cfg, dict) or not cfg.get("model"):
+        raise ValueError(f"{config} names no model")
+    return str(cfg["model"]), dict(cfg.get("model_kwargs") or {}), ckpt
+
+
 def load_model(
     name: str,
     *,
@@ -98,6 +129,17 @@ def load_model(
     """Load ``name`` (see module docstring). ``seed`` fixes the random init of ``tiny-gpt-oss``;
     ``model_kwargs`` are passed to its factory (e.g. ``num_hidden_layers``)."""
     torch_dtype = resolve_dtype(dtype)
+    run = run_checkpoint(name)
+    if run is not None:
+        base, base_kwargs, ckpt = run
+        if os.path.abspath(base) == os.path.abspath(name):
+            raise ValueError(f"run directory {name!r} names itself as its base model")
+        loaded = load_model(base, device=device, dtype=dtype, attn_implementation=attn_implementation, seed=seed,
+                            model_kwargs=base_kwargs)
+        state = torch.load(os.path.join(ckpt, "model.pt"), map_location=device, weights_only=True)
+        loaded.model.load_state_dict(state)
+        loaded.model.train()
+        return loaded
     if name == "smollm2-135m":
         model, tokenizer = _load_smollm2(torch_dtype)
         fmt = "chat_template"
