@@ -1,53 +1,85 @@
 """``agentrl`` command line: dispatches each subcommand to the module that owns it.
 
 Each target is ``"module:function"``; the function takes the remaining ``argv`` and returns an exit
-code. Modules are imported only when their subcommand runs, so ``agentrl --help`` needs no torch.
+code. Modules are imported only when their subcommand runs, so ``agentrl --help`` needs no torch. Every
+command reads ``key=value`` arguments through :mod:`agentrl.cli_args` and has ``--help``; a user error
+is one line on stderr and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+
+from agentrl.cli_args import HELP_FLAGS, fail, suggest
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("agentrl.train.cli:main", "train a policy: agentrl train env=retool [key=value ...]"),
     "sft": ("agentrl.train.sft_cli:main", "supervised fine-tuning on token-exact trajectories: agentrl sft env=retool ..."),
-    "plot": ("agentrl.train.plots:main", "plot run metrics: agentrl plot RUN_DIR [RUN_DIR ...]"),
     "eval": ("agentrl.evaluation.cli:main", "evaluate a model on an env: agentrl eval env=gsm8k model=..."),
     "view": ("agentrl.viewer.html:main", "write a static HTML trajectory viewer: agentrl view RUN_OR_JSONL"),
+    "plot": ("agentrl.train.plots:main", "plot run metrics: agentrl plot RUN_DIR [RUN_DIR ...]"),
+    "serve model": ("agentrl.engines.serve_cli:main", "OpenAI-compatible server on a local model: agentrl serve model model=..."),
     "serve sandbox": ("agentrl.envs.sandbox.server:main", "SandboxFusion-compatible code sandbox server"),
-    "serve model": ("agentrl.engines.server:main", "OpenAI-compatible token server on a local transformers model"),
 }
 
 
-def _usage() -> str:
-    width = max(len(name) for name in COMMANDS)
-    lines = ["usage: agentrl <command> [args]", "", "commands:"]
-    lines += [f"  {name.ljust(width)}  {help_text}" for name, (_, help_text) in COMMANDS.items()]
+def _usage(commands: dict[str, tuple[str, str]], group: str | None = None) -> str:
+    shown = {n: t for n, t in commands.items() if group is None or n.startswith(group + " ")}
+    width = max(len(name) for name in shown)
+    head = f"usage: agentrl {group} <what> [key=value ...]" if group else "usage: agentrl <command> [key=value ...]"
+    lines = [head, "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {help_text}" for name, (_, help_text) in shown.items()]
+    lines += ["", "Every command takes key=value arguments and --help."]
     return "\n".join(lines)
 
 
-def _resolve(argv: list[str]) -> tuple[str, list[str]] | None:
-    if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in COMMANDS:
+def _resolve(argv: list[str], commands: dict[str, tuple[str, str]]) -> tuple[str, list[str]] | None:
+    if len(argv) >= 2 and f"{argv[0]} {argv[1]}" in commands:
         return f"{argv[0]} {argv[1]}", argv[2:]
-    if argv and argv[0] in COMMANDS:
+    if argv and argv[0] in commands:
         return argv[0], argv[1:]
     return None
 
 
+def _unknown(argv: list[str], commands: dict[str, tuple[str, str]]) -> int:
+    groups = {n.split(" ")[0] for n in commands if " " in n}
+    if argv[0] in groups:  # `agentrl serve`, `agentrl serve modle`
+        subs = [n.split(" ", 1)[1] for n in commands if n.startswith(argv[0] + " ")]
+        if len(argv) == 1 or argv[1].startswith("-"):
+            return fail("agentrl", f"{argv[0]} what? Use one of: {', '.join(f'{argv[0]} {s}' for s in subs)}")
+        hint = suggest(argv[1], subs, fallback=f" Use one of: {', '.join(subs)}.", cutoff=0.6)
+        return fail("agentrl", f"unknown command '{argv[0]} {argv[1]}'.{hint.replace('Did you mean: ', f'Did you mean: {argv[0]} ')}")
+    names = sorted({n.split(" ")[0] for n in commands})
+    hint = suggest(argv[0], names, fallback=" Run `agentrl --help` for the commands.", cutoff=0.6)
+    return fail("agentrl", f"unknown command {argv[0]!r}.{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
+    commands = COMMANDS
+    if not argv or argv[0] in HELP_FLAGS:
+        print(_usage(commands))
+        return 0 if argv else 2
+    groups = {n.split(" ")[0] for n in commands if " " in n}
+    if argv[0] in groups and len(argv) >= 2 and argv[1] in HELP_FLAGS:
+        print(_usage(commands, argv[0]))
         return 0
-    resolved = _resolve(argv)
+    resolved = _resolve(argv, commands)
     if resolved is None:
-        print(f"agentrl: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        return _unknown(argv, commands)
     name, rest = resolved
-    module_name, func_name = COMMANDS[name][0].split(":")
+    module_name, func_name = commands[name][0].split(":")
     module = importlib.import_module(module_name)
-    return int(getattr(module, func_name)(rest) or 0)
+    try:
+        return int(getattr(module, func_name)(rest) or 0)
+    except KeyboardInterrupt:
+        print(f"agentrl {name}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from agentrl.envs import default_format
 from agentrl.envs.builtin.retool import ReToolEnv
 from agentrl.envs.sandbox.base import ExecResult
+from agentrl.harmony import default_format
 from agentrl.harmony.types import Message
 
 

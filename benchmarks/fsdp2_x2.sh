@@ -24,6 +24,7 @@ for n in 1 2; do
   timeout 75 python3 -m agentrl.cli train env=gsm8k model=tiny-gpt-oss device=cuda dtype=bfloat16 trainer.n_gpus=$n \
     trainer.total_steps=3 trainer.save_every=0 trainer.progress=false trainer.tensorboard=false eval.num_tasks=0 \
     rollout.batch_size=16 rollout.n=4 rollout.max_new_tokens=64 actor.micro_batch_size=16 \
+    actor.lr=2e-5 rollout.temperature=0.7 \
     model_kwargs.num_layers=8 model_kwargs.hidden=1024 model_kwargs.heads=16 model_kwargs.experts=8 \
     run_dir=/tmp/fsdp2_n$n 2>&1 | tail -15
   cp /tmp/fsdp2_n$n/metrics.jsonl "$OUT/metrics_n$n.jsonl" 2>/dev/null || echo "n_gpus=$n wrote no metrics"

@@ -1,7 +1,7 @@
 """Rollout-vs-train log-prob gap of a tiny GPT-OSS MoE, with and without routing replay.
 
 rollout: sampled ``generate`` with KV cache (prefill, then one token per step), recording the experts each
-         token used (agentrl.train.routing_replay.record_routing); rollout log-probs from its logits.
+         token used (agentrl.models.routing.record_routing); rollout log-probs from its logits.
 train:   one full-sequence forward over the same tokens (agentrl.train.logprobs.model_token_logprobs),
          once with natural routing and once replaying the recorded experts (replay_routing).
 Gap per generated token: d = logp_train - logp_rollout; reported as mean |d|, max |d| and the k3 KL
@@ -23,9 +23,9 @@ import time
 
 import torch
 
+from agentrl.models.routing import record_routing, replay_routing
+from agentrl.models.tiny import tiny_gpt_oss
 from agentrl.train.logprobs import model_token_logprobs
-from agentrl.train.models import tiny_gpt_oss
-from agentrl.train.routing_replay import record_routing, replay_routing
 
 
 def gap(train: torch.Tensor, rollout: torch.Tensor) -> tuple[float, float, float]:

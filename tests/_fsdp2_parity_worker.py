@@ -28,10 +28,10 @@ from omegaconf import OmegaConf
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.transformers_engine import TransformersEngine
 from agentrl.harmony.trajectory import Trajectory
+from agentrl.models.tiny import tiny_gpt_oss
 from agentrl.train import distributed
 from agentrl.train.batch import collate
 from agentrl.train.config import TrainConfig
-from agentrl.train.models import tiny_gpt_oss
 from agentrl.train.update import update_policy
 
 

@@ -61,7 +61,7 @@ def check(hkv: int) -> dict:
 def check_model() -> dict:
     from verl.utils.ulysses import gather_outputs_and_unpad, ulysses_pad_and_slice_inputs
 
-    from agentrl.train.models import tiny_gpt_oss
+    from agentrl.models.tiny import tiny_gpt_oss
     from agentrl.train.verl_backend.ulysses import register_ulysses_sink_attention
 
     register_ulysses_sink_attention()

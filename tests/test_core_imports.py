@@ -17,7 +17,7 @@ sys.meta_path.insert(0, Block())
 
 
 @pytest.mark.parametrize(
-    "module", ["agentrl", "agentrl.harmony", "agentrl.envs", "agentrl.engines", "agentrl.cli"]
+    "module", ["agentrl", "agentrl.harmony", "agentrl.envs", "agentrl.episodes", "agentrl.engines", "agentrl.cli"]
 )
 def test_core_module_imports_without_torch(module):
     code = BLOCK_HEAVY + f"import {module}\nprint('ok')"

@@ -16,11 +16,12 @@ from gymnasium.utils.env_checker import check_env
 
 import agentrl
 from agentrl.engines.base import Completion
-from agentrl.envs import AgentEnv, EnvLimits, Rubric, StatefulTool, ToolError, default_format, tool
+from agentrl.envs import AgentEnv, EnvLimits, Rubric, StatefulTool, ToolError, tool
 from agentrl.envs import registry as reg
 from agentrl.envs.rewards import ExactMatch
 from agentrl.envs.rewards.common import ChannelToolCallCount, ErrorCount
 from agentrl.envs.tools import Sessions, ToolBox
+from agentrl.harmony import default_format
 from agentrl.harmony.types import Message, ToolCall
 
 

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.envs import default_format
 from agentrl.envs.builtin.retool import ReToolEnv
 from agentrl.envs.sandbox import SandboxError, make_backend
-from agentrl.harmony import TrajectoryBuilder
+from agentrl.harmony import TrajectoryBuilder, default_format
 from agentrl.harmony.types import Message
 
 

@@ -9,13 +9,13 @@ import httpx
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from agentrl.envs import default_format
 from agentrl.envs.builtin.jobs.data import make_dataset
 from agentrl.envs.builtin.jobs.env import JobsEnv, make_task
 from agentrl.envs.builtin.jobs.service import JobsService
 from agentrl.envs.tools import Sessions, ToolBox, ToolError
 from agentrl.envs.tools.openapi import OpenAPIToolset, resolve_refs, to_json_schema
 from agentrl.envs.tools.search import BM25Index, HttpSearchTool, SearchTool
+from agentrl.harmony import default_format
 from agentrl.harmony.types import Message, ToolCall
 
 

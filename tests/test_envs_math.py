@@ -7,11 +7,11 @@ import asyncio
 import pytest
 from gymnasium.utils.env_checker import check_env
 
-from agentrl.envs import default_format
 from agentrl.envs.builtin.gsm8k import GSM8KEnv
 from agentrl.envs.builtin.retool import ReToolEnv, make_problem
 from agentrl.envs.rewards import extract_boxed, math_equal, numeric_equal
 from agentrl.envs.sandbox import SandboxError, make_backend
+from agentrl.harmony import default_format
 from agentrl.harmony.types import Message
 
 
@@ -47,10 +47,13 @@ def test_gsm8k_real_data_correct_wrong_and_malformed(fmt):
         obs, r, term, trunc, info = env.step(final(fmt, text, analysis="16-3-4=9, 9*2=18"))
         assert (r, term, trunc) == (want, True, False)
         assert len(obs["tokens"]) == 0
-    for bad in (fmt.encode("18"), [], py(fmt, "print(18)")):  # truncated, empty, a call in a tool-less env
+    for bad in (fmt.encode("18"), []):  # cut before a stop token, empty: the episode is truncated
         env.reset(options={"task": tasks[0]})
         obs, r, term, trunc, info = env.step(bad)
-        assert (r, term) == (0.0, True) and info["trajectory"].terminated
+        assert (r, term, trunc) == (0.0, False, True) and info["trajectory"].truncated
+    env.reset(options={"task": tasks[0]})
+    obs, r, term, trunc, info = env.step(py(fmt, "print(18)"))  # a call in a tool-less env
+    assert (r, term, trunc) == (0.0, True, False) and info["trajectory"].terminated
 
 
 def test_gsm8k_generator_and_check_env():

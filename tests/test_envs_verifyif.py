@@ -9,9 +9,9 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from agentrl.data import dataset_path
-from agentrl.envs import default_format
 from agentrl.envs.builtin.verifyif import VerifyIFEnv, make_prompt
 from agentrl.envs.rewards.ifeval import CHECKERS, check, check_loose, follow_flags, split_sentences
+from agentrl.harmony import default_format
 from agentrl.harmony.types import Message
 
 IFEVAL = dataset_path("ifeval")  # the IFEval prompts shipped in agentrl.data
@@ -169,8 +169,8 @@ def test_verifyif_episodes_on_real_prompts():
     assert strict.step(final(text.replace("word word", "word, word", 1)))[1] == 0.0
     for bad in ([], default_format().encode("cut off, mid")):
         env.reset(options={"task": no_comma})
-        _, r, term, _, info = env.step(bad)
-        assert (r, term) == (0.0, True) and info["errors"]
+        _, r, term, trunc, info = env.step(bad)  # no stop token: the episode is truncated
+        assert (r, term, trunc) == (0.0, False, True) and info["errors"]
 
 
 def test_generator_makes_checkable_consistent_tasks():

@@ -110,10 +110,12 @@ async def test_eval_resumes_and_keeps_torn_lines(endpoint, tasks, tmp_path):
     assert resumed["run"]["episodes_run"] == N * LIMIT - 25 and resumed["run"]["unreadable_lines"] == 1
     assert {k: resumed[k] for k in expected(tasks)} == {k: first[k] for k in expected(tasks)}
     assert lines[25][:100] in path.read_text()  # the torn line is kept, not overwritten
-    with pytest.raises(ValueError, match="different config"):
-        Evaluation(config(endpoint, out, temperature=0.5))
+    with pytest.raises(ValueError, match="different config.*overwrite=true"):
+        await Evaluation(config(endpoint, out, temperature=0.5)).run()
     with pytest.raises(ValueError, match="env_kwargs"):
-        Evaluation(config(endpoint, out, env_kwargs={"max_turns": 2}))
+        await Evaluation(config(endpoint, out, env_kwargs={"max_turns": 2})).run()
+    fresh = await Evaluation(config(endpoint, out, temperature=0.5, overwrite=True)).run()
+    assert fresh["run"]["episodes_run"] == N * LIMIT and fresh["run"]["episodes_skipped"] == 0
 
 
 async def test_eval_over_chat_completions_gives_the_same_numbers(endpoint, tasks, tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agentrl.models.tiny import tiny_gpt_oss
 from agentrl.train.freeze import GROUPS, freeze
-from agentrl.train.models import tiny_gpt_oss
 
 
 def _frozen_names(model):

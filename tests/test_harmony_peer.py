@@ -1,6 +1,6 @@
 """Peer suite: openai/harmony's own rendered test conversations (``test-data/*.txt``, Apache-2.0) run through
-our layer. The files are not vendored: point ``AGENTRL_HARMONY_TESTDATA`` at a checkout's ``test-data``
-directory to run these; they skip otherwise.
+our layer. They are vendored in ``tests/data/harmony_peer`` (v0.0.8, with their licence); set
+``AGENTRL_HARMONY_TESTDATA`` to another checkout's ``test-data`` directory to run a different version.
 
 For every file: text <-> ids round-trips. Conversation files: each assistant message parses cleanly with our
 parser and re-renders token-identically; user and tool messages re-render identically through our
@@ -17,11 +17,10 @@ import pytest
 
 from agentrl.harmony import HarmonyFormat, Message
 
-DATA = Path(os.environ.get("AGENTRL_HARMONY_TESTDATA", "/nonexistent"))
-FILES = sorted(DATA.glob("*.txt")) if DATA.is_dir() else []
-pytestmark = pytest.mark.skipif(
-    not FILES, reason="set AGENTRL_HARMONY_TESTDATA to openai/harmony's test-data directory"
-)
+DATA = Path(os.environ.get("AGENTRL_HARMONY_TESTDATA", Path(__file__).parent / "data" / "harmony_peer"))
+FILES = sorted(DATA.glob("*.txt"))
+if not FILES:
+    raise FileNotFoundError(f"no openai/harmony test-data *.txt files in {DATA}")
 FMT = HarmonyFormat()
 T = FMT.tokens
 

@@ -73,7 +73,7 @@ def test_bad_inputs_raise():
 
 
 def test_model_token_logprobs_gpt_oss():
-    from agentrl.train.models import tiny_gpt_oss
+    from agentrl.models.tiny import tiny_gpt_oss
 
     model = tiny_gpt_oss(vocab=512, seed=3)
     g = torch.Generator().manual_seed(0)

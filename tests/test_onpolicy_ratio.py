@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agentrl.models.tiny import tiny_gpt_oss
 from agentrl.train.algorithms import is_on_policy, onpolicy_old_log_prob, policy_loss
 from agentrl.train.logprobs import model_token_logprobs
-from agentrl.train.models import tiny_gpt_oss
 
 
 def _setup(device, dtype, *, batch, seqlen, vocab, layers, experts, top_k, logit_scale):
@@ -82,7 +82,7 @@ def ratio_stats(
     adv = torch.randn(log_prob.shape, generator=torch.Generator().manual_seed(1)).to(device)
     kw = dict(log_prob=log_prob, advantages=adv, response_mask=response_mask, clip_ratio=clip)
     _, without = policy_loss("vanilla", old_log_prob=old, **kw)
-    fixed_old = onpolicy_old_log_prob(log_prob, ppo_epochs=1, num_mini_batches=1)
+    fixed_old = onpolicy_old_log_prob(log_prob, optimizer_steps=1)
     loss, with_fix = policy_loss("vanilla", old_log_prob=fixed_old, **kw)
     loss.backward()
     max_abs = ((log_prob.detach() - old).abs() * response_mask).max().item()
@@ -124,11 +124,12 @@ def test_separate_pass_clips_on_noise_and_fix_removes_it_cuda_bf16():
 
 
 def test_is_on_policy():
-    assert is_on_policy(1, 1)
-    assert not is_on_policy(2, 1) and not is_on_policy(1, 4)
+    assert is_on_policy(optimizer_steps=1)
+    assert not is_on_policy(optimizer_steps=2) and not is_on_policy(optimizer_steps=0)
     lp = torch.randn(2, 3, requires_grad=True)
-    old = onpolicy_old_log_prob(lp, ppo_epochs=1, num_mini_batches=1)
+    old = onpolicy_old_log_prob(lp, optimizer_steps=1)
     assert torch.equal(old, lp) and not old.requires_grad
-    assert onpolicy_old_log_prob(lp, ppo_epochs=2, num_mini_batches=1) is None
-    with pytest.raises(ValueError, match=">= 1"):
-        is_on_policy(0, 1)
+    assert onpolicy_old_log_prob(lp, optimizer_steps=2) is None
+    with pytest.raises(ValueError, match=">= 0"):
+        is_on_policy(optimizer_steps=-1)
+

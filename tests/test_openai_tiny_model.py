@@ -11,7 +11,8 @@ pytest.importorskip("transformers")
 
 from agentrl.engines.base import SamplingParams  # noqa: E402
 from agentrl.engines.openai_engine import OpenAIEngine  # noqa: E402
-from agentrl.engines.server import BackgroundServer, create_app, load_local_engine, main  # noqa: E402
+from agentrl.engines.serve_cli import main  # noqa: E402
+from agentrl.engines.server import BackgroundServer, create_app, load_local_engine  # noqa: E402
 from agentrl.harmony import Message  # noqa: E402
 
 
@@ -68,5 +69,5 @@ def test_official_sdk_chat_with_tools_on_the_model(served):
 
 
 def test_serve_model_cli_needs_a_model(capsys):
-    assert main([]) == 0 and "agentrl serve model" in capsys.readouterr().out
-    assert main(["port=1"]) == 2
+    assert main(["--help"]) == 0 and "agentrl serve model" in capsys.readouterr().out
+    assert main(["port=1"]) == 2 and "model is required" in capsys.readouterr().err

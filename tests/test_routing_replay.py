@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrl.train.models import tiny_gpt_oss
-from agentrl.train.routing_replay import (
+from agentrl.models.routing import (
     align_to_mask,
     find_routers,
     record_routing,
     replay_routing,
     split_by_mask,
 )
+from agentrl.models.tiny import tiny_gpt_oss
 
 V = 1024
 

@@ -177,5 +177,6 @@ async def test_reply_cut_by_length_is_recorded_as_truncation():
     with BackgroundServer(app) as srv:
         async with Agent(envs.make("gsm8k"), base_url=srv.base_url, model="m") as agent:
             result = await agent.run_task({"id": 0, "prompt": "2 + 2?", "answer": "4"})
-    assert result.stop_reason == "no_answer" and result.answer is None and result.reward == 0.0
-    assert episode_stats(result.trajectory)["errors"] == {"truncation": 1}
+    assert result.stop_reason == "token_limit" and result.answer is None and result.reward == 0.0
+    assert result.trajectory.truncated and not result.trajectory.terminated
+    assert episode_stats(result.trajectory)["errors"] == {"truncation": 1}  # counted once

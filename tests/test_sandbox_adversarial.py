@@ -255,7 +255,8 @@ def test_raw_and_netlink_sockets(sb):
 
 
 def test_writes_outside_workdir(sb):
-    code = "for p in ['/usr/evil', '/etc/evil', '/evil', '/tmp/evil', '/opt/agentrl/evil', '/proc/evil']:\n    try:\n        open(p, 'w').write('x'); print('WROTE', p)\n    except OSError as e:\n        print('denied', p)"
+    """The working directory (/tmp, the run's own tmpfs) and /dev/shm are the only writable places."""
+    code = "for p in ['/usr/evil', '/etc/evil', '/evil', '/dev/evil', '/opt/agentrl/evil', '/proc/evil']:\n    try:\n        open(p, 'w').write('x'); print('WROTE', p)\n    except OSError as e:\n        print('denied', p)"
     r = run(sb, code)
     assert "WROTE" not in r.stdout and r.stdout.count("denied") == 6, r
     assert not Path("/usr/evil").exists() and not Path("/evil").exists()

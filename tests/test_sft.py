@@ -28,7 +28,7 @@ from agentrl.train.teachers import (  # noqa: E402
 @pytest.fixture(scope="module")
 def fmt():
     pytest.importorskip("gguf")
-    from agentrl.train.model_loading import load_smollm2_tokenizer
+    from agentrl.models.loading import load_smollm2_tokenizer
 
     try:
         return ChatTemplateFormat(load_smollm2_tokenizer())

@@ -81,7 +81,7 @@ def test_sft_run_resume_and_load_as_model(tmp_path):
     a, b = final(ref), final(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the resumed run ends with exactly the same weights
 
-    from agentrl.train.model_loading import load_model
+    from agentrl.models.loading import load_model
 
     loaded = load_model(str(killed))  # a run directory is a model name
     assert all(torch.equal(v, b[k]) for k, v in loaded.model.state_dict().items())

@@ -44,7 +44,7 @@ def test_help_lists_every_key(capsys):
     out = capsys.readouterr().out
     for key in all_keys():
         assert f"  {key} = " in out
-    assert "algorithm.adv_estimator = 'grpo'" in help_text()
+    assert "algorithm.adv_estimator = grpo  [" in help_text()
 
 
 def test_cli_bad_key_exits_2(capsys):
@@ -65,6 +65,74 @@ def test_resume_uses_saved_config_plus_overrides(tmp_path):
 
 def test_cli_unknown_env_and_model_suggest(tmp_path, capsys):
     assert main(["env=retol", f"run_dir={tmp_path / 'a'}", "trainer.tensorboard=false"]) == 2
-    assert "Did you mean retool" in capsys.readouterr().err
+    assert "Did you mean: retool?" in capsys.readouterr().err
     assert main(["env=retool", "model=smollm2-135", f"run_dir={tmp_path / 'b'}", "trainer.tensorboard=false"]) == 2
     assert "Did you mean 'smollm2-135m'" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # a failed start writes nothing
+
+
+def test_run_dir_holding_a_run_needs_resume_or_overwrite(tmp_path, capsys):
+    from agentrl.train.cli import check_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("env: gsm8k\n")
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="resume=.*overwrite=true"):
+        check_run_dir(build_config(["env=gsm8k", f"run_dir={run}"]))
+    check_run_dir(build_config(["env=gsm8k", f"run_dir={run}", "overwrite=true"]))
+    assert not run.exists()  # removed: the run starts afresh
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="not a run directory"):
+        check_run_dir(build_config(["env=gsm8k", f"run_dir={other}", "overwrite=true"]))
+    assert (other / "mine.txt").exists()
+
+
+# ---------------------------------------------------------------------------- defaults per device
+def test_gpu_and_verl_runs_do_not_inherit_the_cpu_defaults():
+    from agentrl.train.config import DEVICE_DEFAULTS, DEVICE_KEYS, TrainConfig
+
+    schema = OmegaConf.structured(TrainConfig)
+    cpu = build_config(["env=retool"])
+    for key in DEVICE_KEYS:  # the CPU run is the dataclass defaults
+        assert OmegaConf.select(cpu, key) == OmegaConf.select(schema, key), key
+    for argv, profile in ((["device=cuda"], "cuda"), (["backend=verl", "model=Qwen/Qwen3-8B"], "verl")):
+        cfg = build_config(["env=retool", *argv])
+        for key, value in DEVICE_DEFAULTS[profile].items():
+            assert OmegaConf.select(cfg, key) == value, key
+            assert value != OmegaConf.select(schema, key), f"{profile} should not share the CPU value of {key}"
+    assert {"actor.lr", "trainer.total_steps", "rollout.temperature", "trainer.max_wall_s"} <= set(DEVICE_KEYS)
+
+
+def test_device_defaults_never_override_the_command_line():
+    cfg = build_config(["env=retool", "device=cuda", "actor.lr=3e-6", "trainer.max_wall_s=600"])
+    assert cfg.actor.lr == 3e-6 and cfg.trainer.max_wall_s == 600
+    assert cfg.trainer.total_steps == 200  # the others still come from the cuda profile
+    # a parent key counts as setting its children
+    cfg = build_config(["env=retool", "device=cuda", "trainer={total_steps: 7}"])
+    assert cfg.trainer.total_steps == 7
+
+
+def test_resume_keeps_the_saved_values(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    OmegaConf.save(build_config(["env=retool", f"run_dir={run}"]), run / "config.yaml")
+    cpu = build_config(["env=retool"])
+    cfg = load_run_config([f"resume={run}", "device=cuda"])
+    assert cfg.device == "cuda" and cfg.actor.lr == cpu.actor.lr != 1e-6  # as saved, not the cuda profile's
+    assert cfg.rollout.temperature == cpu.rollout.temperature
+
+
+def test_the_start_line_names_the_profile_and_what_was_set():
+    from agentrl.train.config import describe_device_defaults
+
+    line = describe_device_defaults(build_config(["env=retool", "device=cuda", "actor.lr=3e-6"]))
+    assert line.startswith("device=cuda defaults: ")
+    assert "actor.lr=3e-06 (set)" in line and "rollout.temperature=1.0 " in line
+    assert "trainer.max_wall_s=0.0 (no limit)" in line and "trainer.total_steps=200 " in line
+    cpu = build_config(["env=retool"])
+    assert describe_device_defaults(cpu).startswith(f"device=cpu defaults: actor.lr={cpu.actor.lr!r} ")
+    assert "(set)" not in describe_device_defaults(cpu)
+    assert "cuda: actor.lr=1e-06" in help_text()

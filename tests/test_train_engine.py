@@ -9,7 +9,7 @@ import torch
 
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.transformers_engine import TransformersEngine, _filter_logits
-from agentrl.train.models import tiny_gpt_oss
+from agentrl.models.tiny import tiny_gpt_oss
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from agentrl.episodes import EpisodeResult
 from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
 from agentrl.harmony.types import ParsedTurn, ParseError, ParseErrorKind
-from agentrl.train.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from agentrl.models.checkpoints import latest_checkpoint, list_checkpoints
+from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
 from agentrl.train.metrics import MetricsSink, episode_metrics, mean_and_sem, read_metrics
 from agentrl.train.plots import PANELS
 from agentrl.train.plots import main as plot_main
-from agentrl.train.rollout import Episode
 
 
 def _episode(reward, tools=(), parse_error=False, usable=True, truncated=False):
@@ -25,7 +26,7 @@ def _episode(reward, tools=(), parse_error=False, usable=True, truncated=False):
                       tools=[ToolRecord("python", {}, "out", 0.5, err) for err in tools])
     traj = Trajectory(prompt_ids=[1, 2], response_ids=[5, 6, 7], response_mask=[1, 1, 0], rollout_logprobs=[-1, -1, 0],
                       reward=reward, reward_components={"correct": reward}, turns=[turn], truncated=truncated)
-    return Episode(traj, group=0, task_id="t", usable=usable)
+    return EpisodeResult(traj, "answer", task_id="t", error=None if usable else "RuntimeError: x")
 
 
 def test_episode_metrics():

@@ -55,7 +55,7 @@ def test_falls_back_when_not_applicable():
     assert shared_prefix_logprobs(model, batch.select([0]), chunk_size=8, temperature=1.0, compute_entropy=False) is None
     assert shared_prefix_logprobs(model, batch, chunk_size=8, temperature=1.0, compute_entropy=False,
                                   min_prefix=100) is None
-    from agentrl.train.models import tiny_gpt_oss
+    from agentrl.models.tiny import tiny_gpt_oss
 
     assert not supports_prefix_sharing(tiny_gpt_oss(vocab=300))  # sliding-window attention
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from agentrl.engines.base import Completion
+from agentrl.engines.base import Completion, SamplingParams
 from agentrl.envs.env import AgentEnv, encode_action_text
 from agentrl.envs.tools.function import tool
+from agentrl.episodes import EnvPool
 from agentrl.harmony import HarmonyFormat
 from agentrl.train.metrics import episode_metrics
-from agentrl.train.rollout import EnvPool, collect
+from agentrl.train.rollout import rollout
 
 FMT = HarmonyFormat()
 
@@ -82,7 +83,7 @@ def test_collect_overlaps_tools_and_survives_failures():
             _TASKS[tuple(int(t) for t in obs["tokens"])] = task["tool"]
             await env.aclose()
         try:
-            return await collect(pool, ScriptedEngine(), None, tasks, n=1, seed=0)
+            return await rollout(pool, ScriptedEngine(), SamplingParams(), tasks, n=1, seed=0)
         finally:
             await pool.aclose()
 

@@ -30,8 +30,6 @@ class Recording:
 class Replay:
     """Our rollout's engine: returns the recorded completion for the exact same context (KeyError otherwise)."""
 
-    stats = {"generate_s": 0.0, "generated_tokens": 0}
-
     def __init__(self, completions):
         self.completions = completions
 
@@ -48,10 +46,10 @@ def test_agent_loop_through_verl_matches_our_rollout(tmp_path):
     from agentrl.engines.base import SamplingParams
     from agentrl.engines.server import BackgroundServer, create_app
     from agentrl.engines.transformers_engine import TransformersEngine
+    from agentrl.episodes import TokenPolicy, run_episode
     from agentrl.harmony import HarmonyFormat
     from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
-    from agentrl.train.models import tiny_gpt_oss
-    from agentrl.train.rollout import run_episode
+    from agentrl.models.tiny import tiny_gpt_oss
     from agentrl.train.verl_backend.agent_loop import parse_spec
     from agentrl.train.verl_backend.config_map import verl_overrides
     from agentrl.train.verl_backend.dataset import write_env_dataset
@@ -86,7 +84,8 @@ def test_agent_loop_through_verl_matches_our_rollout(tmp_path):
         spec = parse_spec(row["agentrl"])
         env = agentrl.make(env_name, format=fmt, max_turns=max_turns)
         sampling = SamplingParams(max_new_tokens=max_new, temperature=1.0, stop_token_ids=fmt.stop_token_ids)
-        ours = asyncio.run(run_episode(env, Replay(recording.completions), sampling, spec["task"], seed=0))[0]
+        policy = TokenPolicy(Replay(recording.completions), sampling)
+        ours = asyncio.run(run_episode(env, policy, task=spec["task"], seed=0)).trajectory
         width = len(ours.response_ids)
         prompt_mask = b["attention_mask"][i, :256].bool()
         assert b["prompts"][i][prompt_mask].tolist() == ours.prompt_ids

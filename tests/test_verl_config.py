@@ -25,7 +25,7 @@ def _cfg(tmp_path, **over):
         "algorithm": {"adv_estimator": "grpo",
                       "rollout_correction": {"rollout_is": "token", "rollout_is_threshold": 2.0}},
         "trainer": {"n_gpus_per_node": 8, "nnodes": 2, "total_steps": 50},
-        "verl": {"engine": "vllm", "tensor_parallel": 4, "ulysses_sp": 2, "n_train_tasks": 16, "n_val_tasks": 4},
+        "verl": {"rollout": "vllm", "tensor_parallel": 4, "ulysses_sp": 2, "n_train_tasks": 16, "n_val_tasks": 4},
     }
     for key, value in over.items():
         node = cfg
@@ -122,7 +122,8 @@ def test_verl_rejects_incompatible_sizes_before_launch(tmp_path):
     "over, message",
     [
         ({"verl.tensor_parallel": 3}, "verl.tensor_parallel=3 must be >= 1 and divide the GPU count"),
-        ({"verl.engine": "trtllm"}, "verl.engine='trtllm' is not valid"),
+        ({"verl.rollout": "trtllm"}, "verl.rollout='trtllm' is not valid"),
+        ({"verl.rollout": "agentrl"}, "verl.rollout=agentrl runs one engine per GPU; set verl.tensor_parallel=1"),
         ({"model": "smollm2-135m"}, "GGUF checkpoint"),
         ({"verl.ulysses": 2}, "Valid verl.\\* keys"),
         ({"rollout.batch_size": 30, "actor.num_mini_batches": 4}, "divisible by actor.num_mini_batches"),
@@ -140,10 +141,87 @@ def test_mapping_details(tmp_path):
     )
     kv = dict(o.split("=", 1) for o in overrides)
     assert kv["actor_rollout_ref.actor.ppo_mini_batch_size"] == "8"
-    assert kv["actor_rollout_ref.actor.policy_loss.loss_mode"] == "vanilla"  # 4 mini-batches: off-policy
     assert "+actor_rollout_ref.model.override_config.attn_implementation" not in kv  # not GPT-OSS
     assert kv["trainer.logger"] == "[console,wandb]"
     assert kv["data.train_files"] == "[/d/t.parquet]"
     assert [hydra_value(v) for v in (None, True, 3, "a b", "it's", "x/y-1.5")] == [
         "null", "true", "3", "'a b'", "'it\\'s'", "x/y-1.5"]
     assert json.loads(json.dumps(kv))  # plain strings only
+
+
+# ---------------------------------------------------------------------------- the policy loss verl runs
+@pytest.mark.parametrize("over, loss_mode", [
+    ({}, "agentrl_onpolicy"),
+    # raw overrides decide, because the choice is made on verl's resolved config
+    ({"verl.overrides": ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]}, "vanilla"),
+    ({"verl.overrides": ["actor_rollout_ref.actor.ppo_epochs=2"]}, "vanilla"),
+    ({"actor.num_mini_batches": 4, "verl.overrides": ["actor_rollout_ref.actor.ppo_mini_batch_size=32"]},
+     "agentrl_onpolicy"),
+    # a chosen loss is composed with the fix, never replaced
+    ({"actor.policy_loss": "gspo"}, "agentrl_onpolicy_gspo"),
+    ({"actor.policy_loss": "cispo"}, "agentrl_onpolicy_cispo"),
+    ({"actor.policy_loss": "gspo", "actor.num_mini_batches": 4}, "gspo"),
+    ({"verl.overrides": ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo"]}, "agentrl_onpolicy_sapo"),
+    ({"actor.onpolicy_fix": False}, "vanilla"),
+    ({"verl.overrides": ["algorithm.rollout_correction.bypass_mode=true"]}, "vanilla"),
+])
+def test_policy_loss_is_chosen_on_the_resolved_config(tmp_path, over, loss_mode):
+    from omegaconf import OmegaConf
+
+    from agentrl.train.verl_backend.launch import describe, plan
+
+    p = plan(_cfg(tmp_path, **over))
+    assert p.resolved.actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
+    assert OmegaConf.load(p.config_path).actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
+    assert f"policy loss: {loss_mode}: " in describe(p)
+    # the printed command resolves to the same loss (it is the last override when we composed the fix)
+    from agentrl.train.verl_backend.validate import compose_verl_config
+
+    assert compose_verl_config(p.command[3:]).actor_rollout_ref.actor.policy_loss.loss_mode == loss_mode
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"verl.overrides": ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"]}, "cannot take the on-policy fix"),
+    ({"verl.overrides": ["actor_rollout_ref.actor.policy_loss.loss_mode=agentrl_onpolicy",
+                         "actor_rollout_ref.actor.ppo_epochs=2"]}, "stale old_log_prob"),
+    ({"verl.overrides": ["actor_rollout_ref.actor.policy_loss.loss_mode=vanila"]}, "check the spelling"),
+])
+def test_policy_loss_refusals_are_clear(tmp_path, over, message):
+    from agentrl.train.verl_backend.launch import plan
+
+    with pytest.raises(VerlConfigError, match=message):
+        plan(_cfg(tmp_path, **over))
+
+
+def test_choose_policy_loss_on_plain_dicts():
+    from agentrl.train.verl_backend.config_map import choose_policy_loss, optimizer_steps_per_batch
+
+    def resolved(batch=32, mini=32, epochs=1, loss="vanilla", bypass=False):
+        return {"data": {"train_batch_size": batch},
+                "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": mini, "ppo_epochs": epochs,
+                                                "policy_loss": {"loss_mode": loss}}},
+                "algorithm": {"rollout_correction": {"bypass_mode": bypass}}}
+
+    assert optimizer_steps_per_batch(resolved(32, 8, 2)) == 8
+    assert optimizer_steps_per_batch(resolved(30, 8, 1)) == 4  # a last, smaller mini-batch is a step too
+    assert choose_policy_loss(resolved())[0] == "agentrl_onpolicy"
+    assert choose_policy_loss(resolved(loss="geo_mean"))[0] == "agentrl_onpolicy_geo_mean"
+    assert choose_policy_loss(resolved(mini=16))[0] == "vanilla"
+    loss, why = choose_policy_loss(resolved(mini=16, loss="gspo"))
+    assert loss == "gspo" and "2 optimizer steps per batch" in why
+    with pytest.raises(VerlConfigError, match="not among them"):
+        choose_policy_loss(resolved(loss="my_loss"), registered={"vanilla", "my_loss", "agentrl_onpolicy"})
+
+
+def test_verl_run_takes_the_verl_profile_and_prints_it(tmp_path):
+    from agentrl.train.config import build_config
+    from agentrl.train.verl_backend.launch import describe, plan
+
+    cfg = build_config([f"env={register()}", "backend=verl", "model=openai/gpt-oss-20b", f"run_dir={tmp_path / 'run'}",
+                        "rollout.batch_size=32", "rollout.n=8", "verl.n_train_tasks=4", "verl.n_val_tasks=2",
+                        "trainer.n_gpus_per_node=8"])
+    p = plan(cfg)
+    assert p.resolved.actor_rollout_ref.actor.optim.lr == 1e-6  # not the CPU run's 2e-5
+    assert p.resolved.actor_rollout_ref.rollout.temperature == 1.0
+    assert p.resolved.trainer.total_training_steps == 200
+    assert describe(p).startswith("backend=verl defaults: actor.lr=1e-06 ")

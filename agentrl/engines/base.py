@@ -36,8 +36,16 @@ class Completion:
     routing: Any = None
 
 
+class EngineAborted(RuntimeError):
+    """Generation was stopped because the engine is shutting down (e.g. the server got SIGTERM)."""
+
+
 class RolloutEngine(Protocol):
-    """Samples completions for a batch of token prompts."""
+    """Samples completions for a batch of token prompts.
+
+    An engine that can stream also accepts ``generate(..., on_token=fn)`` and calls
+    ``fn(prompt_index, token_id)`` on the event loop as each token is sampled (the transformers engine
+    does); ``agentrl serve model`` then streams chat completions incrementally."""
 
     async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
         """Return one :class:`Completion` per prompt, in order."""

@@ -14,7 +14,8 @@ Configuration: ``base_url`` (up to and including ``/v1``) and ``api_key`` come f
 entry of ``GET /models``.
 
 Failure contract: transport errors, timeouts and the statuses in :data:`RETRY_STATUSES` are retried
-with exponential backoff (honouring ``Retry-After``) up to ``max_retries`` times; then, or at once for
+with the shared policy of :mod:`agentrl.http_retry` (exponential backoff with jitter, ``Retry-After``
+honoured) up to ``max_retries`` times; then, or at once for
 any other non-2xx status or a malformed body, :class:`EndpointError` is raised with the URL, status and
 the server's message. Requests in flight are bounded by ``max_concurrency``.
 
@@ -29,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,9 +38,8 @@ from typing import Any
 import httpx
 
 from agentrl.engines.base import Completion, SamplingParams
+from agentrl.http_retry import RETRY_STATUSES, RetryableStatus, retrying
 
-#: HTTP statuses worth retrying: the request may succeed later.
-RETRY_STATUSES = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 #: Connections per httpx pool (see the module docstring).
 POOL_SIZE = 4
 
@@ -122,15 +121,6 @@ class Endpoint:
     def _url(self, path: str) -> str:
         return f"{self.base_url}/{path.lstrip('/')}"
 
-    def _delay(self, attempt: int, resp: httpx.Response | None) -> float:
-        if resp is not None and (ra := resp.headers.get("retry-after")):
-            try:
-                return min(float(ra), self.max_backoff_s)
-            except ValueError:
-                pass
-        base = min(self.backoff_s * (2**attempt), self.max_backoff_s)
-        return base * (0.5 + random.random() / 2)
-
     @contextlib.contextmanager
     def _pool(self) -> Iterator[httpx.AsyncClient]:
         """The least-loaded connection pool, held for the whole request (body included)."""
@@ -146,30 +136,38 @@ class Endpoint:
     ) -> httpx.Response:
         """Send with retries; returns a 2xx response (opened for streaming if ``stream``)."""
         url = self._url(path)
-        last = "no attempt made"
-        for attempt in range(self.max_retries + 1):
-            resp: httpx.Response | None = None
-            try:
-                req = client.build_request(method, url, json=body)
-                resp = await client.send(req, stream=stream)
-                if resp.status_code < 300:
-                    return resp
-                if stream:
-                    await resp.aread()
-                last = f"HTTP {resp.status_code}: {_error_text(resp)}"
-                await resp.aclose()
-                if resp.status_code not in RETRY_STATUSES:
-                    raise EndpointError(f"{method} {url} failed: {last}", status=resp.status_code, url=url)
-            except httpx.TransportError as exc:  # connect errors, timeouts, broken connections
-                last = f"{type(exc).__name__}: {exc}"
-            if attempt < self.max_retries:
-                self.retries_done += 1
-                await asyncio.sleep(self._delay(attempt, resp))
-        raise EndpointError(
-            f"{method} {url} failed after {self.max_retries + 1} attempts: {last}",
-            status=getattr(resp, "status_code", None),
-            url=url,
+
+        def count_retry(_: Any) -> None:
+            self.retries_done += 1
+
+        policy = retrying(
+            self.max_retries, backoff_s=self.backoff_s, max_backoff_s=self.max_backoff_s, before_sleep=count_retry
         )
+        try:
+            async for attempt in policy:
+                with attempt:
+                    req = client.build_request(method, url, json=body)
+                    resp = await client.send(req, stream=stream)
+                    if resp.status_code < 300:
+                        return resp
+                    if stream:
+                        await resp.aread()
+                    message = _error_text(resp)
+                    await resp.aclose()
+                    if resp.status_code in RETRY_STATUSES:
+                        raise RetryableStatus.from_response(resp, message)
+                    raise EndpointError(
+                        f"{method} {url} failed: HTTP {resp.status_code}: {message}", status=resp.status_code, url=url
+                    )
+        except RetryableStatus as exc:
+            raise EndpointError(
+                f"{method} {url} failed after {self.max_retries + 1} attempts: {exc}", status=exc.status, url=url
+            ) from None
+        except httpx.TransportError as exc:  # connect errors, timeouts, broken connections
+            raise EndpointError(
+                f"{method} {url} failed after {self.max_retries + 1} attempts: {type(exc).__name__}: {exc}", url=url
+            ) from None
+        raise AssertionError("unreachable: tenacity either returns, or raises the last error")
 
     async def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """One JSON request/response with retries; raises :class:`EndpointError`."""
@@ -214,6 +212,21 @@ class Endpoint:
                     raise EndpointError(f"stream from {resp.url} broke: {exc}", url=str(resp.url)) from exc
                 finally:
                     await resp.aclose()
+
+    async def served_format(self) -> Any:
+        """The server's own :class:`~agentrl.harmony.format.ChatFormat` from ``GET agentrl/format``
+        (``agentrl serve model``), or ``None`` when the server does not describe one (vLLM, SGLang,
+        hosted APIs). Raises :class:`EndpointError` if the server is unreachable, ``ValueError`` if its
+        description cannot be used here."""
+        from agentrl.engines.served_format import format_from_description
+
+        try:
+            desc = await self.request("GET", "agentrl/format?files=true")
+        except EndpointError as exc:
+            if exc.status in (404, 405):
+                return None
+            raise
+        return format_from_description(desc)
 
     async def model(self) -> str:
         """The model name to send: as configured, else the first id from ``GET /models``."""

@@ -15,14 +15,15 @@ Top-k/top-p truncation changes which ids can be drawn but not the reported log-p
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from agentrl.engines.base import Completion, SamplingParams
+from agentrl.engines.base import Completion, EngineAborted, SamplingParams
 from agentrl.engines.kv_cache import growing_cache_for
 
 
@@ -31,6 +32,7 @@ class _Request:
     prompts: list[list[int]]
     sampling: SamplingParams
     future: asyncio.Future
+    on_token: Callable[[int, int], None] | None = None
 
 
 def _sampling_key(s: SamplingParams) -> tuple:
@@ -61,12 +63,15 @@ class TransformersEngine:
     - ``share_prefix``: run the token prefix common to a batch's prompts (system prompt, tool docs)
       once and copy its KV cache to every row; numerically the same model, less compute. Off
       automatically for sliding-window models.
-    - ``record_routing``: record each token's MoE experts (``agentrl.train.routing_replay``) and return
+    - ``record_routing``: record each token's MoE experts (``agentrl.models.routing``) and return
       them in ``Completion.routing`` as ``[L, n, k]`` int64 for the ``n`` tokens fed to the model
       (prompt, then the completion except possibly its last token), for routing replay in training.
       Needs an MoE model; disables prefix sharing and finished-row pruning (fixed batch layout).
     - ``seed``: seeds the engine's own ``torch.Generator``; ``SamplingParams.seed`` re-seeds it for
       one batch. Re-seed between steps with :meth:`reseed` for resumable runs.
+
+    :meth:`abort` (thread-safe) stops every generation in progress or to come: it raises
+    :class:`EngineAborted` at the next token.
     """
 
     def __init__(
@@ -96,18 +101,38 @@ class TransformersEngine:
         self.generator.manual_seed(seed)
         self._queue: list[_Request] = []
         self._worker: asyncio.Task | None = None
+        self._aborted = threading.Event()
         self.stats = {"generate_s": 0.0, "generated_tokens": 0, "batches": 0}
 
     def reseed(self, seed: int) -> None:
         self.generator.manual_seed(int(seed))
 
+    def abort(self) -> None:
+        """Stop all generation at the next token (:class:`EngineAborted`); the engine stays unusable."""
+        self._aborted.set()
+
     # ------------------------------------------------------------------ async API (micro-batched)
-    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
-        """Return one :class:`Completion` per prompt, in order. Safe to call from many coroutines."""
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        *,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[Completion]:
+        """Return one :class:`Completion` per prompt, in order. Safe to call from many coroutines.
+
+        ``on_token(prompt_index, token_id)`` is called on the event loop as each token is sampled (for
+        streaming), before this returns."""
         if not prompts:
             return []
         loop = asyncio.get_running_loop()
-        request = _Request([list(p) for p in prompts], sampling, loop.create_future())
+        if on_token is not None:
+            user_cb = on_token
+
+            def on_token(index: int, token: int) -> None:  # called from the sampling thread
+                loop.call_soon_threadsafe(user_cb, index, token)
+
+        request = _Request([list(p) for p in prompts], sampling, loop.create_future(), on_token)
         self._queue.append(request)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
@@ -125,8 +150,17 @@ class TransformersEngine:
                     size += len(req.prompts)
                     self._queue.remove(req)
             prompts = [p for req in batch for p in req.prompts]
+            routes = [(req.on_token, k) for req in batch for k in range(len(req.prompts))]
+            on_token = None
+            if any(cb is not None for cb, _ in routes):
+
+                def on_token(row: int, token: int, routes=routes) -> None:
+                    cb, k = routes[row]
+                    if cb is not None:
+                        cb(k, token)
+
             try:
-                completions = await asyncio.to_thread(self.generate_sync, prompts, batch[0].sampling)
+                completions = await asyncio.to_thread(self.generate_sync, prompts, batch[0].sampling, on_token)
             except Exception as exc:  # deliver the failure to every waiting caller
                 for req in batch:
                     if not req.future.done():
@@ -142,7 +176,7 @@ class TransformersEngine:
     def _routing_per_row(recorder: Any, attention: torch.Tensor, width: int, tokens: list[list[int]]) -> list[torch.Tensor]:
         """Split a ``[L, B, S_rec, k]`` record into per-row ``[L, n_i, k]`` over the tokens each row really
         fed: its prompt, then its own completion tokens (not the ones sampled after it stopped)."""
-        from agentrl.train.routing_replay import split_by_mask
+        from agentrl.models.routing import split_by_mask
 
         routing = recorder.routing()
         fed = attention[:, : routing.shape[2]].clone().cpu()
@@ -166,15 +200,24 @@ class TransformersEngine:
         return n if n >= self.min_shared_prefix else 0
 
     # ------------------------------------------------------------------ sync core
-    def generate_sync(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
-        """Blocking batched sampling; splits into chunks of ``max_batch_size``."""
+    def generate_sync(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        on_token: Callable[[int, int], None] | None = None,
+    ) -> list[Completion]:
+        """Blocking batched sampling; splits into chunks of ``max_batch_size``. ``on_token(row, token_id)``
+        is called in this thread as each token is sampled."""
         out: list[Completion] = []
         for start in range(0, len(prompts), self.max_batch_size):
-            out.extend(self._generate_chunk([list(p) for p in prompts[start : start + self.max_batch_size]], sampling))
+            cb = None if on_token is None else (lambda r, t, start=start: on_token(start + r, t))
+            out.extend(self._generate_chunk([list(p) for p in prompts[start : start + self.max_batch_size]], sampling, cb))
         return out
 
     @torch.no_grad()
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+    def _generate_chunk(
+        self, prompts: list[list[int]], sampling: SamplingParams, on_token: Callable[[int, int], None] | None = None
+    ) -> list[Completion]:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         if sampling.max_new_tokens < 1:
@@ -210,7 +253,7 @@ class TransformersEngine:
         cache = growing_cache_for(self.model, reserve=(width - shared if shared else 0) + sampling.max_new_tokens + 1)
         recorder = None
         if self.record_routing:
-            from agentrl.train.routing_replay import record_routing
+            from agentrl.models.routing import record_routing
 
             recorder = record_routing(self.model).__enter__()
         try:
@@ -223,6 +266,8 @@ class TransformersEngine:
                 cache.batch_repeat_interleave(batch)
                 step_ids, step_pos = input_ids[:, shared:], positions[:, shared:]
             for _ in range(sampling.max_new_tokens):
+                if self._aborted.is_set():
+                    raise EngineAborted("generation aborted: the engine is shutting down")
                 out = self.model(
                     input_ids=step_ids,
                     attention_mask=attention,
@@ -252,6 +297,8 @@ class TransformersEngine:
                         continue
                     tokens[orig].append(ids_list[row])
                     logps[orig].append(lp_list[row])
+                    if on_token is not None:
+                        on_token(orig, ids_list[row])
                     if is_stop[row]:
                         finish[orig] = "stop"
                     else:

@@ -1,9 +1,9 @@
 """agentrl.envs: ``AgentEnv`` (a real ``gymnasium.Env``), the tool API, tool adapters, rewards, the built-in
 envs (gsm8k, retool, verifyif, jobs) and the registry.
 
-Importing this package registers the built-in envs with Gymnasium (``gymnasium.make("agentrl/ReTool-v0")``)
-and with :func:`make` (``agentrl.make("retool", **kwargs)``); env modules load only when an env is made, and
-nothing here imports torch.
+Importing this package (or just ``agentrl``) registers the built-in envs with Gymnasium
+(``gymnasium.make("agentrl/ReTool-v0")``) and with :func:`make` (``agentrl.make("retool", **kwargs)``). The
+names below load on first use and env modules only when an env is made; nothing here imports torch.
 
 Driving an env (what a trainer does)::
 
@@ -23,11 +23,41 @@ Writing an env: subclass :class:`AgentEnv`, set ``instructions`` and a ``rubric`
 in ``generate_task``; see ``examples/custom_env.py``.
 """
 
-from agentrl.envs.env import AgentEnv, EnvLimits, default_format
 from agentrl.envs.registry import env_class, make, register, registered
-from agentrl.envs.rewards import RewardContext, Rubric
-from agentrl.envs.spaces import MessageTuple, UnicodeText, observation_space, token_ids_space
-from agentrl.envs.tools import ERROR_KINDS, StatefulTool, Tool, ToolError, ToolOutput, tool
+
+#: public name -> the module that defines it (imported on first use, so that ``import agentrl`` and the
+#: registry stay cheap: registering the built-in envs needs only gymnasium)
+_LAZY = {
+    "AgentEnv": "agentrl.envs.env",
+    "EnvLimits": "agentrl.envs.env",
+    "RewardContext": "agentrl.envs.rewards",
+    "Rubric": "agentrl.envs.rewards",
+    "MessageTuple": "agentrl.envs.spaces",
+    "UnicodeText": "agentrl.envs.spaces",
+    "observation_space": "agentrl.envs.spaces",
+    "token_ids_space": "agentrl.envs.spaces",
+    "ERROR_KINDS": "agentrl.envs.tools",
+    "StatefulTool": "agentrl.envs.tools",
+    "Tool": "agentrl.envs.tools",
+    "ToolError": "agentrl.envs.tools",
+    "ToolOutput": "agentrl.envs.tools",
+    "tool": "agentrl.envs.tools",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from importlib import import_module
+
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'agentrl.envs' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ERROR_KINDS",
@@ -41,7 +71,6 @@ __all__ = [
     "ToolError",
     "ToolOutput",
     "UnicodeText",
-    "default_format",
     "env_class",
     "make",
     "observation_space",

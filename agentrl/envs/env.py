@@ -13,13 +13,17 @@ Contract (see ARCHITECTURE.md):
   ``obs["tokens"]`` are the ids to append before sampling the next completion (empty once the episode is
   over). ``reward`` is 0 until the last step, which carries the episode reward.
 - The episode ends with ``terminated`` when the model gives a final answer (or, for single-turn envs,
-  after its one action) and with ``truncated`` when a limit is hit (turns, tool calls, total tokens).
+  after its one action) and with ``truncated`` when a limit is hit (turns, tool calls, total tokens) or
+  when its last completion stopped without a stop token (cut at the token limit; counted once, as
+  ``truncation``).
 - Bad model actions never raise: unparseable output, unknown tools, bad arguments, tool timeouts and tool
   exceptions become observations the model can read and are recorded in the trajectory with an error
   kind (``parse_error``, ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``,
   ``truncation``). Only API misuse raises (stepping a finished episode, mismatched log-probs).
 - ``env.trajectory`` is the token-exact :class:`~agentrl.harmony.trajectory.Trajectory`; the final step
-  also puts it in ``info["trajectory"]`` together with ``info["reward_components"]``.
+  also puts it in ``info["trajectory"]`` together with ``info["reward_components"]`` and
+  ``info["stop_reason"]`` (also in ``trajectory.metadata``): ``answer`` (a final answer), ``no_answer``
+  (a single-turn env's action without one), ``tool_limit``, ``turn_limit`` or ``token_limit``.
 - ``areset``/``astep`` are the async twins (tool calls of one action run concurrently); the sync methods
   drive them on a private event loop. Use one style per env instance. ``close()``/``aclose()`` are
   idempotent.
@@ -41,31 +45,21 @@ import gymnasium
 import numpy as np
 
 from agentrl.envs.rewards.base import RewardContext, Rubric
-from agentrl.envs.spaces import as_token_array, observation_space, token_ids_space
+from agentrl.envs.spaces import CompletionSpace, as_token_array, observation_space
 from agentrl.envs.tasks import load_task_file
 from agentrl.envs.tools.base import Tool
 from agentrl.envs.tools.dispatch import Sessions, ToolBox
+from agentrl.harmony.factory import default_format
 from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
 from agentrl.harmony.types import Message, ParsedTurn, ParseErrorKind
 
-_DEFAULT_FORMAT: ChatFormat | None = None
 #: Parse-error kinds that map to a more specific entry of the error taxonomy (the rest are ``parse_error``).
 _PARSE_ERROR_KINDS = {
     ParseErrorKind.TRUNCATED: "truncation",
     ParseErrorKind.BAD_JSON: "bad_arguments",
     ParseErrorKind.UNKNOWN_RECIPIENT: "unknown_tool",
 }
-
-
-def default_format() -> ChatFormat:
-    """The shared default :class:`~agentrl.harmony.HarmonyFormat` (built once per process)."""
-    global _DEFAULT_FORMAT
-    if _DEFAULT_FORMAT is None:
-        from agentrl.harmony import HarmonyFormat
-
-        _DEFAULT_FORMAT = HarmonyFormat()
-    return _DEFAULT_FORMAT
 
 
 @dataclass(frozen=True)
@@ -143,7 +137,7 @@ class AgentEnv(gymnasium.Env):
         if self._task_list is not None and not self._task_list:
             raise ValueError("tasks is empty; pass at least one task or None for the offline generator")
         self._obs_takes_history = "history" in inspect.signature(self.format.render_observation).parameters
-        self.action_space = token_ids_space(self.format.vocab_size)
+        self.action_space = CompletionSpace(self.format.vocab_size, self.format.stop_token_ids)
         self.observation_space = observation_space(self.format.vocab_size)
         self._sessions = Sessions()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -254,13 +248,14 @@ class AgentEnv(gymnasium.Env):
         errors = [_PARSE_ERROR_KINDS.get(e.kind, "parse_error") for e in parsed.errors]
 
         terminated = truncated = False
+        limit_hit: str | None = None
         obs_messages: list[Message] = []
         calls = parsed.tool_calls
         if self.single_turn:
             terminated = True
         elif calls:
             if self._tool_calls + len(calls) > self.limits.max_tool_calls:
-                truncated = True
+                truncated, limit_hit = True, "tool_limit"
             else:
                 self._tool_calls += len(calls)
                 records = await self.toolbox.call_many(calls, self._sessions)
@@ -275,18 +270,22 @@ class AgentEnv(gymnasium.Env):
             obs_messages = [self._no_action_message(parsed)]
             if not errors:
                 errors.append("parse_error")
+        if terminated and parsed.stop_token is None:
+            # the episode ends on a completion cut off before its stop token: truncated, not finished
+            # (the cut is already counted once, as the parse error ``truncation``)
+            terminated, truncated, limit_hit = False, True, "token_limit"
 
         obs_ids: list[int] = []
         if not (terminated or truncated):
             if len(traj.turns) >= self.limits.max_turns:
-                truncated = True
+                truncated, limit_hit = True, "turn_limit"
             else:
                 obs_messages, obs_ids = self._render_observation(obs_messages, ids, parsed)
                 if (
                     len(traj.prompt_ids) + len(traj.response_ids) + len(obs_ids)
                     >= self.limits.max_total_tokens
                 ):
-                    truncated, obs_ids = True, []
+                    truncated, obs_ids, limit_hit = True, [], "token_limit"
                 else:
                     traj.response_ids.extend(obs_ids)
                     traj.response_mask.extend([0] * len(obs_ids))
@@ -298,9 +297,11 @@ class AgentEnv(gymnasium.Env):
         info: dict[str, Any] = {"turn": len(traj.turns), "errors": errors, "tool_calls": self._tool_calls}
         reward = 0.0
         if terminated or truncated:
-            reward = await self._finish(terminated, truncated)
+            stop_reason = limit_hit or ("answer" if parsed.final is not None else "no_answer")
+            reward = await self._finish(terminated, truncated, stop_reason)
             info["trajectory"] = traj
             info["reward_components"] = dict(traj.reward_components)
+            info["stop_reason"] = stop_reason
         obs = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
         return obs, reward, terminated, truncated, info
 
@@ -441,11 +442,12 @@ class AgentEnv(gymnasium.Env):
             role="user", content=f"[env] Your last message could not be used: {why}. Please {hint}."
         )
 
-    async def _finish(self, terminated: bool, truncated: bool) -> float:
+    async def _finish(self, terminated: bool, truncated: bool, stop_reason: str) -> float:
         traj = self.trajectory
         assert traj is not None and self.task is not None
         self._done = True
         traj.terminated, traj.truncated = terminated, truncated
+        traj.metadata["stop_reason"] = stop_reason
         traj.metadata["errors"] = dict(self._errors)
         traj.metadata["tool_calls"] = self._tool_calls
         final = next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)

@@ -21,6 +21,24 @@ def token_ids_space(vocab_size: int, seed: int | None = None) -> spaces.Sequence
     return spaces.Sequence(spaces.Discrete(vocab_size), stack=True, seed=seed)
 
 
+class CompletionSpace(spaces.Sequence):
+    """The action space of an :class:`~agentrl.envs.AgentEnv`: completions as token ids
+    (``Sequence(Discrete(vocab_size), stack=True)``). Any id sequence is a member; :meth:`sample` draws a
+    *finished* completion (random ids, then one of ``stop_token_ids``), since one that stops without a
+    stop token is a cut-off action that truncates the episode."""
+
+    def __init__(self, vocab_size: int, stop_token_ids: SequenceABC[int], seed: int | None = None) -> None:
+        super().__init__(spaces.Discrete(vocab_size), stack=True, seed=seed)
+        self.stop_token_ids = [int(t) for t in stop_token_ids]
+
+    def sample(self, mask: Any = None, probability: Any = None) -> np.ndarray:
+        ids = super().sample(mask=mask, probability=probability)
+        if not self.stop_token_ids:
+            return ids
+        stop = self.stop_token_ids[int(self.np_random.integers(len(self.stop_token_ids)))]
+        return np.append(np.asarray(ids, dtype=np.int64), np.int64(stop))
+
+
 class UnicodeText(spaces.Space[str]):
     """Any Python ``str`` of at most ``max_length`` characters (any unicode, including newlines)."""
 

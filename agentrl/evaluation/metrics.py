@@ -172,7 +172,8 @@ def summarize(
     """Aggregate metrics over items, each with its list of sampled :class:`Trajectory` records.
 
     A sample is correct if ``metadata["correct"]`` is true, or, when absent, if its reward is at least
-    ``success_threshold``. ``metadata["answer"]`` (a comparable answer) enables maj@k. pass@k and
+    ``success_threshold``. A ``metadata["answer"]`` key (the comparable answer, ``None`` when the sample
+    gave none) enables maj@k: it is reported whenever answers can be compared, even if none was given. pass@k and
     maj@k are reported for each ``k`` in ``ks`` not above the smallest per-item sample count.
     """
     if not items:
@@ -193,7 +194,7 @@ def summarize(
         for k in ks:
             pass_k[k].append(pass_at_k(len(trajs), sum(correct), k))
         answers = [t.metadata.get("answer") for t in trajs]
-        if any(a is not None for a in answers):
+        if any("answer" in t.metadata for t in trajs):
             has_answers = True
         for k in ks:
             value, exact = maj_at_k([None if a is None else str(a) for a in answers], correct, k)

@@ -20,6 +20,21 @@ def load_metrics(run: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def compare_warnings(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> list[str]:
+    """Why two runs' numbers may not be comparable: a different env, or different items (count or
+    contents, from ``items_digest``)."""
+    out = []
+    if a.get("env") != b.get("env"):
+        out.append(f"the runs evaluate different envs ({name_a}: {a.get('env')}, {name_b}: {b.get('env')})")
+    if a.get("items") != b.get("items"):
+        out.append(f"the runs cover different numbers of items ({name_a}: {a.get('items')}, {name_b}: {b.get('items')})")
+    elif a.get("items_digest") and b.get("items_digest") and a["items_digest"] != b["items_digest"]:
+        out.append(f"the runs evaluate different items (same count, other tasks: {name_a} and {name_b} differ in split, tasks= or seed)")
+    elif not (a.get("items_digest") and b.get("items_digest")):
+        out.append("cannot tell whether the runs cover the same items (a metrics.json from an older agentrl)")
+    return out
+
+
 def rows(m: dict[str, Any]) -> list[tuple[str, Any]]:
     """The metrics to show, in display order (absent ones are skipped)."""
     keys = [k for k in m if k.startswith(("pass@", "maj@", "mean@"))]

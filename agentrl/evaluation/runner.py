@@ -4,14 +4,16 @@ Models:
 
 - an OpenAI-compatible endpoint (``model="http://host:port/v1"``):
   - ``api="completions"``: token-in-token-out through :class:`~agentrl.engines.openai_engine.OpenAIEngine`
-    (vLLM, SGLang, ``agentrl serve model``); the format must match the served model's tokenizer.
+    (vLLM, SGLang, ``agentrl serve model``). With ``format="auto"`` the format is the one the server
+    describes (``agentrl serve model`` publishes it at ``/v1/agentrl/format``), else Harmony.
     Trajectories hold the sampled token ids and their log-probs.
-  - ``api="chat"``: chat completions with tools (any server or hosted API) through the product
-    :class:`~agentrl.runtime.Agent`; trajectories hold the replies rendered in the env's format.
+  - ``api="chat"``: chat completions with tools (any server or hosted API) through
+    :class:`~agentrl.runtime.ChatPolicy` (what the product ``Agent`` runs); trajectories hold the replies
+    rendered in the env's format.
 - a local model (a built-in name, a directory, a hub id): the transformers engine (imports torch).
 
-Both token paths use the trainer's own episode loop (:func:`agentrl.train.rollout.run_episode`), so an
-evaluation episode is exactly a training rollout.
+Every path runs the shared episode loop (:func:`agentrl.episodes.run_episode`) that training, the verl
+agent loop and the product ``Agent`` run, so an evaluation episode is exactly a training rollout.
 
 Samples: sample ``j`` of every task is drawn with ``seed + j``.
 
@@ -20,7 +22,8 @@ as it finishes; ``metadata`` carries ``item_id``, ``sample``, ``correct``, ``ans
 ``errors.jsonl`` (episodes that failed, e.g. an endpoint down after retries; they are retried on the
 next run), ``config.json`` and ``metrics.json``. Rerunning with the same ``out`` skips finished
 ``(item, sample)`` pairs; a config that changes what is measured (env, model, api, format, sampling)
-is refused.
+is refused unless ``overwrite=True``, which starts the directory afresh. Nothing is written before the
+run starts (its tasks loaded): a run that fails to start leaves no directory behind.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
+from agentrl.episodes import TokenPolicy, run_episode
 from agentrl.evaluation.metrics import summarize
 from agentrl.harmony.trajectory import Trajectory
 
@@ -66,12 +70,14 @@ class EvalConfig:
 
     ``n`` samples per task, ``ks`` the k of pass@k/maj@k (default: powers of two up to ``n``), ``limit``
     tasks from ``tasks`` (a file in the env's format) or the env's offline ``split``; ``format`` the
-    ChatFormat for token APIs (``auto``: Harmony for endpoints, what fits a local model); ``concurrency``
+    ChatFormat for token APIs (``auto``: the endpoint's own when it describes one, else Harmony;
+    what fits a local model); ``concurrency``
     episodes in flight (also the HTTP request bound), ``processes`` client processes; sampling
     ``temperature``/``top_p``/``max_new_tokens`` per model action, ``seed`` (sample j uses ``seed + j``);
     ``out`` the run directory; ``api_key``/``served_model`` override ``OPENAI_API_KEY``/``OPENAI_MODEL``;
     ``retries``/``timeout_s`` per request; ``sandbox`` the code-sandbox backend shared by envs that take
-    one; ``env_kwargs`` env constructor arguments (e.g. limits).
+    one; ``env_kwargs`` env constructor arguments (e.g. limits); ``overwrite`` replaces the results
+    already in ``out`` instead of resuming them; ``progress`` shows a progress bar.
     """
 
     env: str
@@ -96,6 +102,8 @@ class EvalConfig:
     timeout_s: float = 300.0
     sandbox: str = "local"
     env_kwargs: dict[str, Any] = field(default_factory=dict)
+    overwrite: bool = False
+    progress: bool = True
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.limit < 1 or self.concurrency < 1:
@@ -128,15 +136,29 @@ class EvalConfig:
         return Path("runs") / "eval" / f"{self.env}-{name}"
 
 
+def answers_comparable(env: Any) -> bool:
+    """Whether ``env``'s answers can be compared for a majority vote: it is graded on an answer (a rubric
+    verifier of type NumericAnswer, MathAnswer or ExactMatch), not on free text."""
+    from agentrl.envs.rewards.common import ExactMatch
+    from agentrl.envs.rewards.math import MathAnswer, NumericAnswer
+
+    verifiers = [fn for _, fn, _ in getattr(getattr(env, "rubric", None), "items", [])]
+    return any(isinstance(v, (MathAnswer, NumericAnswer, ExactMatch)) for v in verifiers)
+
+
 def comparable_answer(env: Any, final: str | None) -> str | None:
-    """A normalised answer for majority voting, for envs graded on a math/number answer (a rubric
-    verifier of type NumericAnswer or MathAnswer); ``None`` otherwise or without a final answer.
-    Numbers are normalised exactly (``"1,000"``, ``"1000.0"`` -> ``"1000"``); other answers by whitespace."""
+    """A normalised answer for majority voting (see :func:`answers_comparable`); ``None`` without a final
+    answer or when answers are not comparable. Math/number answers are normalised exactly (``"1,000"``,
+    ``"1000.0"`` -> ``"1000"``); ExactMatch answers by the verifier's own normalisation; others by whitespace."""
+    from agentrl.envs.rewards.common import ExactMatch
     from agentrl.envs.rewards.math import MathAnswer, NumericAnswer, final_answer_text, last_number, to_number
 
     verifiers = [fn for _, fn, _ in getattr(getattr(env, "rubric", None), "items", [])]
-    if final is None or not any(isinstance(v, (MathAnswer, NumericAnswer)) for v in verifiers):
+    if final is None or not answers_comparable(env):
         return None
+    if not any(isinstance(v, (MathAnswer, NumericAnswer)) for v in verifiers):
+        exact = next(v for v in verifiers if isinstance(v, ExactMatch))
+        return exact.normalize(final)
     text = final_answer_text(final).strip()
     number = to_number(text)
     if number is None and any(isinstance(v, NumericAnswer) for v in verifiers):
@@ -147,8 +169,14 @@ def comparable_answer(env: Any, final: str | None) -> str | None:
 class ResultStore:
     """The run directory: finished episodes (``trajectories.jsonl``), failures (``errors.jsonl``), config."""
 
+    #: what a run writes into its directory (``overwrite`` removes exactly these)
+    FILES = ("trajectories.jsonl", "errors.jsonl", "config.json", "metrics.json", "trajectories.html")
+
     def __init__(self, out: Path, config: EvalConfig, *, write_config: bool = True):
         self.out = out
+        if write_config and config.overwrite:
+            for name in self.FILES:
+                (out / name).unlink(missing_ok=True)
         out.mkdir(parents=True, exist_ok=True)
         self.traj_path = out / "trajectories.jsonl"
         self.error_path = out / "errors.jsonl"
@@ -168,7 +196,7 @@ class ResultStore:
             if diff:
                 raise ValueError(
                     f"{out} holds a run with a different config ({', '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in diff.items())}); "
-                    "use another out=..."
+                    "use another out=..., or overwrite=true to start it afresh"
                 )
         saved = {k: v for k, v in current.items() if k != "api_key"}
         cfg_path.write_text(json.dumps(saved, indent=1, default=repr))
@@ -224,6 +252,15 @@ class ResultStore:
         self._fd = self._err = -1
 
 
+def items_digest(items: list[tuple[str, dict[str, Any]]]) -> str:
+    """A fingerprint of the evaluated items (ids and task contents), so runs over different items can be
+    told apart (``agentrl eval --compare`` warns)."""
+    import hashlib
+
+    blob = json.dumps([[i, t] for i, t in items], sort_keys=True, default=repr).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:
     """``(item_id, task)`` for the first ``limit`` tasks of ``tasks`` (a file or a shipped dataset's name), else of
     the env's shipped evaluation dataset for ``split=test`` (gsm8k: GSM8K test; verifyif: IFEval), else of its
@@ -238,17 +275,6 @@ def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:
     if len(set(ids)) != len(ids):
         ids = [str(i) for i in range(len(tasks))]
     return list(zip(ids, tasks, strict=True))
-
-
-def _make_format(name: str) -> Any:
-    """``auto``/``harmony``: HarmonyFormat; anything else: an HF tokenizer path for ChatTemplateFormat."""
-    if name in ("auto", "harmony"):
-        from agentrl.harmony import HarmonyFormat
-
-        return HarmonyFormat()
-    from agentrl.harmony import ChatTemplateFormat  # type: ignore[attr-defined]
-
-    return ChatTemplateFormat.from_pretrained(name)
 
 
 class Evaluation:
@@ -267,11 +293,13 @@ class Evaluation:
         self.config = config
         self.on_progress = on_progress
         self.window = (0.0, 0.0)  # monotonic start/end of the episodes this process ran
-        self.store = ResultStore(config.out_dir(), config, write_config=not _child)
+        # the parent opens the directory in run(), once the tasks loaded: a failed start writes nothing
+        self.store: ResultStore = ResultStore(config.out_dir(), config, write_config=False) if _child else None  # type: ignore[assignment]
 
     async def run(self) -> dict[str, Any]:
         cfg = self.config
         items = load_tasks(cfg)
+        self.store = ResultStore(cfg.out_dir(), cfg)
         done = {(t.metadata.get("item_id"), t.metadata.get("sample")) for t in self.store.load()}
         todo = [
             (item_id, task, j) for item_id, task in items for j in range(cfg.n) if (item_id, j) not in done
@@ -306,6 +334,7 @@ class Evaluation:
                 grouped[item][sample] = t
         metrics = summarize({k: list(v.values()) for k, v in grouped.items()}, self.config.ks)
         metrics["env"], metrics["model"], metrics["api"] = self.config.env, self.config.model, self.config.api
+        metrics["items_digest"] = items_digest(items)
         metrics["incomplete_items"] = len(wanted) - sum(
             1 for v in grouped.values() if len(v) == self.config.n
         )
@@ -346,8 +375,9 @@ class Evaluation:
                                 env_name=cfg.env,
                                 model=cfg.model,
                                 correct=bool(traj.reward_components.get("correct", traj.reward >= 1.0)),
-                                answer=comparable_answer(env, _final(traj)),
                             )
+                            if answers_comparable(env):  # present (even None) = maj@k is reported
+                                traj.metadata["answer"] = comparable_answer(env, _final(traj))
                             self.store.write(traj)
                             counts["done"] += 1
                             counts["streak"] = 0
@@ -433,7 +463,13 @@ class Evaluation:
             from agentrl.engines.openai_engine import Endpoint, OpenAIEngine
 
             engine = await stack.enter_async_context(OpenAIEngine(self._endpoint(Endpoint)))
-            fmt = _make_format(cfg.format)
+            served = await _served_format(engine.endpoint) if cfg.format == "auto" else None
+            if served is not None:  # auto: the server's own format (agentrl serve model describes it)
+                fmt = served
+            else:
+                from agentrl.harmony import make_format
+
+                fmt = make_format(cfg.format)
         else:
             from agentrl.engines.server import load_local_engine
 
@@ -450,6 +486,17 @@ class Evaluation:
             max_retries=cfg.retries,
             max_concurrency=cfg.concurrency,
         )
+
+
+async def _served_format(endpoint: Any) -> Any:
+    """The endpoint's own ChatFormat, or ``None`` if it describes none or cannot be reached now (the
+    episodes then fail, are recorded in ``errors.jsonl`` and retried by the next run)."""
+    from agentrl.engines.openai_engine import EndpointError
+
+    try:
+        return await endpoint.served_format()
+    except EndpointError:
+        return None
 
 
 def _get(queue: Any, procs: list[Any]) -> Any:
@@ -502,7 +549,7 @@ class _EpisodeRunner(abc.ABC):
 
 
 class _TokenRunner(_EpisodeRunner):
-    """Token-in-token-out episodes with the trainer's rollout loop."""
+    """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine."""
 
     _stop_ids: list[int] | None = None
 
@@ -513,8 +560,6 @@ class _TokenRunner(_EpisodeRunner):
         return self._stop_ids
 
     async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
-        from agentrl.train.rollout import run_episode
-
         cfg = self.cfg
         sampling = SamplingParams(
             max_new_tokens=cfg.max_new_tokens,
@@ -523,39 +568,27 @@ class _TokenRunner(_EpisodeRunner):
             stop_token_ids=self.stop_ids(env),
             seed=cfg.seed + sample,
         )
-        t0 = time.perf_counter()
-        traj, env_s, *_ = await run_episode(
-            env, self.backend, sampling, task, cfg.seed + sample
-        )  # (trajectory, env seconds[, routing])
-        traj.metadata.update(
-            api="completions", latency_s=time.perf_counter() - t0, env_s=env_s, requests=traj.num_turns
+        result = await run_episode(env, TokenPolicy(self.backend, sampling), task=task, seed=cfg.seed + sample)
+        result.trajectory.metadata.update(
+            api="completions", latency_s=result.wall_s, env_s=result.env_s, requests=len(result.steps)
         )
-        return traj
+        return result.trajectory
 
 
 class _ChatRunner(_EpisodeRunner):
-    """Chat-completions episodes through the product Agent (one Agent per worker env)."""
-
-    def __init__(self, *args: Any):
-        super().__init__(*args)
-        self._agents: dict[int, Any] = {}  # id(env) -> the Agent driving that env
-
-    async def make_env(self) -> Any:
-        from agentrl.runtime import Agent
-
-        env = self.cls(**self.env_kwargs)
-        self._agents[id(env)] = Agent(env, self.backend, time_limit_s=None)
-        return env
+    """Chat-completions episodes: a :class:`~agentrl.runtime.ChatPolicy` on the endpoint."""
 
     async def episode(self, env: Any, task: dict[str, Any], sample: int) -> Trajectory:
+        from agentrl.runtime import ChatPolicy
+
         cfg = self.cfg
-        agent = self._agents[id(env)]
-        agent.sampling = {
+        sampling = {
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
             "max_completion_tokens": cfg.max_new_tokens,
             "seed": cfg.seed + sample,
         }
-        result = await agent.run_task(task)
-        assert result.trajectory is not None
+        policy = ChatPolicy(self.backend, sampling)
+        result = await run_episode(env, policy, task=task, seed=cfg.seed + sample)
+        policy.annotate(result)
         return result.trajectory

@@ -6,6 +6,7 @@ Imports neither torch nor transformers; the HF pieces import transformers lazily
 from agentrl.harmony.builder import TrajectoryBuilder
 from agentrl.harmony.chat_template import ChatTemplateFormat
 from agentrl.harmony.encoding import load_harmony_encoding_offline
+from agentrl.harmony.factory import FORMAT_NAMES, default_format, make_format
 from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.harmony_format import HarmonyFormat
 from agentrl.harmony.harmony_parser import StreamingParser
@@ -14,6 +15,7 @@ from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
 from agentrl.harmony.types import Message, ParsedTurn, ParseError, ParseErrorKind, ToolCall, ToolSpec
 
 __all__ = [
+    "FORMAT_NAMES",
     "ChatFormat",
     "ChatTemplateFormat",
     "HarmonyFormat",
@@ -28,6 +30,8 @@ __all__ = [
     "TrajectoryBuilder",
     "Trajectory",
     "TurnRecord",
+    "default_format",
     "harmony_hf_tokenizer",
     "load_harmony_encoding_offline",
+    "make_format",
 ]

@@ -1,8 +1,10 @@
-"""Sink attention for GPT-OSS: Triton kernels (forward, backward, d(sink)), torch references, and
-registration as a transformers attention implementation.
+"""Sink attention for GPT-OSS: Triton kernels (forward, backward, d(sink)), FlashAttention-4 as a
+second backend chosen per call (``backend="auto"``), torch references, and registration as a
+transformers attention implementation.
 
-Importing this package needs only torch; Triton is imported on the first kernel call, and
-transformers on :func:`register_transformers_attention`. Nothing else from ``agentrl`` is imported.
+Importing this package needs only torch; Triton is imported on the first kernel call, FA4
+(``flash_attn.cute``) on the first call that may use it, and transformers on
+:func:`register_transformers_attention`. Nothing else from ``agentrl`` is imported.
 """
 
 from agentrl.kernels.reference import sink_attention_eager, sink_attention_reference

@@ -108,21 +108,42 @@ def _row_map(p0, h0, BLOCK_M: tl.constexpr, PACK: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, start, end, n_k,
-               qk_scale2, window, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+def _desc_tile(desc, b, hk, k_start, start_n, cols, n_k, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+               MASKED: tl.constexpr, VARLEN: tl.constexpr):
+    """[BLOCK_N, HEAD_D] rows ``start_n..`` of KV head ``hk`` through a tensor descriptor (dense
+    ``[B, H, N, D]``: rows past the end read as zero; packed ``[total, H, D]``: rows past the
+    sequence belong to the next one or to unused memory and are zeroed in masked blocks)."""
+    if VARLEN:
+        t = desc.load([k_start + start_n, hk, 0]).reshape(BLOCK_N, HEAD_D)
+        if MASKED:
+            t = tl.where(cols[:, None] < n_k, t, 0.0)
+    else:
+        t = desc.load([b, hk, start_n, 0]).reshape(BLOCK_N, HEAD_D)
+    return t
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, k_desc, v_desc, stride_kn, stride_vn, rows_pos, start, end,
+               n_k, b, hk, k_start, qk_scale2, window, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, TMA: tl.constexpr,
+               VARLEN: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_d[:, None]
-        v_ptrs = v_ptr + cols[:, None] * stride_vn + offs_d[None, :]
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=cols[None, :] < n_k, other=0.0)
-            v = tl.load(v_ptrs, mask=cols[:, None] < n_k, other=0.0)
+        if TMA:
+            kt = tl.trans(_desc_tile(k_desc, b, hk, k_start, start_n, cols, n_k, BLOCK_N, HEAD_D, MASKED,
+                                     VARLEN))
+            v = _desc_tile(v_desc, b, hk, k_start, start_n, cols, n_k, BLOCK_N, HEAD_D, MASKED, VARLEN)
         else:
-            kt = tl.load(kt_ptrs)
-            v = tl.load(v_ptrs)
+            kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_d[:, None]
+            v_ptrs = v_ptr + cols[:, None] * stride_vn + offs_d[None, :]
+            if MASKED:
+                kt = tl.load(kt_ptrs, mask=cols[None, :] < n_k, other=0.0)
+                v = tl.load(v_ptrs, mask=cols[:, None] < n_k, other=0.0)
+            else:
+                kt = tl.load(kt_ptrs)
+                v = tl.load(v_ptrs)
         s = tl.dot(q, kt)
         if MASKED:
             s = tl.where(_visible(rows_pos, cols, n_k, window, CAUSAL, WINDOW), s, float("-inf"))
@@ -138,13 +159,15 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, s
 
 
 @triton.jit
-def sink_fwd_kernel(Q, K, V, SINK, Out, LSE, CU_Q, CU_K,
+def sink_fwd_kernel(Q, K, V, SINK, Out, LSE, CU_Q, CU_K, K_DESC, V_DESC,
                     sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_n,
                     sl_b, sl_h, n_q_dense, n_k_dense, H, GROUP, qk_scale2, window,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-                    HAS_SINK: tl.constexpr, PACK: tl.constexpr):
-    """Grid: (position blocks of BLOCK_M // PACK, B * H // PACK)."""
+                    HAS_SINK: tl.constexpr, PACK: tl.constexpr, TMA: tl.constexpr):
+    """Grid: (position blocks of BLOCK_M // PACK, B * H // PACK). ``TMA``: K/V tiles come through the
+    tensor descriptors ``K_DESC``/``V_DESC`` (block ``[1, 1, BLOCK_N, D]`` dense, ``[BLOCK_N, 1, D]``
+    packed) instead of pointer loads."""
     BLOCK_P: tl.constexpr = BLOCK_M // PACK
     # Longest blocks first: under causal masking the last query blocks do the most work.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -179,12 +202,15 @@ def sink_fwd_kernel(Q, K, V, SINK, Out, LSE, CU_Q, CU_K,
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = _kv_ranges(p0, n_k, off, window, BLOCK_P, BLOCK_N, CAUSAL, WINDOW)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, lo, full_lo, n_k,
-                               qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_lo, full_hi,
-                               n_k, qk_scale2, window, BLOCK_N, HEAD_D, False, CAUSAL, WINDOW)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_hi, hi, n_k,
-                               qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, K_DESC, V_DESC, sk_n, sv_n, rows_pos, lo,
+                               full_lo, n_k, b, hk, k_start, qk_scale2, window, BLOCK_N, HEAD_D, True,
+                               CAUSAL, WINDOW, TMA, VARLEN)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, K_DESC, V_DESC, sk_n, sv_n, rows_pos,
+                               full_lo, full_hi, n_k, b, hk, k_start, qk_scale2, window, BLOCK_N, HEAD_D,
+                               False, CAUSAL, WINDOW, TMA, VARLEN)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptr, v_ptr, K_DESC, V_DESC, sk_n, sv_n, rows_pos,
+                               full_hi, hi, n_k, b, hk, k_start, qk_scale2, window, BLOCK_N, HEAD_D, True,
+                               CAUSAL, WINDOW, TMA, VARLEN)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # only without a sink and with no visible key
     out = acc / l_i[:, None]
@@ -230,13 +256,18 @@ def sink_bwd_preprocess_kernel(Out, DO, LSE, DLSE, SINK, DELTA, SINKTERM, CU_Q, 
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, start, end, sq_n, sdo_n, cols,
-                    n_q, n_k, off, qk_scale2, window, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
-                    PACK: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                    LSE, DELTA):
+def _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, dq_rows, l_rows, start, end, sq_n, sdo_n, sdq_n, cols,
+                    n_q, n_k, off, qk_scale2, sm_scale, window, q_desc, do_desc, dq_desc, b, h, q_start,
+                    BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, PACK: tl.constexpr, MASKED: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
+                    DQ_TMA: tl.constexpr, VARLEN: tl.constexpr, LSE, DELTA):
     """Accumulate dK, dV of one KV tile over query position blocks [start, end). ``q_rows``,
-    ``do_rows``, ``l_rows``: base pointers/offsets of the head(s), a scalar for PACK == 1 and one per
-    row otherwise; positions are added here."""
+    ``do_rows``, ``dq_rows``, ``l_rows``: base pointers/offsets of the head(s), a scalar for
+    PACK == 1 and one per row otherwise; positions are added here. ``ATOMIC_DQ``: also add this
+    tile's share of dQ (``scale * dS K``) into the fp32 buffer at ``dq_rows`` with atomics, so that
+    no second kernel has to recompute P for dQ. ``TMA`` (PACK == 1): q and dO tiles through the
+    descriptors ``q_desc``/``do_desc`` of head ``h``; ``DQ_TMA`` (dense): the dQ share is added by
+    a bulk tensor reduction through ``dq_desc`` instead of one atomic per element."""
     BLOCK_P: tl.constexpr = BLOCK_M // PACK
     offs_d = tl.arange(0, HEAD_D)
     if PACK == 1:
@@ -245,21 +276,34 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, start, end, sq_n, sdo
         rpos = tl.arange(0, BLOCK_M) % BLOCK_P
     for start_m in range(start, end, BLOCK_P):
         pos = start_m + rpos
-        if PACK == 1:
-            q_ptrs = q_rows + pos[:, None] * sq_n + offs_d[None, :]
-            do_ptrs = do_rows + pos[:, None] * sdo_n + offs_d[None, :]
+        row_ok = pos < n_q
+        if TMA:
+            if VARLEN:
+                q = q_desc.load([q_start + start_m, h, 0]).reshape(BLOCK_M, HEAD_D)
+                do = do_desc.load([q_start + start_m, h, 0]).reshape(BLOCK_M, HEAD_D)
+                if MASKED:  # rows past the sequence: another sequence's, or unused memory
+                    q = tl.where(row_ok[:, None], q, 0.0)
+                    do = tl.where(row_ok[:, None], do, 0.0)
+            else:
+                q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_D)
+                do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, HEAD_D)
         else:
-            q_ptrs = q_rows[:, None] + pos[:, None].to(tl.int64) * sq_n + offs_d[None, :]
-            do_ptrs = do_rows[:, None] + pos[:, None].to(tl.int64) * sdo_n + offs_d[None, :]
+            if PACK == 1:
+                q_ptrs = q_rows + pos[:, None] * sq_n + offs_d[None, :]
+                do_ptrs = do_rows + pos[:, None] * sdo_n + offs_d[None, :]
+            else:
+                q_ptrs = q_rows[:, None] + pos[:, None].to(tl.int64) * sq_n + offs_d[None, :]
+                do_ptrs = do_rows[:, None] + pos[:, None].to(tl.int64) * sdo_n + offs_d[None, :]
+            if MASKED:
+                q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+                do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
         if MASKED:
-            row_ok = pos < n_q
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse = tl.load(LSE + l_rows + pos, mask=row_ok, other=0.0)
             delta = tl.load(DELTA + l_rows + pos, mask=row_ok, other=0.0)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
             lse = tl.load(LSE + l_rows + pos)
             delta = tl.load(DELTA + l_rows + pos)
         s_t = tl.dot(k, tl.trans(q))  # [BLOCK_N, BLOCK_M]
@@ -269,21 +313,38 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, start, end, sq_n, sdo
             p_t = tl.where(ok, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk)
+        if ATOMIC_DQ:
+            dq_part = tl.dot(tl.trans(ds_t), k) * sm_scale  # [BLOCK_M, HEAD_D], fp32
+            if DQ_TMA:  # rows past the end are clipped; masked rows add exact zeros
+                dq_desc.atomic_add([b, h, start_m, 0], dq_part.reshape(1, 1, BLOCK_M, HEAD_D))
+            else:
+                if PACK == 1:
+                    dq_ptrs = dq_rows + pos[:, None] * sdq_n + offs_d[None, :]
+                else:
+                    dq_ptrs = dq_rows[:, None] + pos[:, None].to(tl.int64) * sdq_n + offs_d[None, :]
+                if MASKED:
+                    tl.atomic_add(dq_ptrs, dq_part, mask=row_ok[:, None], sem="relaxed")
+                else:
+                    tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def sink_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+def sink_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, CU_Q, CU_K, Q_DESC, DO_DESC, DQ_DESC,
                          sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdo_b, sdo_h, sdo_n,
-                         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sl_b, sl_h,
+                         sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, sdq_b, sdq_h, sdq_n, sl_b, sl_h,
                          n_q_dense, n_k_dense, HKV, GROUP, qk_scale2, sm_scale, window,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                          CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-                         PACK: tl.constexpr):
+                         PACK: tl.constexpr, ATOMIC_DQ: tl.constexpr, TMA: tl.constexpr,
+                         DQ_TMA: tl.constexpr):
     """One program per (KV block, batch, KV head); it covers the GROUP query heads that share the KV
-    head (PACK of them per tile), so dK and dV are summed over the group without atomics."""
+    head (PACK of them per tile), so dK and dV are summed over the group without atomics. With
+    ``ATOMIC_DQ`` it also accumulates dQ (fp32, pre-zeroed ``DQ``) by atomics: 5 matmuls per tile
+    instead of 4 here plus 3 in :func:`sink_bwd_dq_kernel`. ``TMA``/``DQ_TMA``: see
+    :func:`_bwd_dkdv_inner` (descriptors ``[1, 1, BLOCK_M, D]`` dense, ``[BLOCK_M, 1, D]`` packed)."""
     BLOCK_P: tl.constexpr = BLOCK_M // PACK
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -307,28 +368,35 @@ def sink_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     lo, full_lo, full_hi, hi = _q_ranges(n0, n_q, n_k, off, window, BLOCK_P, BLOCK_N, CAUSAL, WINDOW)
     q_base = Q + b64 * sq_b + q_start.to(tl.int64) * sq_n
     do_base = DO + b64 * sdo_b + q_start.to(tl.int64) * sdo_n
+    dq_base = DQ + b64 * sdq_b + q_start.to(tl.int64) * sdq_n
     l_base = b64 * sl_b + q_start
     for hg in range(GROUP // PACK):
         if PACK == 1:  # one head: scalar bases keep the address arithmetic of a plain tile
             h64 = (hk * GROUP + hg).to(tl.int64)
             q_rows = q_base + h64 * sq_h
             do_rows = do_base + h64 * sdo_h
+            dq_rows = dq_base + h64 * sdq_h
             l_rows = l_base + h64 * sl_h
         else:
             heads, _ = _row_map(0, hk * GROUP + hg * PACK, BLOCK_M, PACK)
             heads64 = heads.to(tl.int64)
             q_rows = q_base + heads64 * sq_h
             do_rows = do_base + heads64 * sdo_h
+            dq_rows = dq_base + heads64 * sdq_h
             l_rows = l_base + heads64 * sl_h
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, lo, full_lo, sq_n, sdo_n,
-                                 cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK, True,
-                                 CAUSAL, WINDOW, LSE, DELTA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, full_lo, full_hi, sq_n, sdo_n,
-                                 cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK,
-                                 False, CAUSAL, WINDOW, LSE, DELTA)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, l_rows, full_hi, hi, sq_n, sdo_n,
-                                 cols, n_q, n_k, off, qk_scale2, window, BLOCK_M, HEAD_D, PACK, True,
-                                 CAUSAL, WINDOW, LSE, DELTA)
+        h = hk * GROUP + hg * PACK
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, dq_rows, l_rows, lo, full_lo, sq_n, sdo_n,
+                                 sdq_n, cols, n_q, n_k, off, qk_scale2, sm_scale, window, Q_DESC, DO_DESC,
+                                 DQ_DESC, b, h, q_start, BLOCK_M, HEAD_D, PACK, True, CAUSAL, WINDOW,
+                                 ATOMIC_DQ, TMA, DQ_TMA, VARLEN, LSE, DELTA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, dq_rows, l_rows, full_lo, full_hi, sq_n,
+                                 sdo_n, sdq_n, cols, n_q, n_k, off, qk_scale2, sm_scale, window, Q_DESC,
+                                 DO_DESC, DQ_DESC, b, h, q_start, BLOCK_M, HEAD_D, PACK, False, CAUSAL,
+                                 WINDOW, ATOMIC_DQ, TMA, DQ_TMA, VARLEN, LSE, DELTA)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_rows, do_rows, dq_rows, l_rows, full_hi, hi, sq_n, sdo_n,
+                                 sdq_n, cols, n_q, n_k, off, qk_scale2, sm_scale, window, Q_DESC, DO_DESC,
+                                 DQ_DESC, b, h, q_start, BLOCK_M, HEAD_D, PACK, True, CAUSAL, WINDOW,
+                                 ATOMIC_DQ, TMA, DQ_TMA, VARLEN, LSE, DELTA)
     dk = dk * sm_scale
     dk_ptr = DK + b64 * sdk_b + hk.to(tl.int64) * sdk_h + k_start.to(tl.int64) * sdk_n
     dv_ptr = DV + b64 * sdv_b + hk.to(tl.int64) * sdv_h + k_start.to(tl.int64) * sdv_n
@@ -338,20 +406,27 @@ def sink_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_vn, rows_pos, start, end, n_k,
-                  qk_scale2, window, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr, MASKED: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+                  qk_scale2, window, k_desc, v_desc, b, hk, k_start, BLOCK_N: tl.constexpr,
+                  HEAD_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  TMA: tl.constexpr, VARLEN: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
-        kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_d[:, None]
-        vt_ptrs = v_ptr + cols[None, :] * stride_vn + offs_d[:, None]
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=cols[None, :] < n_k, other=0.0)
-            vt = tl.load(vt_ptrs, mask=cols[None, :] < n_k, other=0.0)
+        if TMA:
+            k = _desc_tile(k_desc, b, hk, k_start, start_n, cols, n_k, BLOCK_N, HEAD_D, MASKED, VARLEN)
+            v = _desc_tile(v_desc, b, hk, k_start, start_n, cols, n_k, BLOCK_N, HEAD_D, MASKED, VARLEN)
+            kt = tl.trans(k)
+            vt = tl.trans(v)
         else:
-            kt = tl.load(kt_ptrs)
-            vt = tl.load(vt_ptrs)
+            kt_ptrs = k_ptr + cols[None, :] * stride_kn + offs_d[:, None]
+            vt_ptrs = v_ptr + cols[None, :] * stride_vn + offs_d[:, None]
+            if MASKED:
+                kt = tl.load(kt_ptrs, mask=cols[None, :] < n_k, other=0.0)
+                vt = tl.load(vt_ptrs, mask=cols[None, :] < n_k, other=0.0)
+            else:
+                kt = tl.load(kt_ptrs)
+                vt = tl.load(vt_ptrs)
         s = tl.dot(q, kt)
         p = tl.exp2(s * qk_scale2 - lse2[:, None])
         if MASKED:
@@ -363,14 +438,15 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_kn, stride_vn, ro
 
 
 @triton.jit
-def sink_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+def sink_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, K_DESC, V_DESC,
                        sq_b, sq_h, sq_n, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sdo_b, sdo_h, sdo_n,
                        sdq_b, sdq_h, sdq_n, sl_b, sl_h, n_q_dense, n_k_dense, H, GROUP,
                        qk_scale2, sm_scale, window,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, VARLEN: tl.constexpr,
-                       PACK: tl.constexpr):
-    """Grid: (position blocks of BLOCK_M // PACK, B * H // PACK)."""
+                       PACK: tl.constexpr, TMA: tl.constexpr):
+    """Grid: (position blocks of BLOCK_M // PACK, B * H // PACK). ``TMA``: K/V tiles through the
+    descriptors, as in the forward."""
     BLOCK_P: tl.constexpr = BLOCK_M // PACK
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -401,11 +477,14 @@ def sink_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     dq = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _kv_ranges(p0, n_k, off, window, BLOCK_P, BLOCK_N, CAUSAL, WINDOW)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, lo, full_lo, n_k,
-                       qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
+                       qk_scale2, window, K_DESC, V_DESC, b, hk, k_start, BLOCK_N, HEAD_D, True, CAUSAL,
+                       WINDOW, TMA, VARLEN)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_lo, full_hi, n_k,
-                       qk_scale2, window, BLOCK_N, HEAD_D, False, CAUSAL, WINDOW)
+                       qk_scale2, window, K_DESC, V_DESC, b, hk, k_start, BLOCK_N, HEAD_D, False, CAUSAL,
+                       WINDOW, TMA, VARLEN)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, sk_n, sv_n, rows_pos, full_hi, hi, n_k,
-                       qk_scale2, window, BLOCK_N, HEAD_D, True, CAUSAL, WINDOW)
+                       qk_scale2, window, K_DESC, V_DESC, b, hk, k_start, BLOCK_N, HEAD_D, True, CAUSAL,
+                       WINDOW, TMA, VARLEN)
     dq = dq * sm_scale
     dq_rows = DQ + b64 * sdq_b + heads64 * sdq_h + tok64 * sdq_n
     tl.store(dq_rows[:, None] + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])

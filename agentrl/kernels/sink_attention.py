@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrl.kernels import _dispatch
+
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -24,6 +26,12 @@ class KernelConfig:
     ``pack``: put the query heads of a GQA group into one tile's rows (``block_m // group``
     positions each), so that they share K/V tiles and one causal/window range; pays off for
     sliding windows and decoding. Ignored unless the group is a power of two up to ``block_m``.
+    ``tma``: load tiles through tensor descriptors (TMA on Hopper) instead of pointers: K/V in the
+    forward and dq kernels, q/dO in the dkdv kernel (one head per tile only), where dQ by atomics
+    then also goes through a bulk tensor reduction (dense layouts). Ignored where descriptors
+    cannot describe the tensors (unaligned strides).
+    ``atomic_dq`` (dkdv): compute dQ inside the dK/dV kernel with fp32 atomics (one recomputation
+    of P instead of two; dQ then depends on the order of the atomic adds, d sink does not).
     """
 
     block_m: int
@@ -31,10 +39,35 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     pack: bool = False
+    tma: bool = False
+    atomic_dq: bool = False
 
 
-# Benchmarks may override the heuristic per kernel ("fwd", "dkdv", "dq"); None means the heuristic.
+# Benchmarks and tests may override the heuristic per kernel ("fwd", "dkdv", "dq"), per kernel and
+# case ("fwd/full", "dkdv/window", "dq/decode") or per kernel, case and head_dim ("fwd/full/d64");
+# the most specific key wins, None means the heuristic. ``$AGENTRL_SINK_CONFIGS`` names a JSON file
+# of such overrides (see :func:`load_config_overrides`), read when this module is imported.
 CONFIG_OVERRIDES: dict[str, KernelConfig | None] = {"fwd": None, "dkdv": None, "dq": None}
+
+
+def load_config_overrides(path: str) -> dict[str, KernelConfig]:
+    """Read ``{"fwd/full/d64": [block_m, block_n, num_warps, num_stages, pack, tma, atomic_dq], ...}``
+    (trailing fields optional) from a JSON file, e.g. written by ``benchmarks/sink_attention_bench.py
+    --sweep-out``, into :data:`CONFIG_OVERRIDES`; returns what was loaded."""
+    import json
+
+    with open(path) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object of kernel configs, got {type(raw).__name__}")
+    loaded = {}
+    for key, fields in raw.items():
+        if key.split("/")[0] not in ("fwd", "dkdv", "dq") or not isinstance(fields, list) or not 4 <= len(fields) <= 7:
+            raise ValueError(f"{path}: bad entry {key!r}: {fields!r}; keys start with fwd/dkdv/dq and values "
+                             "are [block_m, block_n, num_warps, num_stages, pack?, tma?, atomic_dq?]")
+        loaded[key] = KernelConfig(*fields)
+    CONFIG_OVERRIDES.update(loaded)
+    return loaded
 
 
 def _interpreting() -> bool:
@@ -62,28 +95,39 @@ def _kernels():
 def _pick(kind: str, head_dim: int, max_q: int, group: int, window: int | None) -> KernelConfig:
     """Tile configuration per kernel; the GPU choices come from sweeps on an H200 (see
     benchmarks/RESULTS.md)."""
-    override = CONFIG_OVERRIDES.get(kind)
-    if override is not None:
-        return override
     decode = max_q * group <= 64
+    case = "decode" if decode else "window" if window is not None else "full"
+    for key in (f"{kind}/{case}/d{head_dim}", f"{kind}/{case}", kind):
+        if CONFIG_OVERRIDES.get(key) is not None:
+            return CONFIG_OVERRIDES[key]
     pack = group > 1 and (window is not None or decode)
     if _interpreting():
         return KernelConfig(16, 16, 4, 1, pack)
     wide = head_dim > 64
+    tma = head_dim == 64  # the TMA variants were measured (and GPU-tested at every shape class) at D=64
     if decode:
         return KernelConfig(max(16, triton_next_pow2(max_q * group if pack else max_q)), 64, 4, 2, pack)
     if kind == "fwd":
         if window is not None:
             return KernelConfig(64, 32, 4, 3, pack)
-        return KernelConfig(128, 64, 8, 3) if wide else KernelConfig(128, 128, 4, 3)
+        return KernelConfig(128, 64, 8, 3) if wide else KernelConfig(128, 128, 4, 3, tma=tma)
     if kind == "dq":
         if window is not None:
             return KernelConfig(64, 32, 4, 3, pack)
-        return KernelConfig(64, 64, 8 if wide else 4, 3)
-    # dkdv: the query-block loop is the inner loop
+        if wide:
+            return KernelConfig(64, 64, 8, 3)
+        return KernelConfig(64, 128, 4, 3, tma=True) if tma else KernelConfig(64, 64, 4, 3)
+    # dkdv: the query-block loop is the inner loop. (dQ by atomics inside it was slower on the H200:
+    # 20.2 ms per element, 16.0 ms by bulk reduction, against 15.3 ms for the two kernels.)
     if window is not None:
         return KernelConfig(64, 64, 4, 3, pack)
-    return KernelConfig(64, 64, 8 if wide else 4, 3)
+    if wide:
+        return KernelConfig(64, 64, 8, 3)
+    return KernelConfig(64, 64, 4, 4, tma=True) if tma else KernelConfig(64, 64, 4, 3)
+
+
+if os.environ.get("AGENTRL_SINK_CONFIGS"):
+    load_config_overrides(os.environ["AGENTRL_SINK_CONFIGS"])
 
 
 def _pack(cfg: KernelConfig, group: int) -> int:
@@ -126,6 +170,22 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _descriptors(tensors, lay: _Layout, block_rows: int):
+    """Tensor descriptors for TMA tiles of ``block_rows`` tokens of one head (block
+    ``[1, 1, block_rows, D]`` over dense ``[B, H, N, D]``, ``[block_rows, 1, D]`` over packed
+    ``[total, H, D]``), or ``None`` when TMA cannot address one of them (16-byte aligned base and
+    strides needed)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descs = []
+    for t in tensors:
+        if t.data_ptr() % 16 or any((st * t.element_size()) % 16 for st in t.stride()[:-1]) or t.numel() == 0:
+            return None
+        block = [block_rows, 1, lay.head_dim] if lay.varlen else [1, 1, block_rows, lay.head_dim]
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block))
+    return descs
+
+
 def _launch_fwd(q, k, v, sinks, cu_q, cu_k, lay: _Layout, causal, window, scale):
     kern = _kernels()
     out = torch.empty_like(q)
@@ -134,16 +194,19 @@ def _launch_fwd(q, k, v, sinks, cu_q, cu_k, lay: _Layout, causal, window, scale)
     group = lay.hq // lay.hkv
     cfg = _pick("fwd", lay.head_dim, lay.n_q, group, window)
     pack = _pack(cfg, group)
+    k_desc = v_desc = None
+    if cfg.tma:
+        k_desc, v_desc = _descriptors((k, v), lay, cfg.block_n) or (None, None)
     grid = (triton_cdiv(lay.n_q, cfg.block_m // pack), lay.batch * lay.hq // pack)
     dummy = lse  # any tensor: pointer arguments behind a false constexpr are never read
     kern.sink_fwd_kernel[grid](
         q, k, v, sinks if sinks is not None else dummy, out, lse,
-        cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy,
+        cu_q if cu_q is not None else dummy, cu_k if cu_k is not None else dummy, k_desc, v_desc,
         *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out), *lay.lse_strides(lse),
         lay.n_q, lay.n_k, lay.hq, lay.hq // lay.hkv, scale * kern.LOG2E, window or 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_D=lay.head_dim, CAUSAL=causal,
         WINDOW=window is not None, VARLEN=lay.varlen, HAS_SINK=sinks is not None, PACK=pack,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TMA=k_desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out, lse
 
@@ -164,29 +227,39 @@ def _launch_bwd(do, q, k, v, sinks, out, lse, dlse, cu_q, cu_k, lay: _Layout, ca
         BLOCK_M=pre_m, HEAD_D=lay.head_dim, VARLEN=lay.varlen, HAS_DLSE=dlse is not None,
         HAS_SINK=sinks is not None,
     )
-    dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     group = lay.hq // lay.hkv
     common = dict(HEAD_D=lay.head_dim, CAUSAL=causal, WINDOW=window is not None, VARLEN=lay.varlen)
     cfg = _pick("dkdv", lay.head_dim, lay.n_q, group, window)
+    pack = _pack(cfg, group)
+    # atomic dQ: an fp32 buffer (zeroed) that the dK/dV kernel adds into; else a separate dQ kernel
+    dq = torch.zeros_like(q, dtype=torch.float32) if cfg.atomic_dq else torch.empty_like(q)
+    descs = _descriptors((q, do, dq), lay, cfg.block_m) if cfg.tma and pack == 1 else None
+    q_desc, do_desc, dq_desc = descs or (None, None, None)
+    # the bulk reduction (TMA) of dQ: dense layouts on a GPU (the interpreter has no reductions)
+    dq_tma = descs is not None and cfg.atomic_dq and not lay.varlen and not _interpreting()
     kern.sink_bwd_dkdv_kernel[(triton_cdiv(lay.n_k, cfg.block_n), lay.batch * lay.hkv)](
-        q, k, v, do, lse, delta, dk, dv, cu_q_arg, cu_k_arg,
+        q, k, v, do, lse, delta, dk, dv, dq, cu_q_arg, cu_k_arg, q_desc, do_desc, dq_desc if dq_tma else None,
         *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dk),
-        *lay.strides(dv), *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hkv, group,
+        *lay.strides(dv), *lay.strides(dq), *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hkv, group,
         scale * kern.LOG2E, scale, window or 0,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PACK=_pack(cfg, group), **common,
+        PACK=pack, ATOMIC_DQ=cfg.atomic_dq, TMA=descs is not None, DQ_TMA=dq_tma, **common,
     )
-    cfg = _pick("dq", lay.head_dim, lay.n_q, group, window)
-    pack = _pack(cfg, group)
-    kern.sink_bwd_dq_kernel[(triton_cdiv(lay.n_q, cfg.block_m // pack), lay.batch * lay.hq // pack)](
-        q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg,
-        *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dq),
-        *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hq, group, scale * kern.LOG2E, scale, window or 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PACK=pack, **common,
-    )
+    if cfg.atomic_dq:
+        dq = dq.to(q.dtype)
+    else:
+        cfg = _pick("dq", lay.head_dim, lay.n_q, group, window)
+        pack = _pack(cfg, group)
+        kv_descs = _descriptors((k, v), lay, cfg.block_n) if cfg.tma else None
+        kern.sink_bwd_dq_kernel[(triton_cdiv(lay.n_q, cfg.block_m // pack), lay.batch * lay.hq // pack)](
+            q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg, *(kv_descs or (None, None)),
+            *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(do), *lay.strides(dq),
+            *lay.lse_strides(lse), lay.n_q, lay.n_k, lay.hq, group, scale * kern.LOG2E, scale, window or 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PACK=pack, TMA=kv_descs is not None, **common,
+        )
     dsink = None
     if sinks is not None:
         reduce_dims = (1,) if lay.varlen else (0, 2)
@@ -245,6 +318,7 @@ def sink_attention(
     softmax_scale: float | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
+    backend: str | None = None,
 ):
     """Attention with a per-head sink logit, differentiable in q, k, v and sinks.
 
@@ -266,9 +340,16 @@ def sink_attention(
         return_lse: also return the log-sum-exp ``L`` (natural log, sink included), fp32,
             ``[B, Hq, Nq]`` dense or ``[Hq, total_q]`` packed; it is differentiable too.
         softmax_scale: score scale, default ``1/sqrt(D)``.
+        backend: ``"auto"`` (default, or ``$AGENTRL_SINK_BACKEND``), ``"triton"`` (our kernels)
+            or ``"fa4"`` (FlashAttention-4, ``pip install 'agentrl-sdk[fa4]'``; fp16/bf16 on
+            SM90/SM100). ``auto`` takes FA4 where it is installed, can run the call and was
+            measured faster (full causal attention on Hopper), ours otherwise (sliding windows,
+            decoding, fp32, other GPUs, the CPU interpreter); see ``agentrl.kernels._dispatch``.
+            Every backend computes the same function, gradients and LSE included.
 
     Returns:
-        ``out`` shaped and strided like ``q``, or ``(out, lse)`` with ``return_lse``.
+        ``out`` shaped like ``q`` (our kernels also keep ``q``'s strides; FA4's dense output is
+        a ``[B, N, H, D]`` tensor seen as ``[B, H, N, D]``), or ``(out, lse)`` with ``return_lse``.
         A query row that sees no key returns ``out = 0`` and ``L = sigma``.
     """
     if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
@@ -326,5 +407,18 @@ def sink_attention(
         cu_q = cu_k = None
         lay = _Layout(False, q.shape[0], q.shape[2], k.shape[2], hq, hkv, head_dim)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, sinks))
+    chosen = _dispatch.choose(
+        _dispatch.default_backend() if backend is None else backend, q=q, head_dim=head_dim,
+        sinks=sinks, causal=bool(causal), window=window, n_q=lay.n_q, n_k=lay.n_k,
+        group=hq // hkv, needs_grad=needs_grad, interpreting=_interpreting())
+    if chosen == "fa4":
+        from agentrl.kernels._fa4 import fa4_sink_attention
+
+        out, lse = fa4_sink_attention(
+            q, k, v, sinks, causal=bool(causal), window=window, scale=scale, cu_q=cu_q, cu_k=cu_k,
+            max_q=lay.n_q if packed else None, max_k=lay.n_k if packed else None, want_lse=return_lse)
+        return (out, lse) if return_lse else out
     out, lse = _SinkAttentionFn.apply(q, k, v, sinks, cu_q, cu_k, lay, bool(causal), window, scale)
     return (out, lse) if return_lse else out

@@ -14,6 +14,8 @@ a batch of one, are handled the same way.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -47,10 +49,13 @@ def _packed_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None
 
 
 def agentrl_sink_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                                   sliding_window=None, s_aux=None, **kwargs):
+                                   sliding_window=None, s_aux=None, *, backend=None, **kwargs):
     """transformers attention function: ``query`` ``[B, Hq, Nq, D]``, ``key``/``value``
     ``[B, Hkv, Nk, D]``; returns ``(attn_output [B, Nq, Hq, D], None)``. ``s_aux`` is the sink
-    parameter (GPT-OSS passes ``module.sinks``); without it this is plain causal attention."""
+    parameter (GPT-OSS passes ``module.sinks``); without it this is plain causal attention.
+    ``backend``: as for :func:`agentrl.kernels.sink_attention` (None: ``auto`` or
+    ``$AGENTRL_SINK_BACKEND``), chosen per layer call, so GPT-OSS's sliding and full layers can
+    take different kernels."""
     if dropout and dropout > 0.0:
         raise ValueError(f"agentrl_sink attention has no dropout; got attention dropout {dropout}. "
                          "Set config.attention_dropout=0.0 (GPT-OSS's default).")
@@ -80,10 +85,12 @@ def agentrl_sink_attention_forward(module, query, key, value, attention_mask, dr
         v = value[0].transpose(0, 1)
         out = sink_attention(q, k, v, s_aux, causal=causal, window=window, cu_seqlens=cu_q,
                              cu_seqlens_k=cu_k, max_seqlen=kwargs.get("max_length_q"),
-                             max_seqlen_k=kwargs.get("max_length_k"), softmax_scale=scaling)
+                             max_seqlen_k=kwargs.get("max_length_k"), softmax_scale=scaling,
+                             backend=backend)
         return out[None], None
     if attention_mask is None:
-        out = sink_attention(query, key, value, s_aux, causal=causal, window=window, softmax_scale=scaling)
+        out = sink_attention(query, key, value, s_aux, causal=causal, window=window, softmax_scale=scaling,
+                             backend=backend)
         return out.transpose(1, 2), None
 
     # Padding: pack each row's valid tokens into a variable-length sequence.
@@ -101,20 +108,31 @@ def agentrl_sink_attention_forward(module, query, key, value, attention_mask, dr
     v = value.transpose(1, 2).reshape(b * n_k, value.shape[1], d)[k_idx]
     out_p = sink_attention(q, k, v, s_aux, causal=causal, window=window, cu_seqlens=_cu_from_counts(q_counts),
                            cu_seqlens_k=_cu_from_counts(k_counts), max_seqlen=int(q_counts.max()),
-                           max_seqlen_k=int(k_counts.max()), softmax_scale=scaling)
+                           max_seqlen_k=int(k_counts.max()), softmax_scale=scaling,
+                           backend=backend)
     out = out_p.new_zeros(b * n_q, hq, d).index_copy(0, q_idx, out_p)
     return out.view(b, n_q, hq, d), None
 
 
-def register_transformers_attention(name: str = "agentrl_sink") -> str:
+def register_transformers_attention(name: str = "agentrl_sink", backend: str | None = None) -> str:
     """Register sink attention under ``name`` with transformers' ``AttentionInterface`` (and its
-    padding-mask function with ``AttentionMaskInterface``); returns ``name``. Idempotent."""
+    padding-mask function with ``AttentionMaskInterface``); returns ``name``. Idempotent.
+
+    ``backend``: ``"auto"``, ``"triton"`` or ``"fa4"`` for every call through this name (None: the
+    default of :func:`agentrl.kernels.sink_attention`, ``auto`` unless ``$AGENTRL_SINK_BACKEND``
+    says otherwise). Register several names to compare backends in one process."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:
         raise RuntimeError("register_transformers_attention needs transformers>=5 "
                            f"(pip install 'agentrl-sdk[train]'): {exc}") from exc
-    AttentionInterface.register(name, agentrl_sink_attention_forward)
+    from agentrl.kernels._dispatch import BACKENDS
+
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None; got {backend!r}")
+    fn = agentrl_sink_attention_forward if backend is None else functools.partial(
+        agentrl_sink_attention_forward, backend=backend)
+    AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, _padding_mask)
     return name

@@ -4,7 +4,8 @@ The env is the same :class:`~agentrl.envs.AgentEnv` used in training: its tools,
 validation, sessions (e.g. one sandbox kernel per request), limits and error taxonomy all apply unchanged.
 The model is any OpenAI-compatible chat-completions endpoint with tool calling (vLLM, SGLang,
 ``agentrl serve model``, hosted APIs). Each model reply is rendered into the env's format and stepped
-through the env (see :mod:`agentrl.runtime.bridge`), so the returned trajectory is the env's own record.
+through the env by the shared episode runner (:func:`agentrl.episodes.run_episode` with a
+:class:`~agentrl.runtime.ChatPolicy`), so the returned trajectory is the env's own record.
 
 Usage::
 
@@ -18,17 +19,18 @@ One ``Agent`` runs one request at a time (it owns one env episode); make one per
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.engines.openai_engine import ChatClient, ChatResult
+from agentrl.engines.openai_engine import ChatClient
+from agentrl.episodes import STOP_REASONS as EPISODE_STOP_REASONS
+from agentrl.episodes import EpisodeLimits, Step, run_episode
 from agentrl.harmony.trajectory import ToolRecord, Trajectory
-from agentrl.runtime.bridge import observation_to_openai, prompt_to_openai, reply_to_steps, tools_to_openai
+from agentrl.runtime.chat_policy import ChatPolicy
 
-#: Why a run stopped.
-STOP_REASONS = ("answer", "no_answer", "tool_limit", "turn_limit", "token_limit", "time_limit")
+#: Why a run stopped (the episode runner's reasons; an Agent run raises instead of ending in ``error``).
+STOP_REASONS = tuple(r for r in EPISODE_STOP_REASONS if r != "error")
 
 
 @dataclass
@@ -93,8 +95,9 @@ class Agent:
             completions, e.g. the default :class:`~agentrl.harmony.HarmonyFormat`).
         client: a :class:`~agentrl.engines.openai_engine.ChatClient`; or pass ``base_url``, ``api_key``,
             ``model`` (or the ``OPENAI_*`` environment variables) to build one.
-        max_tool_calls, max_turns: limits for one request (set on the env's limits when given).
+        max_tool_calls, max_turns: limits for one request (override the env's limits when given).
         time_limit_s: wall-clock limit of one request; when hit, the run stops with ``time_limit``.
+            ``None``: no limit.
         sampling: chat-completions parameters (``temperature``, ``max_tokens``, ...).
     """
 
@@ -117,12 +120,7 @@ class Agent:
         self.env = env
         self.client = client if client is not None else ChatClient(**client_kwargs)
         self._owns_client = client is None
-        overrides = {
-            k: v for k, v in (("max_tool_calls", max_tool_calls), ("max_turns", max_turns)) if v is not None
-        }
-        if overrides:
-            env.limits = replace(env.limits, **overrides)
-        self.time_limit_s = time_limit_s
+        self.limits = EpisodeLimits(time_s=time_limit_s, max_turns=max_turns, max_tool_calls=max_tool_calls)
         self.sampling = dict(sampling or {})
         self._lock = asyncio.Lock()
 
@@ -179,119 +177,43 @@ class Agent:
         return asyncio.run(self.run(request, **kwargs))
 
     # ------------------------------------------------------------------ internals
-    async def _guarded(self, task, on_text, on_event, *, score: bool) -> AgentResult:
+    async def _guarded(
+        self,
+        task: dict[str, Any],
+        on_text: Callable[[str], Any] | None,
+        on_event: Callable[[AgentEvent], Any] | None,
+        *,
+        score: bool,
+    ) -> AgentResult:
         async with self._lock:
-            state = _RunState(time.perf_counter())
+            policy = ChatPolicy(self.client, self.sampling, on_text=on_text)
+            tool_calls: list[ToolRecord] = []
+
+            def on_step(step: Step) -> None:
+                tool_calls.extend(step.turn.tools)
+                if on_event is not None:
+                    for record in step.turn.tools:
+                        on_event(ToolEvent(record))
+
             if not score:
                 self.env.reward = _no_reward  # instance attribute: shadows the env's reward for this run
             try:
-                run = self._episode(task, state, on_text, on_event)
-                if self.time_limit_s is None:
-                    await run
-                else:
-                    await asyncio.wait_for(run, self.time_limit_s)
-            except (TimeoutError, asyncio.TimeoutError):
-                state.stop_reason = "time_limit"
+                result = await run_episode(self.env, policy, task=task, limits=self.limits, on_step=on_step)
             finally:
                 if not score:
                     del self.env.reward
-            return state.result(self.env.trajectory, score)
-
-    async def _ask(self, history, tools, on_text) -> ChatResult:
-        if on_text is None:
-            return await self.client.chat(history, tools, **self.sampling)
-        result = None
-        async for piece in self.client.stream_chat(history, tools, **self.sampling):
-            if isinstance(piece, str):
-                on_text(piece)
-            else:
-                result = piece
-        assert result is not None
-        return result
-
-    async def _episode(self, task, state: _RunState, on_text, on_event) -> None:
-        env = self.env
-        obs, _ = await env.areset(options={"task": task})
-        state.messages = prompt_to_openai(obs["messages"], env.instructions)
-        specs = env.toolbox.specs
-        tools = tools_to_openai(specs)
-        while True:
-            reply = await self._ask(state.messages, tools, on_text)
-            state.add_usage(reply)
-            msg = {"role": "assistant", "content": reply.message.get("content")}
-            calls = [
-                dict(c, id=c.get("id") or f"call_{state.requests}_{i}")
-                for i, c in enumerate(reply.tool_calls)
-            ]
-            if calls:
-                msg["tool_calls"] = calls
-            state.messages.append(msg)
-            steps = reply_to_steps({**reply.message, "tool_calls": calls}, specs)
-            for i, step in enumerate(steps):
-                ids = list(env.format.render_completion(step))
-                if reply.finish_reason == "length" and i == len(steps) - 1:
-                    ids = ids[:-1]  # the reply was cut: no terminator, so the env sees the truncation
-                obs, _, terminated, truncated, info = await env.astep(ids)
-                for rec in env.trajectory.turns[-1].tools:
-                    state.tool_calls.append(rec)
-                    if on_event is not None:
-                        on_event(ToolEvent(rec))
-                state.messages += observation_to_openai(
-                    obs["messages"], calls[i]["id"] if i < len(calls) else None
-                )
-                if terminated or truncated:
-                    state.finish(env, terminated, i < len(calls))
-                    return
-
-
-@dataclass
-class _RunState:
-    start: float
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    tool_calls: list[ToolRecord] = field(default_factory=list)
-    usage: dict[str, int] = field(default_factory=lambda: {"prompt_tokens": 0, "completion_tokens": 0})
-    requests: int = 0
-    stop_reason: str = "no_answer"
-
-    def add_usage(self, reply: ChatResult) -> None:
-        self.requests += 1
-        for key in self.usage:
-            self.usage[key] += int(reply.usage.get(key) or 0)
-
-    def finish(self, env: Any, terminated: bool, was_call: bool) -> None:
-        traj = env.trajectory
-        if terminated:
-            self.stop_reason = "answer" if traj.turns[-1].parsed.final is not None else "no_answer"
-        elif was_call and len(traj.turns[-1].tools) == 0 and traj.turns[-1].parsed.tool_calls:
-            self.stop_reason = "tool_limit"
-        elif traj.num_turns >= env.limits.max_turns:
-            self.stop_reason = "turn_limit"
-        else:
-            self.stop_reason = "token_limit"
-
-    def result(self, traj: Trajectory | None, scored: bool) -> AgentResult:
-        latency = time.perf_counter() - self.start
-        answer = None
-        if traj is not None:
+            policy.sync(result.steps)
+            policy.annotate(result)
+            traj = result.trajectory
             answer = next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)
-            traj.metadata.update(
-                api="chat",
-                requests=self.requests,
-                latency_s=latency,
-                gen_tokens=self.usage["completion_tokens"],
-                prompt_tokens=self.usage["prompt_tokens"],
-                stop_reason=self.stop_reason,
+            return AgentResult(
+                answer=answer if result.stop_reason == "answer" else None,
+                stop_reason=result.stop_reason,
+                messages=policy.messages,
+                tool_calls=tool_calls,
+                trajectory=traj,
+                reward=traj.reward if score and result.stop_reason != "time_limit" else None,
+                usage=dict(policy.usage),
+                requests=policy.requests,
+                latency_s=result.wall_s,
             )
-        return AgentResult(
-            answer=answer if self.stop_reason == "answer" else None,
-            stop_reason=self.stop_reason,
-            messages=self.messages,
-            tool_calls=self.tool_calls,
-            trajectory=traj,
-            reward=traj.reward
-            if (scored and traj is not None and self.stop_reason != "time_limit")
-            else None,
-            usage=dict(self.usage),
-            requests=self.requests,
-            latency_s=latency,
-        )

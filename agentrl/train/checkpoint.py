@@ -1,6 +1,6 @@
 """Atomic checkpoints: model, optimizer, RNG states, data position and step.
 
-Layout::
+Layout (read by :mod:`agentrl.models.checkpoints`, which finds the latest one)::
 
     RUN_DIR/checkpoints/step_000007/{model.pt, optimizer.pt, rng.pt, state.json}
     RUN_DIR/checkpoints/latest          # text: "step_000007"
@@ -20,20 +20,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from typing import Any
 
 import numpy as np
 import torch
 
-_STEP_DIR = re.compile(r"^(sft|step)_(\d+)$")
-
-
-def _order(name: str) -> tuple[int, int]:
-    m = _STEP_DIR.match(name)
-    assert m is not None
-    return (0 if m.group(1) == "sft" else 1, int(m.group(2)))
+from agentrl.models.checkpoints import checkpoint_root, list_checkpoints
 
 
 def rng_state() -> dict[str, Any]:
@@ -68,10 +61,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
 
 
 def save_checkpoint(
@@ -117,33 +106,58 @@ def save_checkpoint(
     return final
 
 
-def list_checkpoints(run_dir: str) -> list[str]:
-    """Complete checkpoint directory names, oldest first (temporary ones excluded)."""
-    root = checkpoint_root(run_dir)
-    if not os.path.isdir(root):
-        return []
-    names = [n for n in os.listdir(root) if _STEP_DIR.match(n) and os.path.exists(os.path.join(root, n, "state.json"))]
-    return sorted(names, key=_order)
+def _is_keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
+    """True for a full optimizer state keyed by parameter names (what the FSDP2 trainer writes)."""
+    groups = optimizer_state.get("param_groups") or []
+    return any(isinstance(p, str) for g in groups for p in g.get("params", []))
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
-    """Directory of the newest complete checkpoint, or None."""
-    root = checkpoint_root(run_dir)
-    pointer = os.path.join(root, "latest")
-    if os.path.exists(pointer):
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
-        if os.path.exists(os.path.join(root, name, "state.json")):
-            return os.path.join(root, name)
-    names = list_checkpoints(run_dir)
-    return os.path.join(root, names[-1]) if names else None
+def optimizer_state_by_index(
+    saved: dict[str, Any], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: str = "checkpoint"
+) -> dict[str, Any]:
+    """A name-keyed full optimizer state (``torch.distributed.checkpoint.state_dict`` layout, written by
+    ``trainer.n_gpus > 1``) re-keyed by parameter index for the single-process ``optimizer`` over ``model``.
+
+    Raises ValueError naming the parameters that differ when the two do not train the same parameters
+    (e.g. another ``actor.freeze``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    ours = [[names.get(id(p), f"<unnamed {i}>") for i, p in enumerate(g["params"])] for g in optimizer.param_groups]
+    theirs = [list(g["params"]) for g in saved["param_groups"]]
+    if [sorted(g) for g in ours] != [sorted(g) for g in theirs]:
+        mine = {n for g in ours for n in g}
+        saved_names = {n for g in theirs for n in g}
+        only_saved, only_here = sorted(saved_names - mine)[:5], sorted(mine - saved_names)[:5]
+        raise ValueError(
+            f"{source}: its optimizer state covers other parameters than this run trains (only in the checkpoint: "
+            f"{only_saved or 'none'}; only here: {only_here or 'none'}; groups {len(theirs)} vs {len(ours)}). "
+            "Resume with the same model and actor.freeze as the run that wrote it"
+        )
+    state: dict[int, Any] = {}
+    groups = []
+    index = 0
+    for group_names, saved_group in zip(ours, saved["param_groups"], strict=True):
+        indices = []
+        for name in group_names:
+            if name in saved["state"]:
+                state[index] = saved["state"][name]
+            indices.append(index)
+            index += 1
+        groups.append({**{k: v for k, v in saved_group.items() if k != "params"}, "params": indices})
+    return {"state": state, "param_groups": groups}
 
 
 def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Restore model, optimizer and RNG states from checkpoint directory ``path``; returns state.json."""
+    """Restore model, optimizer and RNG states from checkpoint directory ``path``; returns state.json.
+
+    Checkpoints of ``trainer.n_gpus > 1`` runs load too: their model state is the full (unsharded) one
+    under the same names, and their name-keyed optimizer state is re-keyed by :func:`optimizer_state_by_index`.
+    """
     device = next(model.parameters()).device
     model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True))
-    optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location=device, weights_only=True))
+    optimizer_state = torch.load(os.path.join(path, "optimizer.pt"), map_location=device, weights_only=True)
+    if _is_keyed_by_name(optimizer_state):
+        optimizer_state = optimizer_state_by_index(optimizer_state, model=model, optimizer=optimizer, source=path)
+    optimizer.load_state_dict(optimizer_state)
     set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=False))
     with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
         return json.load(f)

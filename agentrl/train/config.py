@@ -11,18 +11,24 @@ arithmetic``, level 1) scored by the env's own reward, 4 tasks x 4 samples per s
 temperature 0.7, GRPO, Adam lr 2e-5, 20 steps within an 18-minute budget, greedy evaluation on 48 held-out
 questions before and after. Override them for bigger models and real env tasks (``data.tasks=env``,
 ``rollout.max_turns=8``, ...).
+
+Defaults per device: a GPU run (``device=cuda``) or a verl run (``backend=verl``) does not inherit the CPU
+run's learning rate, step count, sampling temperature, token budget and wall-time budget. For every key in
+:data:`DEVICE_DEFAULTS` that the command line does not set, a fresh run takes the value of its profile
+(:func:`device_profile`); :func:`describe_device_defaults` is the line the trainer and the verl launcher
+print at start. A resumed run keeps the values saved in its ``config.yaml``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from agentrl.cli_args import CommandSpec, UsageError, normalise, parse, schema_keys
+from agentrl.cli_args import help_text as spec_help_text
+from agentrl.cli_args import suggest as _suggest
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
 from agentrl.train.verl_backend.config_map import VerlSection
@@ -40,8 +46,8 @@ BACKENDS = ("embedded", "verl")
 TEACHER_APIS = ("chat", "completions")
 
 
-class ConfigError(ValueError):
-    """A bad key or value in the training config; the message says what to do."""
+class ConfigError(UsageError):
+    """A bad key or value in the training config; the message says what to do (exit status 2)."""
 
 
 @dataclass
@@ -95,10 +101,12 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig:
-    """Optimisation. One optimizer step per mini-batch; ``ppo_epochs == num_mini_batches == 1`` makes
-    the update on-policy (old log-probs are the current ones, detached: the on-policy fix).
-    ``micro_batch_size`` sequences per forward/backward (gradient accumulation). ``freeze``: parameter
-    groups kept fixed. ``routing_replay``: replay the old-log-prob pass's MoE routing in the update."""
+    """Optimisation. One optimizer step per mini-batch (``ppo_epochs`` x ``num_mini_batches`` steps, fewer
+    when the usable rows make fewer chunks). A batch that gets exactly one step is trained on-policy: old
+    log-probs are the training forward's own, detached (the on-policy fix; ``onpolicy_fix=false`` always
+    runs a separate old-log-prob pass instead). ``micro_batch_size`` sequences per forward/backward
+    (gradient accumulation). ``freeze``: parameter groups kept fixed. ``routing_replay``: replay the
+    old-log-prob pass's MoE routing in the update."""
 
     lr: float = 2e-5
     weight_decay: float = 0.0
@@ -106,6 +114,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     ppo_epochs: int = 1
     num_mini_batches: int = 1
+    onpolicy_fix: bool = True
     micro_batch_size: int = 8
     policy_loss: str = "vanilla"  # PPO clip with dual clip (clip_ratio_c) for negative advantages
     loss_agg_mode: str = "token-mean"
@@ -216,6 +225,7 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     backend: str = "embedded"  # "verl": agentrl.train.verl_backend.launch
+    overwrite: bool = False  # start run_dir afresh even if it holds a run (else resume= continues it)
     verl: VerlSection = field(default_factory=VerlSection)
 
 
@@ -232,55 +242,93 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def all_keys(node: Any = TrainConfig, prefix: str = "") -> list[str]:
+#: Values that differ from the dataclass defaults (the embedded CPU run) on another profile: a real GPU run
+#: (``cuda``) or a verl run (``verl``). Keys set on the command line always win.
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {},
+    "cuda": {
+        "actor.lr": 1e-6,
+        "trainer.total_steps": 200,
+        "rollout.temperature": 1.0,
+        "rollout.max_new_tokens": 1024,
+        "trainer.max_wall_s": 0.0,
+    },
+    "verl": {
+        "actor.lr": 1e-6,
+        "trainer.total_steps": 200,
+        "rollout.temperature": 1.0,
+        "rollout.max_new_tokens": 1024,
+        "trainer.max_wall_s": 0.0,
+    },
+}
+DEVICE_KEYS = tuple(sorted({k for profile in DEVICE_DEFAULTS.values() for k in profile}))
+
+
+def device_profile(cfg: Any) -> str:
+    """``verl`` for ``backend=verl``, else the device (``cpu`` or ``cuda``): the key of :data:`DEVICE_DEFAULTS`."""
+    return "verl" if cfg.backend == "verl" else str(cfg.device)
+
+
+def describe_device_defaults(cfg: Any) -> str:
+    """One line for the start of a run: the profile and its device-dependent settings as resolved, each
+    marked ``(set)`` where it differs from the profile's default, e.g. ``device=cuda defaults: actor.lr=1e-06
+    ... trainer.max_wall_s=0.0 (no limit) ... (override any with key=value)``."""
+    profile = device_profile(cfg)
+    schema = OmegaConf.structured(TrainConfig)
+    shown = []
+    for key in DEVICE_KEYS:
+        value = OmegaConf.select(cfg, key)
+        default = DEVICE_DEFAULTS.get(profile, {}).get(key, OmegaConf.select(schema, key))
+        note = " (no limit)" if key == "trainer.max_wall_s" and not value else ""
+        note += "" if value == default else " (set)"
+        shown.append(f"{key}={value!r}{note}")
+    where = "backend=verl" if profile == "verl" else f"device={profile}"
+    return f"{where} defaults: {' '.join(shown)} (override any with key=value)"
+
+
+def _set_by(overrides: list[str], key: str) -> bool:
+    """True if a dotted override sets ``key`` or one of its parents."""
+    for token in overrides:
+        name = token.split("=", 1)[0].lstrip("+~")
+        if key == name or key.startswith(name + "."):
+            return True
+    return False
+
+
+def _env_names() -> list[str]:
+    from agentrl.envs.registry import registered
+
+    return list(registered())
+
+
+SPEC = CommandSpec(
+    prog="agentrl train",
+    schema=TrainConfig,
+    usage="agentrl train env=NAME [key=value ...] [resume=RUN_DIR] [overwrite=true]",
+    choices={**_CHOICES, "env": _env_names},
+    examples={"env": "env=retool"},
+    notes="Dotted OmegaConf overrides; lists as actor.freeze=[attention,mlp]; dicts as env_kwargs.KEY=VALUE.",
+)
+
+
+def all_keys() -> list[str]:
     """Every dotted leaf key of the config schema, e.g. ``actor.lr``."""
-    keys = []
-    for f in dataclasses.fields(node):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if dataclasses.is_dataclass(default):
-            keys += all_keys(type(default), f"{prefix}{f.name}.")
-        else:
-            keys.append(f"{prefix}{f.name}")
-    return keys
-
-
-def _suggest(word: str, options: list[str] | tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(word, list(options), n=3, cutoff=0.5)
-    return f" Did you mean: {', '.join(close)}?" if close else ""
-
-
-def _check_key(key: str) -> None:
-    keys = all_keys()
-    if key in keys or any(k.startswith(key + ".") for k in keys):
-        return
-    if key.startswith(("env_kwargs.", "model_kwargs.")):
-        return
-    raise ConfigError(f"unknown config key {key!r}.{_suggest(key, keys)} Run `agentrl train --help` for all keys.")
-
-
-def parse_overrides(argv: list[str]) -> list[str]:
-    """Validate ``key=value`` tokens (keys checked against the schema)."""
-    for token in argv:
-        if "=" not in token or token.startswith("="):
-            raise ConfigError(f"expected key=value, got {token!r} (e.g. env=retool trainer.total_steps=10)")
-        _check_key(token.split("=", 1)[0].lstrip("+~"))
-    return argv
+    return schema_keys(TrainConfig)
 
 
 def build_config(overrides: list[str], base: DictConfig | None = None) -> DictConfig:
-    """Defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``,
-    validated; raises :class:`ConfigError`."""
-    parse_overrides(overrides)
-    schema = OmegaConf.structured(TrainConfig)
+    """Defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``
+    (parsed by :mod:`agentrl.cli_args`), validated; raises :class:`ConfigError`. A fresh run (no ``base``)
+    takes its device profile's :data:`DEVICE_DEFAULTS` for every such key the overrides do not set."""
     try:
-        cfg = OmegaConf.merge(schema, base) if base is not None else schema
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-    except (ValidationError, ConfigKeyError) as exc:
-        first = str(exc).splitlines()[0]
-        key = getattr(exc, "full_key", None)
-        raise ConfigError(f"bad config value{f' for {key}' if key else ''}: {first}") from None
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"bad config: {exc}") from None
+        cfg = parse(SPEC, overrides, base=base)
+    except UsageError as exc:
+        raise ConfigError(str(exc)) from None
+    if base is None:
+        given = normalise(SPEC, overrides)
+        for key, value in DEVICE_DEFAULTS.get(device_profile(cfg), {}).items():
+            if not _set_by(given, key):
+                OmegaConf.update(cfg, key, value, merge=False)
     validate(cfg)
     return cfg
 
@@ -374,16 +422,10 @@ def validate_sft(sft: Any, prefix: str = "sft.") -> None:
 
 
 def help_text() -> str:
-    """All keys with their defaults, for ``agentrl train --help``."""
-    defaults = OmegaConf.structured(TrainConfig)
-    lines = [
-        "usage: agentrl train env=NAME [key=value ...] [resume=RUN_DIR]",
-        "",
-        "Dotted OmegaConf overrides; lists as actor.freeze=[attention,mlp]. Keys and defaults:",
-    ]
-    for key in all_keys():
-        value = OmegaConf.select(defaults, key, throw_on_missing=False)
-        shown = "(required)" if OmegaConf.is_missing(defaults, key) else repr(OmegaConf.to_object(value) if OmegaConf.is_config(value) else value)
-        choices = f"  [{', '.join(_CHOICES[key])}]" if key in _CHOICES else ""
-        lines.append(f"  {key} = {shown}{choices}")
+    """All keys with their defaults and valid values, for ``agentrl train --help``, and the defaults that
+    differ by device."""
+    lines = [spec_help_text(SPEC), "", "Defaults that differ by device (device=cuda, backend=verl; the values above are device=cpu):"]
+    for profile, values in DEVICE_DEFAULTS.items():
+        if values:
+            lines.append(f"  {profile}: " + " ".join(f"{k}={v!r}" for k, v in values.items()))
     return "\n".join(lines)

@@ -263,13 +263,13 @@ class DistributedTrainerMixin:
 
     async def evaluate(self, pool: Any, label: str | None = None) -> dict[str, float]:
         from agentrl.train.metrics import episode_metrics, eval_summary
-        from agentrl.train.rollout import collect
+        from agentrl.train.rollout import rollout
 
         label = label or ("before" if self.step == 0 else f"step_{self.step}")
         tasks = self.eval_tasks()[rank() :: world_size()]
         self.engine.reseed(self.cfg.seed + 999_983 + rank())
         with unsharded(self.model):
-            result = await collect(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1,
+            result = await rollout(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1,
                                    seed=self.cfg.seed + 7_777_777 + rank() * len(tasks))
         self._save_trajectories(f"eval_step_{self.step:06d}", result.episodes)
         metrics = episode_metrics(gather_objects(result.episodes), prefix="eval/")
@@ -280,7 +280,7 @@ class DistributedTrainerMixin:
     async def train_step(self, pool: Any) -> dict[str, float]:
         from agentrl.train.batch import collate
         from agentrl.train.metrics import episode_metrics
-        from agentrl.train.rollout import collect
+        from agentrl.train.rollout import rollout
         from agentrl.train.update import update_policy
 
         cfg = self.cfg
@@ -289,7 +289,7 @@ class DistributedTrainerMixin:
         start, tasks = self._rank_tasks(self.data_position, cfg.rollout.batch_size)
         self.engine.reseed(cfg.seed * 1_000_003 + step * world_size() + rank())
         with unsharded(self.model):
-            result = await collect(pool, self.engine, self.sampling(cfg.rollout.temperature), tasks,
+            result = await rollout(pool, self.engine, self.sampling(cfg.rollout.temperature), tasks,
                                    n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + start * cfg.rollout.n)
         self._save_trajectories(f"step_{step:06d}", result.episodes)
         metrics = episode_metrics(gather_objects(result.episodes))
@@ -360,7 +360,7 @@ class DistributedTrainerMixin:
             set_optimizer_state_dict,
         )
 
-        from agentrl.train.checkpoint import latest_checkpoint
+        from agentrl.models.checkpoints import latest_checkpoint
 
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is None:

@@ -19,7 +19,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.train.rollout import Episode
+from agentrl.episodes import EpisodeResult
 
 
 def mean_and_sem(values: Sequence[float]) -> tuple[float, float]:
@@ -34,7 +34,7 @@ def mean_and_sem(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(var / n)
 
 
-def episode_metrics(episodes: Sequence[Episode], prefix: str = "") -> dict[str, float]:
+def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict[str, float]:
     """Reward, length, turn, tool and error statistics over ``episodes`` (failed ones count as reward 0
     in ``critic/score/*`` so that breakage shows up as a drop, and are counted in ``episode/rollout_errors``)."""
     if not episodes:

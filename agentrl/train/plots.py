@@ -1,19 +1,19 @@
-"""``agentrl plot RUN_DIR [RUN_DIR ...] [--out DIR]``: per-step curves of one or more runs, overlaid.
+"""``agentrl plot RUN_DIR [RUN_DIR ...] [out=DIR]``: per-step curves of one or more runs, overlaid.
 
 Writes one PNG per panel (``reward.png``, ``eval_reward.png``, ``tool_calls.png``, ``tool_error_rate.png``,
 ``turns.png``, ``eval_tool_call_rate.png``, ``kl.png``, ``entropy.png``, ``grad_norm.png``, ``clip_fraction.png``,
-``rollout_train_gap.png``) plus ``overview.png`` with all panels, into ``--out``
+``rollout_train_gap.png``) plus ``overview.png`` with all panels, into ``out``
 (default: the first run's ``plots/`` directory). A panel shows the first metric key of its list that a
 run logged; runs without any of them are skipped in that panel. Uses matplotlib's Agg backend (no display).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
+from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.cli_args import CommandSpec, UsageError, run
 from agentrl.train.metrics import read_metrics
 
 #: panel file stem -> (title, candidate metric keys in order of preference)
@@ -40,8 +40,9 @@ def _series(records: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[str, 
     return None
 
 
-def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
-    """Write the panels for ``run_dirs`` into ``out_dir``; returns the PNG paths written."""
+def plot_runs(run_dirs: list[str], out_dir: str, *, dpi: int = 80) -> list[str]:
+    """Write the panels for ``run_dirs`` into ``out_dir`` at ``dpi`` (the overview at 7/8 of it); returns
+    the PNG paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,27 +73,51 @@ def plot_runs(run_dirs: list[str], out_dir: str) -> list[str]:
                 target.text(0.5, 0.5, "not logged", ha="center", va="center", transform=target.transAxes)
         path = os.path.join(out_dir, f"{stem}.png")
         fig.tight_layout()
-        fig.savefig(path, dpi=80)
+        fig.savefig(path, dpi=dpi)
         plt.close(fig)
         written.append(path)
     overview.tight_layout()
     path = os.path.join(out_dir, "overview.png")
-    overview.savefig(path, dpi=70)
+    overview.savefig(path, dpi=max(1, dpi * 7 // 8))
     plt.close(overview)
     written.append(path)
     return written
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agentrl plot", description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
-    parser.add_argument("--out", default=None, help="output directory (default: FIRST_RUN/plots)")
-    args = parser.parse_args(argv)
+@dataclass
+class PlotConfig:
+    """``runs``: run directories holding ``metrics.jsonl`` (bare words); ``out``: the output directory
+    (default: the first run's ``plots/``); ``dpi``: resolution of the panels."""
+
+    runs: list[str] = field(default_factory=list)
+    out: str | None = None
+    dpi: int = 80
+
+
+SPEC = CommandSpec(
+    prog="agentrl plot",
+    schema=PlotConfig,
+    usage="agentrl plot RUN_DIR [RUN_DIR ...] [out=DIR]",
+    positional="runs",
+    notes="--out DIR works too. One PNG per panel plus overview.png.",
+)
+
+
+def _plot(cfg: Any) -> int:
+    runs = list(cfg.runs)
+    if not runs:
+        raise UsageError("no run directory given; e.g. agentrl plot runs/retool-20261130-133143")
     try:
-        paths = plot_runs(args.runs, args.out or os.path.join(args.runs[0], "plots"))
+        if cfg.dpi < 10:
+            raise UsageError(f"dpi must be >= 10, got {cfg.dpi}; e.g. dpi=80")
+        paths = plot_runs(runs, cfg.out or os.path.join(runs[0], "plots"), dpi=cfg.dpi)
     except FileNotFoundError as exc:
-        print(f"agentrl plot: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(f"{exc}; pass run directories that hold metrics.jsonl") from None
     for path in paths:
         print(path)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``agentrl plot``."""
+    return run(SPEC, argv, _plot)

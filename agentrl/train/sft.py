@@ -125,11 +125,12 @@ class SFTStage:
         }
 
 
-def build_teacher(sft: Any, env_name: str) -> Any:
-    """The teacher that ``sft.teacher`` names for ``env_name`` (see :class:`~agentrl.train.config.SFTConfig`),
-    or None for ``auto`` on an env without a scripted teacher. Raises TeacherError for ``scripted`` on
-    such an env."""
-    from agentrl.train.teachers import SCRIPTED_TEACHERS, ChatTeacher, EngineTeacher, scripted_teacher
+def build_teacher(sft: Any, env_name: str, stop_token_ids: Sequence[int] = ()) -> Any:
+    """The :class:`~agentrl.train.teachers.Teacher` that ``sft.teacher`` names for ``env_name`` (see
+    :class:`~agentrl.train.config.SFTConfig`), or None for ``auto`` on an env without a scripted teacher.
+    ``stop_token_ids``: the student format's, for a completions teacher. Raises TeacherError for
+    ``scripted`` on an env without one."""
+    from agentrl.train.teachers import SCRIPTED_TEACHERS, chat_teacher, engine_teacher, scripted_teacher
 
     teacher = str(sft.teacher)
     if teacher == "auto":
@@ -142,11 +143,13 @@ def build_teacher(sft: Any, env_name: str) -> Any:
     if sft.teacher_api == "completions":
         from agentrl.engines.base import SamplingParams
 
-        sampling = SamplingParams(max_new_tokens=int(sft.teacher_max_new_tokens), temperature=float(sft.teacher_temperature))
-        return EngineTeacher(OpenAIEngine(endpoint), sampling)
-    return ChatTeacher(
+        sampling = SamplingParams(max_new_tokens=int(sft.teacher_max_new_tokens),
+                                  temperature=float(sft.teacher_temperature), stop_token_ids=list(stop_token_ids))
+        return engine_teacher(OpenAIEngine(endpoint), sampling, name=f"completions {teacher}")
+    return chat_teacher(
         ChatClient(endpoint),
         {"temperature": float(sft.teacher_temperature), "max_completion_tokens": int(sft.teacher_max_new_tokens)},
+        name=f"chat {teacher}",
     )
 
 
@@ -158,6 +161,7 @@ async def prepare_data(
     task: Any,
     vocab_size: int | None,
     seed: int,
+    stop_token_ids: Sequence[int] = (),
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """The SFT data of config section ``sft``: trajectories from ``sft.data`` (filtered), or ``sft.num_demos``
     teacher demonstrations on tasks ``task(0) .. task(num_demos - 1)`` (``task`` maps an index to a training
@@ -170,7 +174,7 @@ async def prepare_data(
         return trajs, {"source": str(sft.data), **counts}
     if env_name is None:
         raise ValueError("SFT needs data: sft.data=PATH (trajectories JSONL / run dir) or env=NAME with a teacher")
-    teacher = build_teacher(sft, env_name)
+    teacher = build_teacher(sft, env_name, stop_token_ids)
     if teacher is None:
         return [], {"source": f"none (env {env_name!r} has no scripted teacher and sft.data is not set)"}
     try:
@@ -182,7 +186,7 @@ async def prepare_data(
     finally:
         await teacher.aclose()
     info = {
-        "source": f"teacher {teacher.name}" + ("" if teacher.name == "scripted" else f" ({sft.teacher})"),
+        "source": f"teacher {teacher.name}",
         "episodes": demos.episodes, "kept": demos.kept, "failed": demos.failed, "wall_s": round(demos.wall_s, 3),
     }
     if demos.errors:

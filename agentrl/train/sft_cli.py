@@ -68,7 +68,8 @@ def help_text() -> str:
     from omegaconf import OmegaConf
 
     defaults = OmegaConf.structured(TrainConfig)
-    lines = [__doc__.strip(), "", "sft keys (defaults):"]
+    usage = "usage: agentrl sft env=NAME [steps=N] [teacher=scripted|http://...] [data=PATH] [key=value ...] [resume=RUN_DIR]"
+    lines = [usage, "", __doc__.strip(), "", "sft keys (defaults):"]
     for name in _SFT_FIELDS:
         lines.append(f"  sft.{name} = {OmegaConf.select(defaults, f'sft.{name}')!r}")
     lines += [
@@ -83,12 +84,13 @@ def help_text() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from agentrl.train.cli import load_run_config
+    from agentrl.cli_args import UsageError, fail, is_help
+    from agentrl.train.cli import check_run_dir, load_run_config
     from agentrl.train.config import ConfigError
     from agentrl.train.teachers import SCRIPTED_TEACHERS
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help", "help") for a in argv):
+    if is_help(argv):
         print(help_text())
         return 0
     argv = expand_shorthand(argv)
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             argv = [f"env={env}", *argv]
         cfg = load_run_config(argv if resuming else SFT_DEFAULTS + argv)
+        check_run_dir(cfg)
         if cfg.sft.steps < 1:
             raise ConfigError("agentrl sft needs sft.steps >= 1 (steps=N)")
         if not cfg.sft.data and cfg.sft.teacher in ("auto", "scripted") and cfg.env not in SCRIPTED_TEACHERS:
@@ -111,16 +114,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"env {cfg.env!r} has no scripted teacher (envs with one: {', '.join(sorted(SCRIPTED_TEACHERS))}); "
                 "give data=PATH (trajectories from `agentrl eval` / `agentrl train`) or teacher=http://HOST:PORT/v1"
             )
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"agentrl sft: {exc}", file=sys.stderr)
-        return 2
+    except (UsageError, FileNotFoundError, ValueError) as exc:
+        return fail("agentrl sft", str(exc))
     from agentrl.train.trainer import Trainer
 
     try:
         trainer = Trainer(cfg)
-    except (ValueError, RuntimeError) as exc:
-        print(f"agentrl sft: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, RuntimeError, OSError) as exc:
+        return fail("agentrl sft", str(exc))
     try:
         summary = trainer.fit()
     except (ValueError, RuntimeError) as exc:  # e.g. data that the filters empty, an unreachable teacher

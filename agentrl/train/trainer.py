@@ -43,29 +43,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.transformers_engine import TransformersEngine
+from agentrl.episodes import EnvPool, EpisodeResult
+from agentrl.models.checkpoints import latest_checkpoint
+from agentrl.models.loading import load_model
 from agentrl.train.batch import collate
-from agentrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
+from agentrl.train.config import describe_device_defaults
 from agentrl.train.metrics import MetricsSink, episode_metrics, eval_summary
-from agentrl.train.model_loading import LoadedModel, load_model
-from agentrl.train.rollout import EnvPool, Episode, collect
+from agentrl.train.rollout import rollout
 from agentrl.train.tasks import TaskSource, with_boxed_bonus
 from agentrl.train.update import update_policy
-
-
-def make_format(name: str, loaded: LoadedModel) -> Any:
-    """The ChatFormat for ``format=name`` (``auto`` picks what fits the model)."""
-    if name == "auto":
-        name = loaded.format_name
-    if name == "harmony":
-        from agentrl.harmony import HarmonyFormat
-
-        return HarmonyFormat()
-    if loaded.tokenizer is None:
-        raise ValueError(f"format={name} needs an HF tokenizer, but model has none (it speaks Harmony)")
-    from agentrl.harmony import ChatTemplateFormat
-
-    return ChatTemplateFormat(loaded.tokenizer)
-
 
 _DEMO_OFFSET = 1_000_000_000  # SFT demonstrations use training tasks from this index on (RL starts at 0)
 
@@ -84,9 +71,8 @@ class Trainer:
         self.t_created = time.perf_counter()
         self.cfg = cfg
         self.console = console or Console(soft_wrap=True)
+        self.console.print(describe_device_defaults(cfg), markup=False, highlight=False)
         self.run_dir = cfg.run_dir or default_run_dir(cfg)
-        os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
-        OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -121,7 +107,7 @@ class Trainer:
         )
         self.load_s = time.perf_counter() - t0
         self.model = self.loaded.model
-        self.format = make_format(cfg.format, self.loaded)
+        self.format = self.loaded.chat_format(cfg.format)
         self.ref_model = None
         if cfg.actor.use_kl_loss:  # the initial weights, frozen (copied before any checkpoint is loaded)
             self.ref_model = copy.deepcopy(self.model).eval()
@@ -141,7 +127,7 @@ class Trainer:
         pad = getattr(self.loaded.tokenizer, "pad_token_id", None) if self.loaded.tokenizer is not None else None
         self.pad_token_id = int(pad if pad is not None else 0)
         if cfg.actor.routing_replay:
-            from agentrl.train.routing_replay import find_routers
+            from agentrl.models.routing import find_routers
 
             find_routers(self.model)  # raises a clear error for dense models
         self.engine = TransformersEngine(
@@ -151,6 +137,9 @@ class Trainer:
         self.step = 0
         self.data_position = 0
         self.update_generator = torch.Generator().manual_seed(cfg.seed)
+        # the run starts (env, model and engine ready): only now is its directory written
+        os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
         self.sink = MetricsSink(
             self.run_dir,
             tensorboard=cfg.trainer.tensorboard,
@@ -193,7 +182,7 @@ class Trainer:
             stop_token_ids=list(self.format.stop_token_ids),
         )
 
-    def _save_trajectories(self, name: str, episodes: list[Episode]) -> None:
+    def _save_trajectories(self, name: str, episodes: list[EpisodeResult]) -> None:
         if not self.cfg.trainer.save_trajectories:
             return
         path = os.path.join(self.run_dir, "trajectories", f"{name}.jsonl")
@@ -252,7 +241,7 @@ class Trainer:
         label = label or ("before" if self.step == 0 else f"step_{self.step}")
         tasks = self.eval_tasks()
         self.engine.reseed(self.cfg.seed + 999_983)
-        result = await collect(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1, seed=self.cfg.seed + 7_777_777)
+        result = await rollout(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1, seed=self.cfg.seed + 7_777_777)
         self._save_trajectories("eval_after_sft" if label == "after_sft" else f"eval_step_{self.step:06d}", result.episodes)
         metrics = episode_metrics(result.episodes, prefix="eval/")
         metrics["eval/timing_s"] = result.wall_s
@@ -284,7 +273,7 @@ class Trainer:
             trajectories, info = await prepare_data(
                 sft, env_name=cfg.env, make_env=self._make_env,
                 task=lambda i: self.train_task(_DEMO_OFFSET + i)[1], vocab_size=self.format.vocab_size,
-                seed=cfg.seed + 31_337,
+                seed=cfg.seed + 31_337, stop_token_ids=list(self.format.stop_token_ids),
             )
             self.sft_info = {"data": info}
             if not trajectories:
@@ -336,7 +325,7 @@ class Trainer:
         step = self.step + 1
         tasks = [self.train_task(self.data_position + i) for i in range(cfg.rollout.batch_size)]
         self.engine.reseed(cfg.seed * 1_000_003 + step)
-        result = await collect(
+        result = await rollout(
             pool, self.engine, self.sampling(cfg.rollout.temperature), tasks, n=cfg.rollout.n,
             seed=cfg.seed * 1_000_003 + self.data_position * cfg.rollout.n,
         )

@@ -4,13 +4,25 @@ The algorithms are the pure functions of :mod:`agentrl.train.algorithms`; this m
 to the model:
 
 - advantages from ``algorithm.adv_estimator`` over the task groups;
-- the on-policy fix: with ``actor.ppo_epochs == actor.num_mini_batches == 1`` there is exactly one
-  optimizer step, and ``old_log_prob = log_prob.detach()`` of that very forward (ratio exactly 1);
-  otherwise a separate no-grad pass computes ``old_log_prob`` first (logged as ``actor/on_policy``);
-- rollout correction (``algorithm.rollout_correction.*``) against the engine's log-probs, which also
-  yields the rollout-vs-train gap metrics (``rollout_corr/logprob_abs_diff_mean|max``, ``rollout_corr/k3_kl``);
+- the step plan: rows without a model token are dropped (single process; under torchrun every rank keeps
+  its rows so that the ranks' collectives stay in step, and mini-batches without a token on any rank
+  are dropped), then ``actor.ppo_epochs`` x ``actor.num_mini_batches`` chunks are formed;
+- the on-policy fix, decided on that plan: when it is exactly one optimizer step over all the rows,
+  ``old_log_prob = log_prob.detach()`` of that very forward (ratio exactly 1); otherwise a separate no-grad
+  pass computes ``old_log_prob`` first (logged as ``actor/on_policy``; ``actor.onpolicy_fix=false``
+  always takes the separate pass);
+- rollout correction (``algorithm.rollout_correction.*``) against the engine's log-probs: on the separate
+  pass's log-probs before the loop, or, on-policy, per micro-batch on the training forward's own log-probs
+  (weights and rejection masks are row-local, so both give the same values). Its ``rollout_corr/*``
+  metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows);
 - optional KL loss to a frozen reference model, optional entropy bonus, gradient accumulation over
-  micro-batches with totals passed to ``agg_loss`` so the accumulated loss equals the full-batch loss.
+  micro-batches.
+
+Loss normalisation: every micro-batch loss is aggregated with the step's totals before rollout
+correction (tokens, or rows, over all ranks), which are known before the first forward; after the last
+backward the gradients are multiplied by ``before / after`` once the post-rejection totals are known.
+Both paths do exactly this, so the on-policy path with rejection gives the gradient of the separate-pass
+path bit for bit, and both equal the gradient of verl's loss with the post-rejection totals.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from typing import Any
 
 import torch
 
+from agentrl.models.routing import align_to_mask, replay_routing
 from agentrl.train import distributed
 from agentrl.train.algorithms import (
     agg_loss,
@@ -35,7 +48,6 @@ from agentrl.train.algorithms import (
 from agentrl.train.batch import Batch
 from agentrl.train.logprobs import model_token_logprobs
 from agentrl.train.prefix_sharing import shared_prefix_logprobs
-from agentrl.train.routing_replay import align_to_mask, replay_routing
 
 
 def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
@@ -120,6 +132,49 @@ def _mean_metrics(collected: dict[str, list[float]]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in collected.items() if v}
 
 
+def _global_rollout_metrics(
+    old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, options: dict[str, Any]
+) -> dict[str, float]:
+    """``rollout_corr/*`` metrics over the whole batch; under torchrun over all ranks' rows (every rank
+    gets the same values, so averaging them over ranks changes nothing)."""
+    if distributed.is_distributed():
+        parts = distributed.gather_objects([(old.cpu(), rollout.cpu(), mask.cpu())])
+        width = max(p[0].shape[1] for p in parts)
+        old, rollout, mask = (
+            torch.cat([torch.nn.functional.pad(p[i], (0, width - p[i].shape[1])) for p in parts])
+            for i in range(3)
+        )
+    if not mask.any():
+        return {}
+    _, _, metrics = rollout_correction(old_log_prob=old, rollout_log_prob=rollout, response_mask=mask, **options)
+    return metrics
+
+
+def _plan_steps(batch: Batch, cfg_actor: Any, generator: torch.Generator | None) -> list[torch.Tensor]:
+    """The row indices of each optimizer step (epochs x mini-batches) that has a model token on some rank."""
+    mask = batch.response_mask
+    rows = torch.arange(len(batch))
+    if not distributed.is_distributed():
+        rows = rows[(mask.sum(-1) > 0).cpu()]
+    steps: list[torch.Tensor] = []
+    for _epoch in range(cfg_actor.ppo_epochs):
+        order = torch.randperm(len(rows), generator=generator) if cfg_actor.num_mini_batches > 1 else None
+        chosen = rows if order is None else rows[order]
+        steps += list(chosen.chunk(cfg_actor.num_mini_batches)) if len(chosen) else []
+    if not steps:
+        return []
+    tokens = torch.stack([mask[s.to(mask.device)].sum() for s in steps])
+    tokens = distributed.global_share(tokens)
+    return [s for s, n in zip(steps, tokens.tolist(), strict=True) if n > 0]
+
+
+def _denominator(mode: str, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+    """What ``agg_loss`` divides by in ``mode`` (None: nothing, ``token-sum``)."""
+    if mode == "token-mean":
+        return tokens
+    return None if mode == "token-sum" else rows
+
+
 def update_policy(
     *,
     model: Any,
@@ -131,9 +186,11 @@ def update_policy(
     generator: torch.Generator | None = None,
     routing: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Run ``cfg.actor.ppo_epochs`` x ``cfg.actor.num_mini_batches`` optimizer steps on ``batch`` (already
-    on the model's device). ``cfg`` is the full train config. ``routing``: per-row rollout MoE routing
-    to replay in every policy forward (routing replay), or None. Returns step metrics (verl names)."""
+    """Run the planned optimizer steps (see the module docstring) on ``batch`` (already on the model's
+    device). ``cfg`` is the full train config. ``routing``: per-row rollout MoE routing to replay in every
+    policy forward (routing replay), or None. Returns step metrics (verl names) plus
+    ``actor/optimizer_steps`` (steps taken), ``actor/zero_grad_steps_skipped`` and
+    ``actor/nonfinite_grad_steps_skipped`` (steps whose gradient was all zero or not finite: no update)."""
     actor, algo = cfg.actor, cfg.algorithm
     rc = algo.rollout_correction
     metrics: dict[str, float] = {}
@@ -149,30 +206,30 @@ def update_policy(
         norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
         epsilon=algo.epsilon,
     )
-    on_policy = is_on_policy(actor.ppo_epochs, actor.num_mini_batches)
+    steps = _plan_steps(batch, actor, generator)
+    on_policy = bool(actor.onpolicy_fix) and is_on_policy(optimizer_steps=len(steps))
     metrics["actor/on_policy"] = float(on_policy)
     chunk, micro = actor.logprob_chunk_size, actor.micro_batch_size
     share = actor.share_prompt_prefix
+    mode = actor.loss_agg_mode
+    rc_options = dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+                      rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
 
     old_log_prob = None
     is_weights = None
     train_mask = mask
-    rc_options = dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-                      rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
-    if not on_policy:
+    if not on_policy and steps:
         t0 = time.perf_counter()
         old_log_prob = batched_logprobs(model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
                                         routing=routing, share_prefix=share)
         timing["timing_s/old_log_prob"] = time.perf_counter() - t0
-        is_weights, train_mask, rc_metrics = rollout_correction(
-            old_log_prob=old_log_prob,
-            rollout_log_prob=batch.rollout_log_probs,
-            response_mask=mask,
-            **rc_options,
-        )
-        metrics.update(rc_metrics)
+        if mask.any():
+            is_weights, train_mask, _ = rollout_correction(
+                old_log_prob=old_log_prob, rollout_log_prob=batch.rollout_log_probs, response_mask=mask,
+                with_metrics=False, **rc_options,
+            )
     ref_log_prob = None
-    if ref_model is not None:
+    if ref_model is not None and steps:
         t0 = time.perf_counter()
         ref_log_prob = batched_logprobs(ref_model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
                                         share_prefix=share)
@@ -180,92 +237,105 @@ def update_policy(
 
     params = [p for p in model.parameters() if p.requires_grad]
     collected: dict[str, list[float]] = defaultdict(list)
+    fixed_old = torch.zeros_like(batch.rollout_log_probs) if on_policy else None
+    totals = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
+    counts = {"optimizer_steps": 0, "zero_grad_steps_skipped": 0, "nonfinite_grad_steps_skipped": 0}
     t0 = time.perf_counter()
     trained_tokens = 0
-    for _epoch in range(actor.ppo_epochs):
-        order = torch.randperm(len(batch), generator=generator) if actor.num_mini_batches > 1 else torch.arange(len(batch))
-        for mini in order.chunk(actor.num_mini_batches):
-            optimizer.zero_grad(set_to_none=True)
-            mini_mask = train_mask[mini.to(train_mask.device)]
-            # global counts (this rank's share of them under torchrun), so the step is the full batch's
-            num_tokens = distributed.global_share(mini_mask.sum()).clamp(min=1)
-            num_rows = distributed.global_share((mini_mask.sum(-1) > 0).sum()).clamp(min=1)
-            for mb in _micro_batches(mini, micro):
-                rows = mb.to(mask.device)
-                sub = batch.select(mb)
-                sub_mask = train_mask[rows]
-                if not sub_mask.any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
-                    continue
-                log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
-                                                     compute_entropy=True, routing=_rows(routing, mb), share_prefix=share)
-                sub_weights = None if is_weights is None else is_weights[rows]
-                if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
-                    sub_old = log_prob.detach()
-                if on_policy and sub_mask.any():
-                    sub_weights, sub_mask, rc_metrics = rollout_correction(
-                        old_log_prob=sub_old,
-                        rollout_log_prob=sub.rollout_log_probs,
-                        response_mask=sub_mask,
-                        **rc_options,
+    for step_rows in steps:
+        optimizer.zero_grad(set_to_none=True)
+        pre = mask[step_rows.to(mask.device)]
+        # totals before rollout correction (this rank's share of the global ones under torchrun)
+        tokens_before = distributed.global_share(pre.sum()).clamp(min=1)
+        rows_before = distributed.global_share((pre.sum(-1) > 0).sum()).clamp(min=1)
+        agg = {"batch_num_tokens": tokens_before, "global_batch_size": rows_before}
+        tokens_after = torch.zeros((), dtype=torch.float64, device=mask.device)
+        rows_after = torch.zeros((), dtype=torch.float64, device=mask.device)
+        partial = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
+        for mb in _micro_batches(step_rows, micro):
+            rows = mb.to(mask.device)
+            sub = batch.select(mb)
+            sub_mask = train_mask[rows]
+            if not mask[rows].any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
+                continue
+            log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
+                                                 compute_entropy=True, routing=_rows(routing, mb), share_prefix=share)
+            sub_weights = None if is_weights is None else is_weights[rows]
+            if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
+                sub_old = log_prob.detach()
+                fixed_old[rows] = sub_old
+                if sub_mask.any():
+                    sub_weights, sub_mask, _ = rollout_correction(
+                        old_log_prob=sub_old, rollout_log_prob=sub.rollout_log_probs, response_mask=sub_mask,
+                        with_metrics=False, **rc_options,
                     )
-                    for k, v in rc_metrics.items():
-                        collected[k].append(v)
-                elif not on_policy:
-                    sub_old = old_log_prob[rows]
-                agg = {"batch_num_tokens": num_tokens, "global_batch_size": num_rows}
-                pg_loss, pg_metrics = policy_loss(
-                    actor.policy_loss,
-                    old_log_prob=sub_old,
-                    log_prob=log_prob,
-                    advantages=advantages[rows],
-                    response_mask=sub_mask,
-                    loss_agg_mode=actor.loss_agg_mode,
-                    clip_ratio=actor.clip_ratio,
-                    clip_ratio_low=actor.clip_ratio_low,
-                    clip_ratio_high=actor.clip_ratio_high,
-                    clip_ratio_c=actor.clip_ratio_c,
-                    rollout_is_weights=sub_weights,
-                    **agg,
-                )
-                loss = pg_loss
-                entropy_loss = agg_loss(entropy, sub_mask, actor.loss_agg_mode, **agg)
-                if actor.entropy_coeff:
-                    loss = loss - actor.entropy_coeff * entropy_loss
-                if ref_log_prob is not None:
-                    kl = kl_penalty(log_prob, ref_log_prob[rows], actor.kl_loss_type)
-                    kl_loss = agg_loss(kl, sub_mask, actor.loss_agg_mode, **agg)
-                    loss = loss + actor.kl_loss_coef * kl_loss
-                    collected["actor/kl_loss"].append(kl_loss.item())
-                loss.backward()
-                trained_tokens += int(sub.attention_mask.sum())
-                # per-micro-batch partial sums; the mini-batch values are their sums (re-scaled below)
-                collected["_pg_loss"].append(pg_loss.item())
-                collected["_entropy"].append(entropy_loss.item())
-                for k, v in pg_metrics.items():
-                    collected[k].append(v)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip) if params else torch.tensor(0.0)
-            if not torch.isfinite(grad_norm):
-                collected["actor/nonfinite_grad_steps"].append(1.0)
-            elif float(grad_norm) == 0.0:
-                # no learning signal (e.g. every GRPO group scored alike): stepping Adam anyway would keep
-                # moving the weights along its stale momentum, so the step is skipped
-                collected["actor/zero_grad_steps_skipped"].append(1.0)
             else:
-                optimizer.step()
-            collected["actor/grad_norm"].append(distributed.full_value(grad_norm))
+                sub_old = old_log_prob[rows]
+            tokens_after += sub_mask.sum()
+            rows_after += (sub_mask.sum(-1) > 0).sum()
+            pg_loss, pg_metrics = policy_loss(
+                actor.policy_loss,
+                old_log_prob=sub_old,
+                log_prob=log_prob,
+                advantages=advantages[rows],
+                response_mask=sub_mask,
+                loss_agg_mode=mode,
+                clip_ratio=actor.clip_ratio,
+                clip_ratio_low=actor.clip_ratio_low,
+                clip_ratio_high=actor.clip_ratio_high,
+                clip_ratio_c=actor.clip_ratio_c,
+                rollout_is_weights=sub_weights,
+                **agg,
+            )
+            loss = pg_loss
+            entropy_loss = agg_loss(entropy, sub_mask, mode, **agg)
+            if actor.entropy_coeff:
+                loss = loss - actor.entropy_coeff * entropy_loss
+            if ref_log_prob is not None:
+                kl = kl_penalty(log_prob, ref_log_prob[rows], actor.kl_loss_type)
+                kl_loss = agg_loss(kl, sub_mask, mode, **agg)
+                loss = loss + actor.kl_loss_coef * kl_loss
+                partial["kl_loss"] += kl_loss.item()
+            loss.backward()
+            trained_tokens += int(sub.attention_mask.sum())
+            partial["pg_loss"] += pg_loss.item()
+            partial["entropy"] += entropy_loss.item()
+            for k, v in pg_metrics.items():
+                collected[k].append(v)
+        # re-normalise from the totals before rollout correction to the totals after it
+        before = _denominator(mode, tokens_before, rows_before)
+        after = _denominator(mode, distributed.global_share(tokens_after), distributed.global_share(rows_after))
+        factor = 1.0 if before is None or float(after) == 0.0 else float(before) / float(after)
+        if factor != 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+        for k in totals:
+            totals[k] += partial[k] * factor
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip) if params else torch.tensor(0.0)
+        if not torch.isfinite(grad_norm):
+            counts["nonfinite_grad_steps_skipped"] += 1
+        elif float(grad_norm) == 0.0:
+            # no learning signal (e.g. every GRPO group scored alike): stepping Adam anyway would keep
+            # moving the weights along its stale momentum, so the step is skipped
+            counts["zero_grad_steps_skipped"] += 1
+        else:
+            optimizer.step()
+            counts["optimizer_steps"] += 1
+        collected["actor/grad_norm"].append(distributed.full_value(grad_norm))
     timing["timing_s/update_actor"] = time.perf_counter() - t0
-    n_steps = actor.ppo_epochs * actor.num_mini_batches
-    pg_total = collected.pop("_pg_loss", [])
-    ent_total = collected.pop("_entropy", [])
-    kl_values = collected.pop("actor/kl_loss", [])
+
+    if steps:
+        old_for_metrics = fixed_old if on_policy else old_log_prob
+        metrics.update(_global_rollout_metrics(old_for_metrics, batch.rollout_log_probs, mask, rc_options))
     metrics.update(_mean_metrics(collected))
-    metrics["actor/pg_loss"] = sum(pg_total) / n_steps
-    metrics["actor/entropy"] = sum(ent_total) / n_steps
-    if kl_values:
-        metrics["actor/kl_loss"] = sum(kl_values) / n_steps
+    n_steps = max(len(steps), 1)
+    metrics["actor/pg_loss"] = totals["pg_loss"] / n_steps
+    metrics["actor/entropy"] = totals["entropy"] / n_steps
+    if ref_log_prob is not None:
+        metrics["actor/kl_loss"] = totals["kl_loss"] / n_steps
     metrics["actor/lr"] = optimizer.param_groups[0]["lr"]
-    metrics["actor/optimizer_steps"] = float(n_steps)
+    metrics.update({f"actor/{k}": float(v) for k, v in counts.items()})
     metrics["perf/train_tokens_per_s"] = trained_tokens / max(timing["timing_s/update_actor"], 1e-9)
     metrics.update(timing)
     return metrics
-

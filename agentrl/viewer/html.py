@@ -20,10 +20,12 @@ import html
 import json
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agentrl.cli_args import CommandSpec, UsageError, run
 from agentrl.evaluation.metrics import turn_errors
 from agentrl.harmony.trajectory import Trajectory
 
@@ -207,56 +209,59 @@ def write_html(
 
 
 def _load_format(name: str) -> Any | None:
+    """``none``: no token strip decoding; any other name goes to :func:`agentrl.harmony.make_format`."""
     if name == "none":
         return None
-    if name == "harmony":
-        from agentrl.harmony import HarmonyFormat
+    from agentrl.harmony import make_format
 
-        return HarmonyFormat()
-    from agentrl.harmony import ChatTemplateFormat  # type: ignore[attr-defined]
-
-    return ChatTemplateFormat.from_pretrained(name)
+    return make_format(name)
 
 
-USAGE = """usage: agentrl view RUN_OR_JSONL [out=FILE.html] [format=harmony|none|HF_TOKENIZER_PATH] [title=TEXT] [limit=N]
+@dataclass
+class ViewConfig:
+    """``src``: a trajectory JSONL file or a run directory. ``out``: the HTML file (default: next to the
+    input). ``format``: token texts from ``harmony``, ``none`` (raw ids) or an HF tokenizer path.
+    ``limit``: keep the first N trajectories (the page holds every token of each)."""
 
-Writes one self-contained HTML file (default: next to the input, named trajectories.html) that opens
-offline in any browser. limit=N keeps the first N trajectories (the page holds every token of each)."""
+    src: str
+    out: str | None = None
+    format: str = "harmony"
+    title: str | None = None
+    limit: int | None = None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``agentrl view``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0 if argv else 2
-    src = Path(argv[0])
-    opts = {}
-    for arg in argv[1:]:
-        key, sep, value = arg.partition("=")
-        if not sep or key not in ("out", "format", "title", "limit"):
-            print(f"agentrl view: unexpected argument {arg!r}\n\n{USAGE}", file=sys.stderr)
-            return 2
-        opts[key] = value
+SPEC = CommandSpec(
+    prog="agentrl view",
+    schema=ViewConfig,
+    usage="agentrl view RUN_OR_JSONL [out=FILE.html] [format=harmony|none|HF_TOKENIZER_PATH] [title=TEXT] [limit=N]",
+    positional="src",
+    examples={"src": "runs/eval/gsm8k-a"},
+    notes="Writes one self-contained HTML file (default: next to the input, named trajectories.html) that\n"
+    "opens offline in any browser.",
+)
+
+
+def _view(cfg: Any) -> int:
+    src = Path(cfg.src)
+    if cfg.limit is not None and cfg.limit < 1:
+        raise UsageError(f"limit must be >= 1, got {cfg.limit}; e.g. limit=20")
     try:
         items, problems = load_trajectories(src)
     except FileNotFoundError as exc:
         print(f"agentrl view: {exc}", file=sys.stderr)
         return 1
-    if "limit" in opts:
-        items = items[: int(opts["limit"])]
-    fmt = _load_format(opts.get("format", "harmony"))
-    default_out = (
-        src if src.is_dir() else src.parent
-    ) / f"{src.stem if src.is_file() else 'trajectories'}.html"
-    out = write_html(
-        items,
-        opts.get("out", default_out),
-        fmt=fmt,
-        title=opts.get("title", f"agentrl: {src}"),
-        problems=problems,
-    )
-    print(
-        f"wrote {out} ({len(items)} trajectories{f', {len(problems)} unreadable lines' if problems else ''})"
-    )
+    if cfg.limit is not None:
+        items = items[: cfg.limit]
+    try:
+        fmt = _load_format(cfg.format)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"format={cfg.format}: {exc}; use harmony, none or an HF tokenizer path") from None
+    default_out = (src if src.is_dir() else src.parent) / f"{src.stem if src.is_file() else 'trajectories'}.html"
+    out = write_html(items, cfg.out or default_out, fmt=fmt, title=cfg.title or f"agentrl: {src}", problems=problems)
+    print(f"wrote {out} ({len(items)} trajectories{f', {len(problems)} unreadable lines' if problems else ''})")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``agentrl view``."""
+    return run(SPEC, argv, _view)

@@ -2,7 +2,8 @@
 
 Every backend (the local isolated pool, a SandboxFusion server, E2B) implements :class:`SandboxBackend`.
 A tool that runs model-written code only needs this module; it never imports a backend directly but calls
-:func:`make_backend`.
+:func:`make_backend`, which finds backends in a registry (:func:`register_backend`, or the entry-point group
+``agentrl.sandbox_backends`` for backends in other packages). This module imports none of its implementations.
 
 Contract of an execution:
 
@@ -21,8 +22,14 @@ Contract of an execution:
 from __future__ import annotations
 
 import asyncio
+import importlib
+import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from importlib import metadata
 from typing import Any, Protocol, runtime_checkable
+
+log = logging.getLogger(__name__)
 
 #: Allowed values of :attr:`ExecResult.status`.
 STATUSES = ("ok", "error", "timeout", "killed", "oom", "sandbox_error")
@@ -57,6 +64,8 @@ class ExecResult:
             was reset); empty when there is nothing to say.
         files: files fetched after the run, for backends that support ``fetch_files``: path -> base64 of the
             content, or None if the file was missing or too large.
+        error: for an uncaught exception, ``{"ename": <type name>, "evalue": <str of it>}`` if the backend
+            records it (the local pool does); otherwise None.
     """
 
     stdout: str
@@ -68,6 +77,7 @@ class ExecResult:
     display: str | None = None
     message: str = ""
     files: dict[str, str | None] = field(default_factory=dict)
+    error: dict[str, str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -124,40 +134,103 @@ class SandboxBackend(Protocol):
     async def __aexit__(self, *exc: object) -> None: ...
 
 
+@dataclass(frozen=True)
+class SandboxMessages:
+    """The notes a backend writes into :attr:`ExecResult.message`, which reach the model's observation.
+
+    Each field is a ``str.format`` template; the fields it may use are named below. Set one to ``""`` to say
+    nothing. Internal failures of the sandbox are always logged in full on the host; the model sees only
+    :attr:`internal` unless :attr:`show_internal_details` is set.
+    """
+
+    timeout: str = "wall-clock limit of {timeout_s:g} s exceeded; all of the code's processes were killed"
+    """The run hit its wall-clock limit. Fields: ``timeout_s``."""
+    cpu_limit: str = "CPU-time limit exceeded"
+    """The run hit its CPU-time limit (SIGXCPU). No fields."""
+    signal: str = "killed by signal {signal}"
+    """The code's process died from a signal. Fields: ``signal`` (e.g. ``SIGSEGV``)."""
+    memory: str = "memory limit of {memory_mb} MiB exceeded (processes, shared memory and files together)"
+    """The run's memory cgroup ran out and the OOM killer ended a process. Fields: ``memory_mb``."""
+    corrupted: str = "the code corrupted the sandbox's result channel; its processes were killed"
+    """The code wrote garbage or a forged frame on the channel that carries its result. No fields."""
+    kernel_reset: str = "the session's kernel exited; its state was lost and the next run starts fresh"
+    """A session's kernel ended during this run (timeout, ``os._exit``, crash). No fields."""
+    state_lost: str = (
+        "the sandbox worker holding this session was restarted, so the session's earlier state was lost"
+    )
+    """The sandbox holding a session was replaced since the session's last run. No fields."""
+    internal: str = "the sandbox failed internally, so the code may not have run; try again"
+    """The sandbox itself failed (a worker died, hung or could not start). No fields."""
+    show_internal_details: bool = False
+    """Append the internal cause (worker ids, exceptions) to :attr:`internal`: useful when debugging, but it
+    shows the model details of the host."""
+
+    def render(self, kind: str, **fields: Any) -> str:
+        """The text for event ``kind`` (a field name above) with ``fields``; for ``internal``, ``detail`` is
+        appended only if :attr:`show_internal_details`."""
+        detail = fields.pop("detail", "")
+        text = getattr(self, kind).format(**fields)
+        if kind == "internal" and detail and self.show_internal_details:
+            text = f"{text} ({detail})" if text else detail
+        return text
+
+
+#: name -> a factory, or "module:attribute" naming one (imported on first use).
+_REGISTRY: dict[str, Callable[..., SandboxBackend] | str] = {}
+ENTRY_POINT_GROUP = "agentrl.sandbox_backends"
+
+
+def register_backend(name: str, factory: Callable[..., SandboxBackend] | str) -> None:
+    """Make ``make_backend(name, **kwargs)`` call ``factory(**kwargs)``.
+
+    ``factory`` is a callable returning a :class:`SandboxBackend`, or ``"package.module:attribute"`` naming one,
+    imported only when the backend is first built (so registering costs no import). Registering a name again
+    replaces it. Packages can also register through the entry-point group ``agentrl.sandbox_backends``.
+    """
+    _REGISTRY[name] = factory
+
+
+def registered_backends() -> list[str]:
+    """Names :func:`make_backend` accepts: registered ones and those of installed entry points."""
+    names = set(_REGISTRY)
+    names.update(ep.name for ep in metadata.entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(names)
+
+
+def _factory(name: str) -> Callable[..., SandboxBackend] | None:
+    found: Callable[..., SandboxBackend] | str | None = _REGISTRY.get(name)
+    if found is None:
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name == name:
+                found = ep.load()
+                break
+    if isinstance(found, str):
+        module, _, attr = found.partition(":")
+        found = getattr(importlib.import_module(module), attr)
+        _REGISTRY[name] = found
+    return found
+
+
 def make_backend(name: str = "local", **kwargs: Any) -> SandboxBackend:
     """Build a sandbox backend by name.
 
     Args:
-        name: ``"local"`` (isolated worker pool on this Linux machine; needs bubblewrap),
-            ``"sandboxfusion"`` (HTTP client of a SandboxFusion-compatible server, e.g. ``agentrl serve
-            sandbox``; kwargs ``endpoint``, ``token``), ``"e2b"`` (E2B cloud sandboxes; needs the ``e2b``
+        name: a registered backend. Built in: ``"local"`` (isolated worker pool on this Linux machine; needs
+            bubblewrap), ``"sandboxfusion"`` (HTTP client of a SandboxFusion-compatible server, e.g. ``agentrl
+            serve sandbox``; kwargs ``endpoint``, ``token``), ``"e2b"`` (E2B cloud sandboxes; needs the ``e2b``
             extra and ``E2B_API_KEY``), or ``"unsafe_local"`` (the local pool WITHOUT isolation; only for
-            trusted code, warns loudly).
-        **kwargs: passed to the backend's constructor (see each backend's docstring).
+            trusted code, warns loudly). More with :func:`register_backend` or entry points.
+        **kwargs: passed to the backend's factory (see each backend's docstring).
 
     Raises:
         SandboxError: for an unknown name.
         SandboxUnavailable: if the backend cannot run here (the message says why and how to fix it).
     """
-    if name == "local":
-        from agentrl.envs.sandbox.local import LocalSandbox
-
-        return LocalSandbox(**kwargs)
-    if name == "unsafe_local":
-        from agentrl.envs.sandbox.local import LocalSandbox
-
-        return LocalSandbox(isolation="none", **kwargs)
-    if name == "sandboxfusion":
-        from agentrl.envs.sandbox.fusion import SandboxFusionBackend
-
-        return SandboxFusionBackend(**kwargs)
-    if name == "e2b":
-        from agentrl.envs.sandbox.e2b_backend import E2BSandbox
-
-        return E2BSandbox(**kwargs)
-    raise SandboxError(
-        f"unknown sandbox backend {name!r}; choose one of 'local', 'sandboxfusion', 'e2b', 'unsafe_local'"
-    )
+    factory = _factory(name)
+    if factory is None:
+        choices = ", ".join(repr(n) for n in registered_backends())
+        raise SandboxError(f"unknown sandbox backend {name!r}; choose one of {choices}")
+    return factory(**kwargs)
 
 
 class SyncSandbox:

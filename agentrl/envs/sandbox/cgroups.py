@@ -1,11 +1,12 @@
-"""An aggregate memory cap per sandbox worker, with a memory cgroup (v1, or v2 where the controller is
-delegated to our own cgroup).
+"""Memory accounting per sandbox worker and per execution, with memory cgroups (v1, or v2 where the controller
+is delegated to our own cgroup).
 
-RLIMIT_AS bounds one process; a cgroup bounds the sum over everything a worker runs (its session kernels
-and every process the code forks), so ``max_processes x memory_mb`` can no longer exhaust the host. When the
-cap is reached the kernel's OOM killer picks a victim inside the cgroup only. It never picks
-bubblewrap's processes (``oom_score_adj`` -1000, set by the host), and the worker and the code it forks
-carry +1000, so the kernel picks the largest of them: the process that hogs memory.
+RLIMIT_AS bounds one process's mappings; a cgroup bounds everything an execution holds, its processes and the
+shared memory and tmpfs files it creates, which no rlimit sees. Each worker gets a cgroup capped at the
+worker's total (its session kernels and every process the code forks), and inside it one child per execution
+capped at the execution's limit (see :class:`MemoryCgroup`). When a cap is reached the kernel's OOM killer
+picks a victim inside that cgroup only. bubblewrap's processes and the worker carry ``oom_score_adj`` -1000
+(set by the host) and the code +1000.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 _V1_ROOT = Path("/sys/fs/cgroup/memory")
-#: Name prefix of our cgroups: ``agentrl-sandbox-<owner pid>-<worker>-<generation>``.
+#: Name prefix of our cgroups: ``agentrl-sandbox-<owner pid>-<pool>-<worker>-<generation>``.
 PREFIX = "agentrl-sandbox-"
 
 
@@ -50,15 +51,29 @@ def _cgroup2_mount() -> Path | None:
 
 
 class MemoryCgroup:
-    """One child memory cgroup with a hard limit; processes are added with :meth:`add`."""
+    """One worker's memory cgroup: a hard limit on everything the sandbox runs, with three kinds of children.
+
+    - ``sys``: bubblewrap and the worker itself (born there, so the cgroup namespace shows nothing of the host);
+    - ``run``: the worker's stateless runs, one at a time; the worker sets its limit to the run's memory limit;
+    - ``s<uid>``: one per session, created and removed by the worker (the directory is delegated to it: its
+      owner is the worker's host uid, so it can create children but never raise the limit above).
+
+    Every execution's memory, including SysV/POSIX shared memory and tmpfs files, is charged to its own child,
+    and an OOM kill there stays there: it can never pick the worker or another session.
+    """
 
     def __init__(self, path: Path, version: int) -> None:
         self.path, self.version = path, version
 
+    @property
+    def limit_file(self) -> str:
+        return "memory.limit_in_bytes" if self.version == 1 else "memory.max"
+
     @classmethod
-    def create(cls, name: str, limit_bytes: int) -> MemoryCgroup | None:
-        """Create ``name`` under our own memory cgroup with ``limit_bytes``; None if this is not possible
-        (no memory controller, not writable, or, on v2, not delegated to our cgroup)."""
+    def create(cls, name: str, limit_bytes: int, owner_uid: int | None = None) -> MemoryCgroup | None:
+        """Create ``name`` (with ``sys`` and ``run``) under our own memory cgroup with ``limit_bytes``; None if
+        this is not possible (no memory controller, not writable, or, on v2, not delegated to our cgroup).
+        ``owner_uid``: delegate the directory to this host uid (the worker's, in root mode)."""
         found = _own_memory_cgroup()
         if found is None:
             return None
@@ -79,19 +94,49 @@ class MemoryCgroup:
                 (path / "memory.max").write_text(str(limit_bytes))
                 with contextlib.suppress(OSError):
                     (path / "memory.swap.max").write_text("0")
+                (path / "cgroup.subtree_control").write_text("+memory")
+            for child in ("sys", "run"):
+                (path / child).mkdir()
+            if owner_uid is not None:
+                for entry in (path, path / "cgroup.procs"):
+                    os.chown(entry, owner_uid, owner_uid)
         except OSError:
             group.remove()
             return None
         return group
 
-    def add(self, pid: int) -> None:
-        """Move ``pid`` into this cgroup (its later children are born inside)."""
-        (self.path / "cgroup.procs").write_text(str(pid))
+    def open_dir(self) -> int:
+        """A new O_DIRECTORY fd of this cgroup (handed to the worker; the caller closes its copy)."""
+        return os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+
+    def add(self, pid: int, child: str = "sys") -> None:
+        """Move ``pid`` into ``child`` (its later children are born inside)."""
+        (self.path / child / "cgroup.procs").write_text(str(pid))
+
+    def held_bytes(self) -> int:
+        """Memory charged to the whole cgroup now (usage, page cache included), bytes."""
+        name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
+        try:
+            return int((self.path / name).read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def remove_quietly(self) -> None:
+        """Delete the cgroup tree if it is empty; never waits."""
+        with contextlib.suppress(OSError):
+            for child in self.path.iterdir():
+                if child.is_dir():
+                    child.rmdir()
+            self.path.rmdir()
 
     def remove(self) -> None:
-        """Delete the cgroup once its processes are gone (retries briefly while they exit)."""
-        for _ in range(50):
+        """Delete the cgroup and its children once their processes are gone (retries briefly while they exit)."""
+        for _ in range(100):
             try:
+                for child in self.path.iterdir():
+                    if child.is_dir():
+                        with contextlib.suppress(FileNotFoundError):
+                            child.rmdir()
                 self.path.rmdir()
                 return
             except FileNotFoundError:
@@ -109,8 +154,7 @@ def _remove_stale(parent: Path) -> None:
     for name in names:
         pid = name[len(PREFIX) :].split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            with contextlib.suppress(OSError):
-                (parent / name).rmdir()
+            MemoryCgroup(parent / name, 0).remove_quietly()
 
 
 def descendants(pid: int) -> list[int]:

@@ -3,15 +3,17 @@
 plus the mapping between them and :class:`~agentrl.envs.sandbox.base.ExecResult`. ``memory_limit_MB`` is
 from SandboxFusion's server models (the client package omits it; verl sends it).
 
-Shared by our server (``agentrl serve sandbox``) and our client (:mod:`.fusion`). Unknown request fields
-(e.g. verl's ``memory_limit_MB``) are ignored.
+Shared by our server (``agentrl serve sandbox``) and our client (:mod:`.fusion`). Unknown request fields are
+ignored; timeouts must be finite and positive (``cell_timeout`` may be 0: no per-cell limit), else the server
+answers 422. Responses are strict models (no extra fields, no type coercion): an answer is built only from
+validated values of the right types, whatever the code in the sandbox printed or wrote.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.envs.sandbox.base import ExecResult
 
@@ -22,7 +24,19 @@ RunStatus = Literal["Success", "Failed", "SandboxError"]
 PYTHON_LANGUAGES = ("python", "python3")
 
 
-class CommandRunResult(BaseModel):
+class _Strict(BaseModel):
+    """A response model: exact types, no extra fields."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+class _Request(BaseModel):
+    """A request model: NaN and infinity are refused (HTTP 422), unknown fields ignored."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class CommandRunResult(_Strict):
     status: CommandRunStatus
     execution_time: float | None = None
     cpu_time: float | None = None
@@ -31,18 +45,18 @@ class CommandRunResult(BaseModel):
     stderr: str | None = None
 
 
-class RunCodeRequest(BaseModel):
+class RunCodeRequest(_Request):
     code: str
     language: str = "python"
-    compile_timeout: float = 10
-    run_timeout: float = 10
+    compile_timeout: float = Field(10, ge=0)  # accepted and checked; Python needs no compile step
+    run_timeout: float = Field(10, gt=0)
     stdin: str | None = None
-    memory_limit_MB: int = -1  # -1: the server's default
+    memory_limit_MB: int = Field(-1, ge=-1)  # -1 (or 0): the server's default
     files: dict[str, str | None] = Field(default_factory=dict)  # path -> base64 content
     fetch_files: list[str] = Field(default_factory=list)
 
 
-class RunCodeResponse(BaseModel):
+class RunCodeResponse(_Strict):
     status: RunStatus
     message: str
     compile_result: CommandRunResult | None = None
@@ -51,24 +65,24 @@ class RunCodeResponse(BaseModel):
     files: dict[str, str] = Field(default_factory=dict)
 
 
-class RunJupyterRequest(BaseModel):
+class RunJupyterRequest(_Request):
     cells: list[str]
-    cell_timeout: float = 0  # 0: only total_timeout applies
-    total_timeout: float = 45
-    memory_limit_MB: int = -1  # accepted; sessions keep the pool's limit
+    cell_timeout: float = Field(0, ge=0)  # 0: only total_timeout applies
+    total_timeout: float = Field(45, gt=0)
+    memory_limit_MB: int = Field(-1, ge=-1)  # accepted; sessions keep the pool's limit
     kernel: Literal["python3"] = "python3"
     files: dict[str, str] = Field(default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)
 
 
-class CellRunResult(BaseModel):
+class CellRunResult(_Strict):
     stdout: str
     stderr: str
     display: list[dict[str, Any]]
     error: list[dict[str, Any]]
 
 
-class RunJupyterResponse(BaseModel):
+class RunJupyterResponse(_Strict):
     status: RunStatus
     message: str
     driver: CommandRunResult | None = None
@@ -89,12 +103,17 @@ def command_result(result: ExecResult) -> CommandRunResult:
 
 
 def run_code_response(result: ExecResult) -> RunCodeResponse:
-    """An :class:`ExecResult` as the body of a ``/run_code`` answer."""
+    """An :class:`ExecResult` as the body of a ``/run_code`` answer (fetched files included)."""
     if result.status == "sandbox_error":
         return RunCodeResponse(status="SandboxError", message=result.message or "sandbox error")
     run = command_result(result)
     status: RunStatus = "Success" if run.status == "Finished" and run.return_code == 0 else "Failed"
-    return RunCodeResponse(status=status, message=result.message, run_result=run)
+    return RunCodeResponse(status=status, message=result.message, run_result=run, files=fetched_files(result))
+
+
+def fetched_files(result: ExecResult) -> dict[str, str]:
+    """The files a run fetched (path -> base64), without those that were missing or too large."""
+    return {k: v for k, v in result.files.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def exec_result_from_run(resp: RunCodeResponse) -> ExecResult:
@@ -135,7 +154,9 @@ def cell_result(result: ExecResult) -> CellRunResult:
     """One stateful execution as a Jupyter cell result (display as a text/plain bundle, error as ename/evalue)."""
     display = [{"text/plain": result.display}] if result.display is not None else []
     error: list[dict[str, Any]] = []
-    if result.status in ("error", "oom") and "Traceback (most recent call last):" in result.stderr:
+    if result.error is not None:  # from the sandbox's own record of the exception, not from the printed text
+        error.append({**result.error, "traceback": result.stderr.splitlines()})
+    elif result.status in ("error", "oom") and "Traceback (most recent call last):" in result.stderr:
         last = result.stderr.rstrip().splitlines()[-1]
         ename, _, evalue = last.partition(": ")
         error.append({"ename": ename, "evalue": evalue, "traceback": result.stderr.splitlines()})

@@ -1,22 +1,24 @@
-"""How a pool worker is started: the bubblewrap command line (or none), and the checks that explain failures.
+"""How a pool worker is started: the bubblewrap command line (or none), its config, and the checks that explain
+failures.
 
-Two isolated modes, chosen from the host user:
+Two isolated modes, chosen from the host user (see ``_worker.py`` for what happens inside):
 
-- **root** (CI, servers): bubblewrap runs privileged without a user namespace. The worker keeps only
-  CAP_SETUID/SETGID/KILL/CHOWN/FOWNER/DAC_OVERRIDE; every run drops to a non-root uid of its own
-  (``uid_base + slot``), so RLIMIT_NPROC is enforced and the code cannot signal the worker.
-- **non-root**: bubblewrap creates a user namespace (needs unprivileged user namespaces); the code runs as
-  the invoking user, so it shares the worker's uid (a killed worker is restarted by the pool) and
-  RLIMIT_NPROC counts all of that user's processes.
+- **root** (CI, servers): bubblewrap runs privileged without a user namespace and grants the worker only
+  CAP_SETUID/SETGID/SYS_ADMIN, which it needs once at startup: to mount a ``/proc`` that hides other uids'
+  processes and to move into a user namespace of its own, where it is root but maps to the unprivileged host
+  uid ``uid_base`` and the code's uids (``uid_base + 1 ...``) map to themselves. Every run and session gets its
+  own uid, mount, IPC (and for sessions network) namespace, tmpfs and memory cgroup.
+- **userns** (the pool runs as an ordinary user; needs unprivileged user namespaces): bubblewrap's user
+  namespace maps one uid, so the code shares the worker's uid; the per-run namespaces and tmpfs still apply.
 
-Both: new network (only ``lo``), pid, ipc, uts and cgroup namespaces; read-only ``/usr`` (plus the
-merged-usr links); a size-capped tmpfs ``/tmp`` and ``/dev/shm``; fresh ``/proc`` and minimal ``/dev``;
-empty environment; the worker dies with the pool.
+Both: new network (only ``lo``), pid, ipc, uts and cgroup namespaces; read-only ``/usr`` (plus the merged-usr
+links); fresh ``/proc`` and minimal ``/dev``; the worker's source is copied in (no host path shows in
+``/proc/self/mountinfo``); its config arrives on stdin (none on the command line, which other processes can
+read); empty environment; the worker dies with the pool.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -26,7 +28,13 @@ from agentrl.envs.sandbox.base import SandboxUnavailable
 
 WORKER_SOURCE = Path(__file__).with_name("_worker.py")
 WORKER_PATH_INSIDE = "/opt/agentrl/sandbox_worker.py"
-_ROOT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_FOWNER", "CAP_DAC_OVERRIDE")
+#: Capabilities the worker starts with, by mode (it drops them for good before any code runs).
+_WORKER_CAPS = {
+    "root": ("CAP_SETUID", "CAP_SETGID", "CAP_SYS_ADMIN"),
+    "userns": ("CAP_SYS_ADMIN", "CAP_SETPCAP"),
+}
+#: Size of the sandbox's own /tmp and /dev/shm, which no code ever sees (each execution mounts its own).
+_SHARED_TMPFS_BYTES = 1 << 20
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
 
@@ -65,33 +73,50 @@ def check_interpreter(python: str, ro_binds: tuple[str, ...]) -> None:
 
 def worker_config(
     *,
-    drop_uid: bool,
+    mode: str,
     uid_base: int,
+    n_uids: int,
     limits: dict[str, int],
     output_cap: int,
     seccomp: bool,
-    tmp_root: str,
-    own_pid_namespace: bool,
+    tmpfs_bytes: int,
+    tmpfs_inodes: int,
+    cgroup: dict[str, int] | None,
+    tmp_root: str = "",
 ) -> dict[str, Any]:
-    """The JSON config the in-sandbox worker reads from argv (see ``_worker.py``)."""
+    """The config the in-sandbox worker reads as its first frame (see ``_worker.py``).
+
+    Args:
+        mode: ``"root"``, ``"userns"`` or ``"none"`` (no isolation).
+        uid_base: root mode: the host uid the worker maps to; code uses ``uid_base + 1 ... uid_base + n_uids``.
+        limits: ``as_bytes`` (address space and the memory cgroup limit of one execution), ``nproc``,
+            ``fsize_bytes``, ``nofile``.
+        tmpfs_bytes, tmpfs_inodes: size and inode cap of each execution's ``/tmp`` and ``/dev/shm``.
+        cgroup: ``{"fd": <fd of the worker's memory cgroup directory>, "version": 1 or 2}``, or None.
+        tmp_root: mode "none" only: the host directory under which executions get working directories.
+    """
     return {
-        "drop_uid": drop_uid,
+        "mode": mode,
         "uid_base": uid_base,
+        "n_uids": n_uids,
         "limits": limits,
         "output_cap": output_cap,
         "seccomp": seccomp,
+        "tmpfs_bytes": tmpfs_bytes,
+        "tmpfs_inodes": tmpfs_inodes,
+        "cgroup": cgroup,
         "tmp_root": tmp_root,
-        "own_pid_namespace": own_pid_namespace,
     }
 
 
-def bwrap_command(
-    python: str, config: dict[str, Any], *, as_root: bool, tmpfs_bytes: int, ro_binds: tuple[str, ...]
-) -> list[str]:
-    """The argv that starts one worker inside a fresh bubblewrap sandbox."""
+def bwrap_command(python: str, *, mode: str, source_fd: int, ro_binds: tuple[str, ...]) -> list[str]:
+    """The argv that starts one worker inside a fresh bubblewrap sandbox.
+
+    ``source_fd``: an fd (inherited by bwrap) from which the worker's source is copied into the sandbox.
+    """
     cmd = [bwrap_path(), "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
     cmd += ["--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
-    if not as_root:
+    if mode == "userns":
         cmd += ["--unshare-user", "--disable-userns"]
     cmd += ["--ro-bind", "/usr", "/usr"]
     for path in _SYSTEM_LINKS:
@@ -104,21 +129,21 @@ def bwrap_command(
     for path in ro_binds:
         cmd += ["--ro-bind", path, path]
     cmd += ["--dev", "/dev", "--proc", "/proc"]
-    cmd += ["--perms", "0711", "--size", str(tmpfs_bytes), "--tmpfs", "/tmp"]
-    cmd += ["--perms", "1777", "--size", str(tmpfs_bytes), "--tmpfs", "/dev/shm"]
-    cmd += ["--ro-bind", str(WORKER_SOURCE), WORKER_PATH_INSIDE]
+    cmd += ["--perms", "0755", "--size", str(_SHARED_TMPFS_BYTES), "--tmpfs", "/tmp"]
+    cmd += ["--perms", "0755", "--size", str(_SHARED_TMPFS_BYTES), "--tmpfs", "/dev/shm"]
+    cmd += ["--mqueue", "/dev/mqueue"]
+    cmd += ["--ro-bind-data", str(source_fd), WORKER_PATH_INSIDE]
     cmd += ["--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8"]
     cmd += ["--cap-drop", "ALL"]
-    if as_root:
-        for cap in _ROOT_CAPS:
-            cmd += ["--cap-add", cap]
-    cmd += [python, "-I", WORKER_PATH_INSIDE, json.dumps(config)]
+    for cap in _WORKER_CAPS[mode]:
+        cmd += ["--cap-add", cap]
+    cmd += [python, "-I", WORKER_PATH_INSIDE]
     return cmd
 
 
-def unisolated_command(python: str, config: dict[str, Any]) -> list[str]:
+def unisolated_command(python: str) -> list[str]:
     """The argv that starts one worker directly on the host (no isolation at all)."""
-    return [python, "-I", str(WORKER_SOURCE), json.dumps(config)]
+    return [python, "-I", str(WORKER_SOURCE)]
 
 
 def explain_start_failure(stderr: str, *, as_root: bool) -> str:

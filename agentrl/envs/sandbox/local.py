@@ -1,10 +1,15 @@
 """The local backend: a pool of pre-started, isolated fork-server workers (Linux, bubblewrap).
 
 Each worker is one sandbox (see :mod:`.isolation`) running ``_worker.py``, which forks a child per stateless
-run (about a millisecond) and keeps one long-lived kernel process per stateful session. Stateless runs go to
-the least busy worker; a session is pinned to the worker that holds its kernel. A worker that dies or stops
-answering is killed with everything inside it and restarted on its next use; sessions it held restart from a
-fresh state and say so in ``ExecResult.message``.
+run (about a millisecond) and keeps one long-lived kernel process per stateful session; each execution gets its
+own namespaces, tmpfs, memory cgroup and (as root) uid, so nothing of one run or session reaches another.
+Stateless runs go to the least busy worker; a session is pinned to the worker that holds its kernel.
+
+After every request the worker cleans up and checks itself against a fresh sandbox, outside any run's time
+budget. A worker whose check fails is retired: it takes no new work, keeps serving its live sessions until they
+are released, and a fresh worker takes its place. A worker that dies or stops answering is killed with
+everything inside it and restarted on its next use; sessions it held restart from a fresh state and say so in
+``ExecResult.message``.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from agentrl.envs.sandbox import isolation as iso
-from agentrl.envs.sandbox.base import ExecResult, SandboxError, SandboxUnavailable
+from agentrl.envs.sandbox.base import STATUSES, ExecResult, SandboxError, SandboxMessages, SandboxUnavailable
 from agentrl.envs.sandbox.cgroups import PREFIX as CGROUP_PREFIX
 from agentrl.envs.sandbox.cgroups import MemoryCgroup, command_name, descendants, protect_from_oom
 
@@ -35,11 +41,15 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
 #: Extra seconds the host waits beyond a run's timeout before it declares the worker hung.
 _GRACE_S = 10.0
-#: Start of the uid range for code (an unused high range). Each pool takes a random block of it, each worker a
-#: sub-block of ``_UIDS_PER_WORKER`` uids, so pools on one host (e.g. several trainers) do not share uids.
+#: How long a worker may take to clean up and check itself after a request before it is declared hung.
+_HEALTH_TIMEOUT_S = 60.0
+#: Start of the uid range for code (an unused high range). Each pool takes a random run of blocks of it, each
+#: worker one block of ``_UIDS_PER_WORKER`` uids (the first is the worker's own host uid).
 DEFAULT_UID_BASE = 0x7E000000
 _UID_RANGE = 0x01FFFFFF
 _UIDS_PER_WORKER = 4096
+#: uids of a worker's block kept for stateless runs (the rest may hold sessions).
+_STATELESS_UIDS = 64
 MAX_TIMEOUT_S = 3600.0
 
 
@@ -53,43 +63,120 @@ class _MemoryCap:
 @dataclass
 class _Session:
     worker: _Worker
-    slot: int
+    key: str
     generation: int  # the worker generation whose kernel holds this session's state
 
 
-class _Worker:
-    """Host-side handle of one sandboxed fork server. All traffic goes through :meth:`request`."""
+@dataclass
+class _Settings:
+    """What every worker of a pool shares."""
 
-    def __init__(self, index: int, argv: list[str], start_timeout_s: float, memory_cap: _MemoryCap) -> None:
+    mode: str  # "root" | "userns" | "none"
+    python: str
+    ro_binds: tuple[str, ...]
+    limits: dict[str, int]
+    output_cap: int
+    seccomp: bool
+    tmpfs_bytes: int
+    tmpfs_inodes: int
+    start_timeout_s: float
+    memory_cap: _MemoryCap
+    tmp_root: str = ""
+    pool_id: str = field(default_factory=lambda: secrets.token_hex(4))
+    on_unhealthy: Any = None  # callback(worker, reason)
+    background: set[asyncio.Task] = field(default_factory=set)
+
+
+class _Worker:
+    """Host-side handle of one sandboxed fork server. All traffic goes through :meth:`call`."""
+
+    def __init__(self, index: int, uid_base: int, settings: _Settings) -> None:
         self.index = index
-        self.argv = argv
-        self.start_timeout_s = start_timeout_s
-        self.memory_cap = memory_cap
+        self.uid_base = uid_base
+        self.s = settings
         self.cgroup: MemoryCgroup | None = None
         self.lock = asyncio.Lock()
         self.load = 0  # runs queued or in flight here
         self.generation = 0
+        self.sessions: set[str] = set()
+        self.retired = False
+        #: The worker's latest health frame: {health, problems, cleanup_s}.
+        self.last_health: dict[str, Any] = {}
         self.proc: asyncio.subprocess.Process | None = None
-        self.free_slots = list(range(_UIDS_PER_WORKER - 1, 0, -1))
         self._stderr_task: asyncio.Task | None = None
 
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
+    @property
+    def code_uids(self) -> range:
+        return range(self.uid_base, self.uid_base + _UIDS_PER_WORKER)
+
     async def start(self) -> None:
         """Start the sandbox and wait for the worker's ready frame. Raises SandboxUnavailable on failure."""
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
+        s = self.s
+        if s.mode == "root":  # a uid is never reused while anything of its previous holder may remain
+            leftover = uid_processes(self.code_uids)
+            deadline = time.monotonic() + 5.0
+            while (
+                leftover and time.monotonic() < deadline
+            ):  # a killed sandbox's processes may still be exiting
+                await asyncio.sleep(0.01)
+                leftover = uid_processes(self.code_uids)
+            if leftover:
+                raise SandboxUnavailable(
+                    f"processes {leftover[:5]} still run as uids of sandbox block {self.uid_base}; refusing to reuse it"
+                )
         self.generation += 1
+        self.cgroup = self._make_cgroup()
+        cg_fd = self.cgroup.open_dir() if self.cgroup is not None else None
+        source_fd = os.open(iso.WORKER_SOURCE, os.O_RDONLY) if s.mode != "none" else None
+        pass_fds = tuple(fd for fd in (cg_fd, source_fd) if fd is not None)
         try:
-            ready = await asyncio.wait_for(self._read_frame(), self.start_timeout_s)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            if s.mode == "none":
+                argv = iso.unisolated_command(s.python)
+            else:
+                argv = iso.bwrap_command(s.python, mode=s.mode, source_fd=source_fd, ro_binds=s.ro_binds)
+            if (
+                self.cgroup is not None
+            ):  # born inside its cgroup, so the cgroup namespace shows none of the host's
+                argv = [
+                    "/bin/sh",
+                    "-c",
+                    'echo $$ > "$0" && exec "$@"',
+                    str(self.cgroup.path / "sys" / "cgroup.procs"),
+                    *argv,
+                ]
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=pass_fds,
+            )
+        finally:
+            for fd in pass_fds:
+                os.close(fd)
+        config = iso.worker_config(
+            mode=s.mode,
+            uid_base=self.uid_base,
+            n_uids=_UIDS_PER_WORKER - 1,
+            limits=s.limits,
+            output_cap=s.output_cap,
+            seccomp=s.seccomp,
+            tmpfs_bytes=s.tmpfs_bytes,
+            tmpfs_inodes=s.tmpfs_inodes,
+            cgroup={"fd": cg_fd, "version": self.cgroup.version} if self.cgroup is not None else None,
+            tmp_root=s.tmp_root,
+        )
+        try:
+            self._send(config)
+            ready = await asyncio.wait_for(self._read_frame(), s.start_timeout_s)
+            if not ready.get("error"):
+                health = await asyncio.wait_for(self._read_frame(), s.start_timeout_s)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             stderr = await self._stop_and_read_stderr()
             raise SandboxUnavailable(
                 iso.explain_start_failure(
@@ -101,76 +188,107 @@ class _Worker:
             raise SandboxUnavailable(
                 iso.explain_start_failure(f"{ready['error']} {stderr}", as_root=_is_root())
             )
-        self._stderr_task = asyncio.create_task(self._log_stderr(self.proc))
-        try:
-            self._cap_memory()
-        except SandboxUnavailable:
+        self.last_health = health
+        if not health.get("health"):
             await self.kill()
-            raise
+            raise SandboxUnavailable(f"a fresh sandbox failed its own health check: {health.get('problems')}")
+        self._stderr_task = asyncio.create_task(self._log_stderr(self.proc))
+        if self.cgroup is not None and self.proc is not None:
+            for pid in descendants(self.proc.pid):  # bubblewrap and the worker: never the OOM killer's choice
+                if command_name(pid) in ("bwrap", "python3", "sh") or pid == self.proc.pid:
+                    protect_from_oom(pid)
 
-    def _cap_memory(self) -> None:
-        """Put the whole sandbox (no code has run yet) into a fresh memory cgroup, if configured."""
-        cap = self.memory_cap
-        if cap.mode == "off":
-            return
-        assert self.proc is not None
-        name = f"{CGROUP_PREFIX}{os.getpid()}-{self.index}-{self.generation}"
-        self.cgroup = MemoryCgroup.create(name, cap.limit_bytes) if _is_root() else None
-        if self.cgroup is None:
+    def _make_cgroup(self) -> MemoryCgroup | None:
+        """A fresh memory cgroup for this sandbox, if configured (see :class:`MemoryCgroup`)."""
+        cap = self.s.memory_cap
+        if cap.mode == "off" or not _is_root():
+            group = None
+        else:
+            name = f"{CGROUP_PREFIX}{os.getpid()}-{self.s.pool_id}-{self.index}-{self.generation}"
+            owner = self.uid_base if self.s.mode == "root" else None
+            group = MemoryCgroup.create(name, cap.limit_bytes, owner_uid=owner)
+        if group is None:
             if cap.mode == "required":
                 raise SandboxUnavailable(
                     "memory_cgroup='required' but no writable memory cgroup is available (run as root on a host "
                     "with the cgroup memory controller, or pass memory_cgroup='auto'/'off')"
                 )
-            if not cap.warned:
+            if cap.mode == "auto" and not cap.warned:
                 cap.warned = True
                 log.warning(
-                    "no writable memory cgroup: each sandbox's total memory is bounded only by max_processes x "
-                    "memory_mb (run as root with the cgroup memory controller for an aggregate cap)"
+                    "no writable memory cgroup: an execution's memory is bounded only by its address-space "
+                    "limit, and shared memory and tmpfs files are not counted (run as root with the cgroup "
+                    "memory controller for full accounting)"
                 )
-            return
-        try:
-            for pid in descendants(self.proc.pid):
-                self.cgroup.add(pid)
-                if command_name(pid) == "bwrap":  # its init dying would end the sandbox
-                    protect_from_oom(pid)
-        except OSError as exc:
-            self.cgroup.remove()
-            self.cgroup = None
-            if cap.mode == "required":
-                raise SandboxUnavailable(
-                    f"could not move the sandbox into its memory cgroup: {exc}"
-                ) from None
-            log.warning("could not move sandbox worker %d into its memory cgroup: %s", self.index, exc)
+        return group
 
-    async def request(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send one request and return the worker's answer. The caller holds ``self.lock``.
-
-        Raises ConnectionError if the worker died or hung (it is then killed; the next call restarts it).
-        """
-        if not self.alive:
-            await self.start()
+    def _send(self, payload: dict[str, Any]) -> None:
         assert self.proc is not None and self.proc.stdin is not None
         data = json.dumps(payload).encode()
+        self.proc.stdin.write(_HEADER.pack(len(data)) + data)
+
+    async def call(self, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send one request and return the worker's answer, restarting a dead worker first.
+
+        The worker then cleans up and sends a health frame; until it arrives the worker stays locked (in the
+        background: the caller has its answer), so cleanup is charged to no run's time budget.
+
+        Raises ConnectionError if the worker died or hung (it is then killed; the next call restarts it), and
+        SandboxUnavailable if it cannot be (re)started.
+        """
+        await self.lock.acquire()
+        handed_off = False
         try:
-            self.proc.stdin.write(_HEADER.pack(len(data)) + data)
-            await self.proc.stdin.drain()
-            return await asyncio.wait_for(self._read_frame(), timeout_s + _GRACE_S)
+            if not self.alive:
+                await self.start()
+            assert self.proc is not None and self.proc.stdin is not None
+            try:
+                self._send(payload)
+                await self.proc.stdin.drain()
+                resp = await asyncio.wait_for(self._read_frame(), timeout_s + _GRACE_S)
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+                await self.kill()
+                raise ConnectionError(
+                    f"sandbox worker {self.index} failed ({type(exc).__name__}: {exc})"
+                ) from None
+            except asyncio.CancelledError:
+                # The answer may still come; it must never be read as the next request's. End this sandbox.
+                self._abandon()
+                raise
+            task = asyncio.get_running_loop().create_task(self._await_health())
+            self.s.background.add(task)
+            task.add_done_callback(self.s.background.discard)
+            handed_off = True
+            return resp
+        finally:
+            if not handed_off:
+                self.lock.release()
+
+    async def _await_health(self) -> None:
+        """Read the health frame that follows every answer; then release the worker."""
+        try:
+            health = await asyncio.wait_for(self._read_frame(), _HEALTH_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            if self.proc is not None:
+                log.warning("sandbox worker %d did not finish its cleanup (%r); killing it", self.index, exc)
             await self.kill()
-            raise ConnectionError(
-                f"sandbox worker {self.index} failed ({type(exc).__name__}: {exc})"
-            ) from None
         except asyncio.CancelledError:
-            # The answer may still come; it must never be read as the next request's. End this sandbox.
             self._abandon()
             raise
+        else:
+            self.last_health = health
+            if not health.get("health") and self.s.on_unhealthy is not None:
+                self.s.on_unhealthy(self, "; ".join(health.get("problems") or ["unknown"]))
+        finally:
+            self.lock.release()
 
     async def _read_frame(self) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdout is not None
-        head = await self.proc.stdout.readexactly(4)
+        proc = self.proc
+        if proc is None or proc.stdout is None:
+            raise ConnectionError("the sandbox worker is gone")
+        head = await proc.stdout.readexactly(4)
         (size,) = _HEADER.unpack(head)
-        obj = json.loads(await self.proc.stdout.readexactly(size))
+        obj = json.loads(await proc.stdout.readexactly(size))
         if not isinstance(obj, dict):
             raise ValueError("worker frame is not an object")
         return obj
@@ -185,8 +303,8 @@ class _Worker:
                 pass
             await proc.wait()
         if self.cgroup is not None:
-            self.cgroup.remove()
-            self.cgroup = None
+            cgroup, self.cgroup = self.cgroup, None
+            await asyncio.to_thread(cgroup.remove)
         if self._stderr_task is not None:
             self._stderr_task.cancel()
             self._stderr_task = None
@@ -203,8 +321,8 @@ class _Worker:
             self._stderr_task = None
         cgroup, self.cgroup = self.cgroup, None
         task = asyncio.get_running_loop().create_task(_reap(proc, cgroup))
-        _BACKGROUND.add(task)
-        task.add_done_callback(_BACKGROUND.discard)
+        self.s.background.add(task)
+        task.add_done_callback(self.s.background.discard)
 
     async def _stop_and_read_stderr(self) -> str:
         proc = self.proc
@@ -222,17 +340,43 @@ class _Worker:
             log.warning("sandbox worker %d: %s", self.index, line.decode(errors="replace").rstrip())
 
 
-_BACKGROUND: set[asyncio.Task] = set()
-
-
 async def _reap(proc: asyncio.subprocess.Process, cgroup: MemoryCgroup | None) -> None:
     await proc.wait()
     if cgroup is not None:
-        cgroup.remove()
+        await asyncio.to_thread(cgroup.remove)
+
+
+@dataclass(frozen=True)
+class CodeUids:
+    """The code uids of ``blocks`` consecutive uid blocks from ``base`` (supports ``uid in ...``)."""
+
+    base: int
+    blocks: int
+
+    def __contains__(self, uid: object) -> bool:
+        if not isinstance(uid, int):
+            return False
+        offset = uid - self.base
+        return 0 <= offset < self.blocks * _UIDS_PER_WORKER and offset % _UIDS_PER_WORKER != 0
 
 
 def _is_root() -> bool:
     return os.geteuid() == 0
+
+
+def uid_processes(uids: range | CodeUids) -> list[int]:
+    """Host pids (zombies included) whose real uid is in ``uids``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{name}/status").read_text()
+        except OSError:
+            continue
+        if int(status.split("Uid:")[1].split()[0]) in uids:
+            found.append(int(name))
+    return found
 
 
 class LocalSandbox:
@@ -246,14 +390,18 @@ class LocalSandbox:
         python: the interpreter inside the sandbox; must be visible there (under /usr or ``ro_binds``) and,
             as root, readable by a non-root uid. The code can import what this interpreter has installed: for
             numpy/sympy on Debian, ``apt-get install python3-numpy python3-sympy``.
-        memory_mb: address-space limit per process (RLIMIT_AS), MiB.
+        memory_mb: memory limit of one execution, MiB: the address-space limit of each of its processes
+            (RLIMIT_AS) and, with a memory cgroup, the limit on everything it holds together (its processes,
+            shared memory, ``/tmp`` and ``/dev/shm`` files).
         max_processes: processes+threads per run (RLIMIT_NPROC; as root, counted per run's own uid).
         max_file_mb: largest file the code may write (RLIMIT_FSIZE), MiB.
         max_open_files: RLIMIT_NOFILE.
-        tmpfs_mb: size of the sandbox's private /tmp (and of /dev/shm), MiB, per worker.
+        tmpfs_mb: size of each execution's private ``/tmp`` (and of its ``/dev/shm``), MiB.
+        tmpfs_files: inodes (files, directories, hard links) in each of those, so that a flood of them is
+            bounded and cheap to remove.
         worker_memory_mb: memory cap for everything one worker runs together (its session kernels and all
             processes the code forks), MiB; default 4 x ``memory_mb``. Enforced with a memory cgroup.
-        memory_cgroup: ``"auto"`` (use a memory cgroup when running as root where one is writable; otherwise warn
+        memory_cgroup: ``"auto"`` (use memory cgroups when running as root where one is writable; otherwise warn
             once), ``"required"`` (refuse to start without one) or ``"off"``.
         output_limit_bytes: bytes kept per stream (stdout, stderr); the rest is dropped and a marker added.
         seccomp: load the seccomp filter (needs libseccomp's Python binding for ``python``,
@@ -261,6 +409,8 @@ class LocalSandbox:
         uid_base: first uid used for code when running as root (default: a random block of a high range).
         ro_binds: extra host paths to mount read-only at the same place (e.g. a Python prefix).
         start_timeout_s: how long a worker may take to start.
+        messages: the notes that reach the model in ``ExecResult.message`` (see
+            :class:`~agentrl.envs.sandbox.base.SandboxMessages`; internal failures stay private by default).
 
     Raises:
         SandboxUnavailable: (at construction or first use) if isolation cannot be set up; the message names the
@@ -278,6 +428,7 @@ class LocalSandbox:
         max_file_mb: int = 64,
         max_open_files: int = 256,
         tmpfs_mb: int = 256,
+        tmpfs_files: int = 16384,
         worker_memory_mb: int | None = None,
         memory_cgroup: str = "auto",
         output_limit_bytes: int = 64 * 1024,
@@ -285,6 +436,7 @@ class LocalSandbox:
         uid_base: int | None = None,
         ro_binds: tuple[str, ...] = (),
         start_timeout_s: float = 30.0,
+        messages: SandboxMessages | None = None,
     ) -> None:
         if isolation not in ("bubblewrap", "none"):
             raise SandboxError(f"isolation must be 'bubblewrap' or 'none', not {isolation!r}")
@@ -293,9 +445,12 @@ class LocalSandbox:
             raise SandboxError(f"workers must be >= 1, got {n}")
         if memory_cgroup not in ("auto", "required", "off"):
             raise SandboxError(f"memory_cgroup must be 'auto', 'required' or 'off', not {memory_cgroup!r}")
-        cap = _MemoryCap(
-            memory_cgroup if isolation == "bubblewrap" else "off", (worker_memory_mb or 4 * memory_mb) << 20
-        )
+        for name, value in (("memory_mb", memory_mb), ("tmpfs_mb", tmpfs_mb), ("tmpfs_files", tmpfs_files)):
+            if value < 1:
+                raise SandboxError(f"{name} must be >= 1, got {value}")
+        self.isolated = isolation == "bubblewrap"
+        self.messages = messages or SandboxMessages()
+        mode = ("root" if _is_root() else "userns") if self.isolated else "none"
         ro_binds = tuple(ro_binds)
         limits = {
             "as_bytes": memory_mb << 20,
@@ -303,32 +458,18 @@ class LocalSandbox:
             "fsize_bytes": max_file_mb << 20,
             "nofile": max_open_files,
         }
-        span = n * _UIDS_PER_WORKER
+        # Twice as many uid blocks as workers: a retired worker keeps its block while a fresh one takes another.
+        blocks = 2 * n
+        span = blocks * _UIDS_PER_WORKER
         if uid_base is None:
             uid_base = DEFAULT_UID_BASE + secrets.randbelow(_UID_RANGE // span) * span
-        #: The uids code may run as (root mode): one per worker and slot.
-        self.code_uids = range(uid_base, uid_base + span)
-        self.isolated = isolation == "bubblewrap"
-        self._tmp_dirs: list[tempfile.TemporaryDirectory] = []
-        argvs = []
+        #: The uids code may run as (root mode): every block of the pool but each block's first uid, which is
+        #: its worker's own.
+        self.code_uids = CodeUids(uid_base, blocks)
+        self._tmp_dir: tempfile.TemporaryDirectory | None = None
         if self.isolated:
             iso.bwrap_path()
             iso.check_interpreter(python, ro_binds)
-            for i in range(n):
-                cfg = iso.worker_config(
-                    drop_uid=_is_root(),
-                    uid_base=uid_base + i * _UIDS_PER_WORKER,
-                    limits=limits,
-                    output_cap=output_limit_bytes,
-                    seccomp=seccomp,
-                    tmp_root="/tmp",
-                    own_pid_namespace=True,
-                )
-                argvs.append(
-                    iso.bwrap_command(
-                        python, cfg, as_root=_is_root(), tmpfs_bytes=tmpfs_mb << 20, ro_binds=ro_binds
-                    )
-                )
         else:
             msg = (
                 "UNSAFE SANDBOX: model-written code will run WITHOUT isolation, as this user, with access to "
@@ -336,24 +477,63 @@ class LocalSandbox:
             )
             warnings.warn(msg, stacklevel=2)
             log.warning(msg)
-            for _ in range(n):
-                tmp = tempfile.TemporaryDirectory(prefix="agentrl-unsafe-sandbox-")
-                self._tmp_dirs.append(tmp)
-                cfg = iso.worker_config(
-                    drop_uid=False,
-                    uid_base=0,
-                    limits=limits,
-                    output_cap=output_limit_bytes,
-                    seccomp=False,
-                    tmp_root=tmp.name,
-                    own_pid_namespace=False,
-                )
-                argvs.append(iso.unisolated_command(python, cfg))
-        self._workers = [_Worker(i, argv, start_timeout_s, cap) for i, argv in enumerate(argvs)]
+            self._tmp_dir = tempfile.TemporaryDirectory(prefix="agentrl-unsafe-sandbox-")
+        cap = _MemoryCap(memory_cgroup if self.isolated else "off", (worker_memory_mb or 4 * memory_mb) << 20)
+        self._settings = _Settings(
+            mode=mode,
+            python=python,
+            ro_binds=ro_binds,
+            limits=limits,
+            output_cap=output_limit_bytes,
+            seccomp=seccomp and self.isolated,
+            tmpfs_bytes=tmpfs_mb << 20,
+            tmpfs_inodes=tmpfs_files,
+            start_timeout_s=start_timeout_s,
+            memory_cap=cap,
+            on_unhealthy=self._retire,
+        )
+        self._free_blocks = [uid_base + b * _UIDS_PER_WORKER for b in range(blocks)]
+        self._next_index = 0
+        self._workers = [self._new_worker() for _ in range(n)]
+        self._retiring: list[_Worker] = []
         self._sessions: dict[str, _Session] = {}
         self._closed = False
         self._start_lock = asyncio.Lock()
         self._started = False
+
+    def _new_worker(self) -> _Worker:
+        index, self._next_index = self._next_index, self._next_index + 1
+        settings = self._settings
+        if self._tmp_dir is not None:
+            root = Path(self._tmp_dir.name) / str(index)
+            root.mkdir()
+            settings = _Settings(**{**settings.__dict__, "tmp_root": str(root)})
+        return _Worker(index, self._free_blocks.pop(0), settings)
+
+    def _retire(self, worker: _Worker, reason: str) -> None:
+        """Take an unhealthy worker out of rotation: it keeps its live sessions; a fresh one replaces it."""
+        if worker.retired or self._closed:
+            return
+        log.warning("sandbox worker %d failed its health check (%s); replacing it", worker.index, reason)
+        worker.retired = True
+        if worker in self._workers:
+            self._workers[self._workers.index(worker)] = self._new_worker()
+        self._retiring.append(worker)
+        self._reap_retired()
+
+    def _reap_retired(self) -> None:
+        """Kill retired workers whose last session is gone and give their uid blocks back."""
+        for worker in [w for w in self._retiring if not w.sessions]:
+            self._retiring.remove(worker)
+
+            async def stop(w: _Worker = worker) -> None:
+                async with w.lock:
+                    await w.kill()
+                self._free_blocks.append(w.uid_base)
+
+            task = asyncio.get_running_loop().create_task(stop())
+            self._settings.background.add(task)
+            task.add_done_callback(self._settings.background.discard)
 
     async def start(self) -> None:
         """Start every worker now (otherwise they start on first use). Raises SandboxUnavailable."""
@@ -383,81 +563,97 @@ class LocalSandbox:
         Extras of this backend: ``files`` (path -> content, relative to the run's working directory) are
         written before the code runs and ``fetch_files`` are read back into ``ExecResult.files`` (base64),
         both with the code's privileges; fetched files share a budget of 4x ``output_limit_bytes``.
-        ``memory_mb`` lowers the address-space limit of a stateless run below the pool's (never raises it;
-        ignored for sessions, whose kernel keeps the pool's limit).
+        ``memory_mb`` lowers the memory limit of a stateless run below the pool's (never raises it; ignored for
+        sessions, whose kernel keeps the pool's limit).
         """
         self._check_open()
         if not isinstance(code, str) or not isinstance(stdin, str):
             raise SandboxError("code and stdin must be str")
-        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+        if not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= MAX_TIMEOUT_S:
             raise SandboxError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:g}], got {timeout_s!r}")
         if not self._started:
             await self.start()
-        if session is None:
-            worker, slot, sess = min(self._workers, key=lambda w: w.load), 0, None
-        else:
+        sess = None
+        if session is not None:
             sess = self._sessions.get(session)
             if sess is None:
                 raise SandboxError(f"unknown sandbox session {session!r}; create one with create_session()")
-            worker, slot = sess.worker, sess.slot
         payload = {
             "op": "run",
             "code": code,
             "stdin": stdin,
             "timeout": float(timeout_s),
-            "slot": slot,
+            "session": sess.key if sess is not None else None,
             "files": {p: base64.b64encode(data).decode("ascii") for p, data in (files or {}).items()},
             "fetch_files": list(fetch_files),
             "memory_bytes": (memory_mb << 20) if memory_mb and memory_mb > 0 else None,
         }
         start = time.monotonic()
-        worker.load += 1
-        try:
-            async with worker.lock:
+        for _ in range(3):  # a worker that refuses (it failed its health check) is replaced; try the next
+            worker = sess.worker if sess is not None else min(self._workers, key=lambda w: w.load)
+            worker.load += 1
+            try:
                 lost = sess is not None and sess.generation != worker.generation and worker.alive
-                try:
-                    resp = await worker.request(payload, timeout_s)
-                except (
-                    ConnectionError,
-                    SandboxUnavailable,
-                ) as exc:  # the worker died, hung or cannot restart
-                    return ExecResult(
-                        "", "", None, "sandbox_error", time.monotonic() - start, message=str(exc)
-                    )
-                if sess is not None:
-                    lost = lost or sess.generation != worker.generation
-                    sess.generation = worker.generation
-        finally:
-            worker.load -= 1
-        return _to_result(resp, state_lost=lost)
+                resp = await worker.call(payload, timeout_s)
+            except (ConnectionError, SandboxUnavailable) as exc:  # the worker died, hung or cannot restart
+                log.warning("sandbox run failed: %s", exc)
+                return self._internal_error(str(exc), time.monotonic() - start)
+            finally:
+                worker.load -= 1
+            if "refused" not in resp:
+                break
+            self._retire(worker, str(resp["refused"]))
+            if (
+                sess is not None
+            ):  # its kernel is gone (else the worker would have served it): move the session
+                worker.sessions.discard(sess.key)
+                self._reap_retired()
+                sess.worker = self._pick_session_worker()
+                sess.worker.sessions.add(sess.key)
+                sess.generation = -1  # its state is lost; say so
+        else:
+            return self._internal_error(
+                "no healthy sandbox worker accepted the run", time.monotonic() - start
+            )
+        if sess is not None:
+            lost = lost or sess.generation != worker.generation
+            sess.generation = worker.generation
+        return self._to_result(resp, state_lost=lost)
+
+    def _pick_session_worker(self) -> _Worker:
+        worker = min(self._workers, key=lambda w: (len(w.sessions), w.load))
+        if len(worker.sessions) >= _UIDS_PER_WORKER - 1 - _STATELESS_UIDS:
+            raise SandboxError(
+                f"too many open sandbox sessions ({len(self._sessions)}); release finished ones with release_session()"
+            )
+        return worker
 
     async def create_session(self) -> str:
         """Reserve a stateful session (its kernel starts on the first run) and return its id."""
         self._check_open()
         if not self._started:
             await self.start()
-        worker = max(self._workers, key=lambda w: (len(w.free_slots), -w.load))
-        if not worker.free_slots:
-            raise SandboxError(
-                f"too many open sandbox sessions ({len(self._sessions)}); release finished ones with release_session()"
-            )
+        worker = self._pick_session_worker()
         sid = uuid.uuid4().hex
-        self._sessions[sid] = _Session(worker, worker.free_slots.pop(), worker.generation)
+        self._sessions[sid] = _Session(worker, sid, worker.generation)
+        worker.sessions.add(sid)
         return sid
 
     async def release_session(self, session: str) -> None:
-        """Kill the session's kernel and free its slot. Unknown or already released ids are ignored."""
+        """Kill the session's kernel; the worker then verifies that nothing of it remains before its uid is
+        used again. Unknown or already released ids are ignored."""
         sess = self._sessions.pop(session, None)
         if sess is None or self._closed:
             return
         worker = sess.worker
-        async with worker.lock:
-            if worker.alive:
-                try:
-                    await worker.request({"op": "close", "slot": sess.slot}, 10.0)
-                except ConnectionError:
-                    pass
-        worker.free_slots.append(sess.slot)
+        if worker.alive:
+            try:
+                await worker.call({"op": "close", "session": sess.key}, 10.0)
+            except (ConnectionError, SandboxUnavailable):
+                pass
+        worker.sessions.discard(sess.key)
+        if worker.retired:
+            self._reap_retired()
 
     async def aclose(self) -> None:
         """Kill every worker and session. Idempotent."""
@@ -465,9 +661,11 @@ class LocalSandbox:
             return
         self._closed = True
         self._sessions.clear()
-        await asyncio.gather(*(w.kill() for w in self._workers))
-        for tmp in self._tmp_dirs:
-            tmp.cleanup()
+        await asyncio.gather(*(w.kill() for w in self._workers + self._retiring))
+        for task in list(self._settings.background):
+            task.cancel()
+        if self._tmp_dir is not None:
+            self._tmp_dir.cleanup()
 
     async def __aenter__(self) -> LocalSandbox:
         await self.start()
@@ -476,33 +674,120 @@ class LocalSandbox:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    async def health(self) -> list[dict[str, Any]]:
+        """Each worker's state once its pending cleanup is done: ``index``, ``alive``, ``retired``, ``sessions``
+        (live ones it holds) and ``last`` (its latest health frame: ``health``, ``problems``, ``cleanup_s``)."""
+        out = []
+        for worker in self._workers + self._retiring:
+            async with worker.lock:
+                out.append(
+                    {
+                        "index": worker.index,
+                        "alive": worker.alive,
+                        "retired": worker.retired,
+                        "sessions": len(worker.sessions),
+                        "last": dict(worker.last_health),
+                    }
+                )
+        return out
+
     @property
     def num_workers(self) -> int:
-        """Number of sandboxes in the pool."""
+        """Number of sandboxes in the pool (in rotation)."""
         return len(self._workers)
 
     def _check_open(self) -> None:
         if self._closed:
             raise SandboxError("this sandbox backend is closed")
 
-
-def _to_result(resp: dict[str, Any], *, state_lost: bool) -> ExecResult:
-    if "stdout" not in resp:  # the worker reported an internal failure
-        return ExecResult("", "", None, "sandbox_error", 0.0, message=str(resp.get("message", resp)))
-    message = resp.get("message", "")
-    if state_lost and not resp.get("reset"):
-        note = (
-            "the sandbox worker holding this session was restarted, so the session's earlier state was lost"
+    def _internal_error(self, detail: str, duration: float) -> ExecResult:
+        return ExecResult(
+            "", "", None, "sandbox_error", duration, message=self.messages.render("internal", detail=detail)
         )
-        message = f"{note}; {message}" if message else note
-    return ExecResult(
-        stdout=resp["stdout"],
-        stderr=resp["stderr"],
-        exit_code=resp["exit_code"],
-        status=resp["status"],
-        duration_s=float(resp["duration_s"]),
-        truncated=bool(resp["truncated"]),
-        display=resp.get("display"),
-        message=message,
-        files=resp.get("files") or {},
-    )
+
+    def _to_result(self, resp: dict[str, Any], *, state_lost: bool) -> ExecResult:
+        problem = _invalid_reply(resp)
+        if problem is not None:
+            log.error("sandbox worker sent an invalid reply (%s): %.500r", problem, resp)
+            return self._internal_error(f"invalid worker reply: {problem}", 0.0)
+        notes = []
+        if state_lost and not resp["reset"]:
+            notes.append(self.messages.render("state_lost"))
+        event = resp["event"]
+        if event is not None:
+            kind = event["kind"]
+            fields = {k: v for k, v in event.items() if k != "kind"}
+            if kind == "internal":
+                log.warning("sandbox internal failure: %s", fields.get("detail"))
+            notes.append(self.messages.render(kind, **fields))
+        if resp["reset"]:
+            notes.append(self.messages.render("kernel_reset"))
+        return ExecResult(
+            stdout=resp["stdout"],
+            stderr=resp["stderr"],
+            exit_code=resp["exit_code"],
+            status=resp["status"],
+            duration_s=float(resp["duration_s"]),
+            truncated=resp["truncated"],
+            display=resp["display"],
+            message="; ".join(n for n in notes if n),
+            files=resp["files"],
+            error=resp["error"],
+        )
+
+
+_EVENT_FIELDS = {
+    "timeout": {"timeout_s": (int, float)},
+    "cpu_limit": {},
+    "signal": {"signal": str},
+    "memory": {"memory_mb": int},
+    "corrupted": {},
+    "internal": {"detail": str},
+}
+
+
+def _invalid_reply(resp: dict[str, Any]) -> str | None:
+    """Why a worker's run reply does not match its schema exactly, or None. (Stdlib only: the pool also runs
+    under a bare system Python.)"""
+    expected = {
+        "stdout": str,
+        "stderr": str,
+        "status": str,
+        "duration_s": float,
+        "truncated": bool,
+        "reset": bool,
+        "files": dict,
+    }
+    if set(resp) != {*expected, "exit_code", "display", "event", "error"}:
+        return f"fields {sorted(resp)}"
+    for key, kind in expected.items():
+        if type(resp[key]) is not kind:
+            return f"{key} is {type(resp[key]).__name__}"
+    if resp["status"] not in STATUSES:
+        return f"status {resp['status']!r}"
+    if resp["exit_code"] is not None and type(resp["exit_code"]) is not int:
+        return "exit_code"
+    if resp["display"] is not None and type(resp["display"]) is not str:
+        return "display"
+    if not all(type(k) is str and (v is None or type(v) is str) for k, v in resp["files"].items()):
+        return "files"
+    error = resp["error"]
+    if error is not None and not (
+        type(error) is dict
+        and set(error) == {"ename", "evalue"}
+        and all(type(v) is str for v in error.values())
+    ):
+        return "error"
+    event = resp["event"]
+    if event is not None:
+        if type(event) is not dict or event.get("kind") not in _EVENT_FIELDS:
+            return "event"
+        fields = _EVENT_FIELDS[event["kind"]]
+        if set(event) != {"kind", *fields} or not all(isinstance(event[k], t) for k, t in fields.items()):
+            return "event fields"
+    return None
+
+
+def unsafe_local(**kwargs: Any) -> LocalSandbox:
+    """The local pool WITHOUT isolation (``make_backend("unsafe_local")``): trusted code only; warns loudly."""
+    return LocalSandbox(isolation="none", **kwargs)

@@ -6,20 +6,29 @@ Endpoints (same request and response fields as SandboxFusion, see :mod:`.fusion_
 - ``POST /run_code`` -> ``RunCodeResponse`` (Python only; other languages get ``status="SandboxError"``)
 - ``POST /run_jupyter`` -> ``RunJupyterResponse`` (cells run in one fresh stateful session)
 
-Limits: request bodies over ``max_body_bytes`` get HTTP 413; ``run_timeout`` is capped at ``max_timeout_s``;
-at most ``max_concurrency`` executions run at once and at most ``max_queue`` more wait, beyond that HTTP 503.
-With a token set, every request but ``/v1/ping`` needs ``Authorization: Bearer <token>`` (else HTTP 401).
+Hostile clients (see :class:`SandboxServerConfig` for every limit): request bodies over ``max_body_bytes`` get
+HTTP 413; a timeout that is NaN, infinite, not positive or above ``max_timeout_s`` gets HTTP 422 naming the field;
+at most ``max_concurrency`` executions run at once and at most ``max_queue`` more wait, beyond that HTTP 503;
+requests whose headers or body arrive too slowly are dropped, and each client address may hold only so many
+connections (:mod:`.http_guard`). Every answer is built through strict response models, so nothing the code in
+the sandbox prints or writes can change the answer's fields or their types.
+
+With a token set, every request but ``/v1/ping`` must carry it, either as ``Authorization: Bearer <token>`` or as
+the first path segment: ``http://host:port/<token>/run_code``, which the official ``sandbox-fusion`` client can
+use unmodified (``endpoint="http://host:port/<token>"``). Anything else gets HTTP 401. The token never appears in
+the server's logs.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import binascii
 import hmac
 import logging
+import math
 import os
+import resource
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -27,45 +36,140 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from agentrl.cli_args import CommandSpec, parse, run, to_object
 from agentrl.envs.sandbox import fusion_api as api
-from agentrl.envs.sandbox.base import SandboxBackend, SandboxUnavailable, make_backend
+from agentrl.envs.sandbox.base import SandboxBackend, SandboxMessages, SandboxUnavailable, make_backend
+from agentrl.envs.sandbox.http_guard import ConnectionLimits, guarded_protocol
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "AGENTRL_SANDBOX_TOKEN"
 
 
 @dataclass
-class ServerSettings:
-    """Limits of the HTTP layer (the pool's own limits are set on the backend)."""
+class SandboxServerConfig:
+    """Settings of ``agentrl serve sandbox``: the pool's limits, the HTTP layer's limits and access control."""
 
+    host: str = "127.0.0.1"
+    """Address to bind; ``0.0.0.0`` serves a cluster (then set a token)."""
+    port: int = 8080
+    """TCP port."""
+    workers: int | None = None
+    """Sandboxes in the pool (parallel executions); default twice the CPU count."""
+    memory_mb: int = 1024
+    """Memory limit of one execution, MiB (address space per process, and everything the run holds)."""
+    max_processes: int = 64
+    """Processes and threads of one execution."""
+    output_limit_bytes: int = 64 * 1024
+    """Bytes of stdout and of stderr kept per execution; the rest is cut with a marker."""
     max_body_bytes: int = 1 << 20
+    """Largest request body, bytes; larger ones get HTTP 413."""
     max_timeout_s: float = 60.0
+    """Largest ``run_timeout`` / ``total_timeout`` / ``cell_timeout`` a request may ask for, seconds; above: 422."""
     max_concurrency: int = 64
+    """Executions running at once."""
     max_queue: int = 1024
+    """Requests waiting for an execution slot; beyond that HTTP 503."""
     token: str | None = None
+    """Shared secret required on every request but ``/v1/ping`` (default: $AGENTRL_SANDBOX_TOKEN if set)."""
+    header_timeout_s: float = 10.0
+    """Seconds a client has to send a request's headers; then the connection is closed."""
+    body_timeout_s: float = 30.0
+    """Seconds a client has to send a request's body once its headers are in."""
+    keepalive_timeout_s: float = 5.0
+    """Seconds an idle kept-alive connection stays open."""
+    max_connections: int = 1024
+    """Connections open at once, all clients together; more are closed at once."""
+    max_connections_per_client: int = 64
+    """Connections open at once from one client address; more are closed at once."""
+    show_internal_errors: bool = False
+    """Put internal details of sandbox failures in the answers (they are always logged)."""
+    unsafe_no_isolation: bool = False
+    """Run code WITHOUT any isolation (trusted code only; never expose such a server)."""
+    log_level: str = "info"
+    """Logging level: debug, info, warning, error."""
+
+    def __post_init__(self) -> None:
+        if self.token is None:
+            self.token = os.environ.get(TOKEN_ENV) or None
+        if self.token is not None and (not self.token or "/" in self.token or not self.token.isprintable()):
+            raise ValueError("token must be a non-empty printable string without '/'")
+        for name in ("max_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in (
+            "max_body_bytes",
+            "max_concurrency",
+            "max_queue",
+            "max_connections",
+            "max_connections_per_client",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
 
 
 class _Gate:
-    """Plain ASGI middleware (cheap per request): bearer-token check (401), then a body-size limit (413) for
-    bodies declared or streamed larger than ``limit`` bytes."""
+    """Plain ASGI middleware (cheap per request): token check (401; path prefix or bearer header), then a body-size
+    limit (413) for bodies declared or streamed larger than ``limit`` bytes, then one access-log line."""
 
     def __init__(self, app: Any, limit: int, token: str | None) -> None:
         self.app, self.limit = app, limit
+        self.token = token.encode() if token else None
         self.expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"] != "/v1/ping":  # health checks need no token
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        if self.token is not None:
+            authorized = self._authorize(scope, headers)
+            if authorized is None:
                 resp = JSONResponse(
-                    {"detail": "missing or wrong bearer token (send 'Authorization: Bearer <token>')"},
+                    {
+                        "detail": "missing or wrong token: send 'Authorization: Bearer <token>' or use "
+                        "http://host:port/<token>/... as the endpoint"
+                    },
                     status_code=401,
                 )
                 return await resp(scope, receive, send)
+            scope = authorized
+        status: list[int] = []
+
+        async def logged_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        start = time.monotonic()
+        try:
+            await self._limited(scope, receive, logged_send, headers)
+        finally:
+            client = scope.get("client") or ("?", 0)
+            log.info(
+                '%s - "%s %s" %s %.1f ms',
+                client[0],
+                scope["method"],
+                scope["path"],
+                status[0] if status else "-",
+                (time.monotonic() - start) * 1000,
+            )
+
+    def _authorize(self, scope: dict, headers: dict) -> dict | None:
+        """``scope`` with a token path prefix removed, if the request carries the token; else None."""
+        path = scope["path"]
+        first, sep, rest = path[1:].partition("/")
+        if hmac.compare_digest(first.encode(), self.token):
+            raw = scope.get("raw_path") or path.encode()
+            cut = len(first.encode()) + 1
+            return {**scope, "path": "/" + rest, "raw_path": raw[cut:] or b"/"}
+        if hmac.compare_digest(headers.get(b"authorization", b""), self.expected) or path == "/v1/ping":
+            return scope
+        return None
+
+    async def _limited(self, scope: dict, receive: Callable, send: Callable, headers: dict) -> None:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._reject(scope, receive, send)
@@ -96,18 +200,17 @@ class _Gate:
 
     async def _reject(self, scope: dict, receive: Callable, send: Callable) -> None:
         resp = JSONResponse(
-            {
-                "detail": f"request body exceeds {self.limit} bytes; send smaller code or raise --max-body-bytes"
-            },
+            {"detail": f"request body exceeds {self.limit} bytes; send smaller code or raise max_body_bytes"},
             status_code=413,
         )
         await resp(scope, receive, send)
 
 
-def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) -> FastAPI:
-    """The FastAPI app serving ``backend``. The app closes the backend on shutdown."""
-    settings = settings or ServerSettings()
-    slots = asyncio.Semaphore(settings.max_concurrency)
+def create_app(backend: SandboxBackend, config: SandboxServerConfig | None = None) -> FastAPI:
+    """The ASGI app serving ``backend`` (FastAPI behind the token and body-size gate). The app closes the backend
+    on shutdown. Serve it with :func:`uvicorn_config` to get the connection limits too."""
+    config = config or SandboxServerConfig()
+    slots = asyncio.Semaphore(config.max_concurrency)
     waiting = 0
 
     @asynccontextmanager
@@ -124,10 +227,16 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
 
     app = FastAPI(title="agentrl sandbox (SandboxFusion-compatible)", lifespan=lifespan)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Any, exc: RequestValidationError) -> JSONResponse:
+        # Without echoing the offending input: it may be NaN, which JSON cannot carry.
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        return JSONResponse({"detail": errors}, status_code=422)
+
     @asynccontextmanager
     async def execution_slot():
         nonlocal waiting
-        if waiting >= settings.max_queue:
+        if waiting >= config.max_queue:
             raise HTTPException(503, f"server busy: {waiting} requests already queued; retry later")
         waiting += 1
         try:
@@ -139,12 +248,28 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
         finally:
             slots.release()
 
+    def within_limit(name: str, value: float) -> float:
+        if value > config.max_timeout_s:
+            raise HTTPException(
+                422,
+                [
+                    {
+                        "loc": ["body", name],
+                        "msg": f"{name}={value:g} exceeds this server's limit of {config.max_timeout_s:g} s; "
+                        "ask for less or start the server with a higher max_timeout_s",
+                        "type": "less_than_equal",
+                    }
+                ],
+            )
+        return float(value)
+
     @app.get("/v1/ping")
     async def ping() -> str:
         return "pong"
 
     @app.post("/run_code", response_model=api.RunCodeResponse)
     async def run_code(req: api.RunCodeRequest) -> api.RunCodeResponse:
+        timeout = within_limit("run_timeout", req.run_timeout)
         if req.language not in api.PYTHON_LANGUAGES:
             return api.RunCodeResponse(
                 status="SandboxError",
@@ -153,7 +278,6 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
         files, error = _decode_files(req.files)
         if error:
             return api.RunCodeResponse(status="SandboxError", message=error)
-        timeout = _timeout(req.run_timeout, settings)
         async with execution_slot():
             result = await backend.run(
                 req.code,
@@ -161,16 +285,15 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
                 stdin=req.stdin or "",
                 **_local_kwargs(files, req.fetch_files, req.memory_limit_MB),
             )
-        resp = api.run_code_response(result)
-        resp.files = {k: v for k, v in result.files.items() if v is not None}
-        return resp
+        return api.run_code_response(result)
 
     @app.post("/run_jupyter", response_model=api.RunJupyterResponse)
     async def run_jupyter(req: api.RunJupyterRequest) -> api.RunJupyterResponse:
+        total = within_limit("total_timeout", req.total_timeout)
+        within_limit("cell_timeout", req.cell_timeout)
         files, error = _decode_files(req.files)
         if error:
             return api.RunJupyterResponse(status="SandboxError", message=error)
-        total = _timeout(req.total_timeout, settings)
         start = time.monotonic()
         cells: list[api.CellRunResult] = []
         timed_out = False
@@ -188,7 +311,7 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
                     extra = _local_kwargs(files if i == 0 else {}, req.fetch_files if last else [])
                     result = await backend.run(cell, session=session, timeout_s=limit, **extra)
                     cells.append(api.cell_result(result))
-                    fetched.update({k: v for k, v in result.files.items() if v is not None})
+                    fetched.update(api.fetched_files(result))
                     if result.status == "sandbox_error":
                         return api.RunJupyterResponse(
                             status="SandboxError", message=result.message, cells=cells
@@ -207,13 +330,7 @@ def create_app(backend: SandboxBackend, settings: ServerSettings | None = None) 
             status="Failed" if timed_out else "Success", message="", driver=driver, cells=cells, files=fetched
         )
 
-    return _Gate(app, settings.max_body_bytes, settings.token)  # type: ignore[return-value]
-
-
-def _timeout(requested: float, settings: ServerSettings) -> float:
-    if requested <= 0:
-        return settings.max_timeout_s
-    return min(float(requested), settings.max_timeout_s)
+    return _Gate(app, config.max_body_bytes, config.token)  # type: ignore[return-value]
 
 
 def _decode_files(files: dict[str, str | None]) -> tuple[dict[str, bytes], str]:
@@ -238,59 +355,82 @@ def _local_kwargs(files: dict[str, bytes], fetch: list[str], memory_mb: int = -1
     return extra
 
 
-def main(argv: list[str]) -> int:
-    """Entry point of ``agentrl serve sandbox [options]``; returns the exit code."""
-    p = argparse.ArgumentParser(
-        prog="agentrl serve sandbox",
-        description="Serve the isolated local sandbox pool over SandboxFusion's HTTP API.",
-    )
-    p.add_argument(
-        "--host", default="127.0.0.1", help="bind address (default 127.0.0.1; use 0.0.0.0 to serve a cluster)"
-    )
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--workers", type=int, default=None, help="sandboxes in the pool (default: 2 x CPU count)")
-    p.add_argument("--memory-mb", type=int, default=1024, help="address-space limit per process, MiB")
-    p.add_argument("--max-processes", type=int, default=64)
-    p.add_argument("--output-limit-bytes", type=int, default=64 * 1024)
-    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument(
-        "--max-timeout", type=float, default=60.0, help="cap on run_timeout / total_timeout, seconds"
-    )
-    p.add_argument("--max-concurrency", type=int, default=64)
-    p.add_argument("--max-queue", type=int, default=1024)
-    p.add_argument("--token", default=None, help=f"require this bearer token (default: ${TOKEN_ENV} if set)")
-    p.add_argument(
-        "--unsafe-no-isolation",
-        action="store_true",
-        help="run code WITHOUT any isolation (trusted code only; never expose such a server)",
-    )
-    p.add_argument("--log-level", default="info")
-    args = p.parse_args(argv)
-
+def uvicorn_config(app: Any, config: SandboxServerConfig) -> Any:
+    """A ``uvicorn.Config`` serving ``app`` with ``config``'s connection limits (and no access log of uvicorn's
+    own, which would show a token sent in the path)."""
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper())
+    limits = ConnectionLimits(
+        header_timeout_s=config.header_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+        max_connections=config.max_connections,
+        max_connections_per_client=config.max_connections_per_client,
+    )
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        http=guarded_protocol(limits),
+        timeout_keep_alive=config.keepalive_timeout_s,
+        access_log=False,
+        log_level=config.log_level,
+    )
+
+
+def _raise_fd_limit(wanted: int) -> None:
+    """Make room for ``wanted`` connections (plus the pool's own fds) under RLIMIT_NOFILE, as far as allowed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + 256
+    if soft < need:
+        new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < need:
+            log.warning("RLIMIT_NOFILE allows only %d fds; lower max_connections below %d", new, new - 256)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+SPEC = CommandSpec(
+    prog="agentrl serve sandbox",
+    schema=SandboxServerConfig,
+    usage="agentrl serve sandbox [port=8080] [token=SECRET] [key=value ...]",
+    choices={"log_level": LOG_LEVELS},
+    aliases={"max_timeout": "max_timeout_s"},  # the flag's name before it carried its unit
+    notes="Serves the isolated local sandbox pool over SandboxFusion's HTTP API. Options also as --key value\n"
+    "(--max-timeout-s 30) and bare --flags for booleans (--unsafe-no-isolation).",
+)
+
+
+def parse_args(argv: list[str]) -> SandboxServerConfig:
+    """``SandboxServerConfig`` from command-line words (``max_timeout_s=30`` or ``--max-timeout-s 30``), read by
+    the shared parser (:mod:`agentrl.cli_args`); raises :class:`~agentrl.cli_args.UsageError`."""
+    return to_object(SPEC, parse(SPEC, argv))
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``agentrl serve sandbox [key=value ...]``; returns the exit code (2: a usage error)."""
+    return run(SPEC, argv, lambda cfg: serve(to_object(SPEC, cfg)))
+
+
+def serve(config: SandboxServerConfig) -> int:
+    """Build the pool and serve it until interrupted; returns the exit code."""
+    import uvicorn
+
+    logging.basicConfig(level=config.log_level.upper())
     try:
         backend = make_backend(
-            "unsafe_local" if args.unsafe_no_isolation else "local",
-            workers=args.workers,
-            memory_mb=args.memory_mb,
-            max_processes=args.max_processes,
-            output_limit_bytes=args.output_limit_bytes,
+            "unsafe_local" if config.unsafe_no_isolation else "local",
+            workers=config.workers,
+            memory_mb=config.memory_mb,
+            max_processes=config.max_processes,
+            output_limit_bytes=config.output_limit_bytes,
+            messages=SandboxMessages(show_internal_details=config.show_internal_errors),
         )
     except SandboxUnavailable as exc:
         print(f"error: {exc}")
         return 2
-    settings = ServerSettings(
-        max_body_bytes=args.max_body_bytes,
-        max_timeout_s=args.max_timeout,
-        max_concurrency=args.max_concurrency,
-        max_queue=args.max_queue,
-        token=args.token or os.environ.get(TOKEN_ENV) or None,
-    )
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.token:
-        log.warning(
-            "serving on %s without a bearer token: anyone who reaches this port can run code", args.host
-        )
-    uvicorn.run(create_app(backend, settings), host=args.host, port=args.port, log_level=args.log_level)
+    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.token:
+        log.warning("serving on %s without a token: anyone who reaches this port can run code", config.host)
+    _raise_fd_limit(config.max_connections)
+    uvicorn.Server(uvicorn_config(create_app(backend, config), config)).run()
     return 0

@@ -138,9 +138,11 @@ class ToolBox:
         try:
             out = await _with_timeout(run(), timeout)
         except (TimeoutError, asyncio.TimeoutError):
-            return record(
-                f"Error: {tool.name} did not finish within {timeout:g} s and was stopped.", "tool_timeout"
-            )
+            if getattr(tool, "stops_on_timeout", True):
+                text = f"Error: {tool.name} did not finish within {timeout:g} s and was stopped."
+            else:
+                text = f"Error: {tool.name} did not finish within {timeout:g} s; its result was abandoned."
+            return record(text, "tool_timeout")
         except ToolError as e:
             return record(f"Error: {e}", e.kind)
         except asyncio.CancelledError:

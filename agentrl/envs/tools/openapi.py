@@ -8,8 +8,9 @@ Behaviour of a call:
 - The base URL comes from ``base_url``, else the environment variable named by ``base_url_env``, else the
   spec's first ``servers`` entry. Auth headers come from ``headers`` and/or ``headers_env`` (header name ->
   environment variable). Header values are never logged, shown in ``repr`` or put in observations.
-- Connection errors and 5xx answers are retried ``retries`` times with exponential backoff
-  (``backoff_s * 2**attempt``); a timeout is reported at once as ``tool_timeout``.
+- Connection errors and 5xx answers are retried ``retries`` times with the shared policy of
+  :mod:`agentrl.http_retry` (exponential backoff from ``backoff_s``, with jitter, ``Retry-After`` honoured);
+  a timeout is reported at once as ``tool_timeout``.
 - A 4xx answer goes back to the model as an observation (``HTTP 404: ...``); 400 and 422 are recorded as
   ``bad_arguments``. A 5xx after the last retry is ``tool_exception``.
 - At most ``max_response_bytes`` of a body are read; JSON bodies are re-serialised compactly.
@@ -17,7 +18,6 @@ Behaviour of a call:
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import logging
@@ -30,6 +30,7 @@ from urllib.parse import quote
 import httpx
 
 from agentrl.envs.tools.base import Tool, ToolError, ToolOutput
+from agentrl.http_retry import RetryableStatus, retrying
 
 log = logging.getLogger(__name__)
 _METHODS = ("get", "put", "post", "delete", "patch", "head", "options")
@@ -251,33 +252,43 @@ class OpenAPIToolset:
     ) -> ToolOutput:
         """Send one request with the retry policy; returns the observation (see the module docstring)."""
         client = self._get_client()
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                req = client.build_request(method, path, params=params, headers=headers, json=json_body)
-                resp = await client.send(req, stream=True)
-                try:
-                    status, text = resp.status_code, await self._read_bounded(resp)
-                finally:
-                    await resp.aclose()
-            except httpx.TimeoutException:
-                raise ToolError(
-                    f"{method} {path} timed out after {self.timeout_s:g} s", "tool_timeout"
-                ) from None
-            except httpx.TransportError as e:
-                last = f"connection error ({type(e).__name__})"
-                log.info("openapi %s %s: %s (attempt %d)", method, path, last, attempt + 1)
-                continue
-            if status >= 500:
-                last = f"HTTP {status}: {text}"
-                log.info("openapi %s %s: HTTP %d (attempt %d)", method, path, status, attempt + 1)
-                continue
-            if status >= 400:
-                return ToolOutput(f"HTTP {status}: {text}", "bad_arguments" if status in (400, 422) else None)
-            return ToolOutput(text)
-        raise ToolError(f"{method} {path} failed after {self.retries + 1} attempts: {last}")
+
+        def note(state: Any) -> None:
+            exc = state.outcome.exception()
+            last = str(exc) if isinstance(exc, RetryableStatus) else f"connection error ({type(exc).__name__})"
+            log.info("openapi %s %s: %s (attempt %d)", method, path, last, state.attempt_number)
+
+        policy = retrying(
+            self.retries,
+            backoff_s=self.backoff_s,
+            max_backoff_s=max(self.backoff_s, 8.0),
+            retry_on=(httpx.TransportError, RetryableStatus),
+            before_sleep=note,
+        )
+        try:
+            async for attempt in policy:
+                with attempt:
+                    try:
+                        req = client.build_request(method, path, params=params, headers=headers, json=json_body)
+                        resp = await client.send(req, stream=True)
+                        try:
+                            status, text = resp.status_code, await self._read_bounded(resp)
+                        finally:
+                            await resp.aclose()
+                    except httpx.TimeoutException:
+                        raise ToolError(f"{method} {path} timed out after {self.timeout_s:g} s", "tool_timeout") from None
+                    if status >= 500:
+                        raise RetryableStatus(status, text)
+                    if status >= 400:
+                        return ToolOutput(f"HTTP {status}: {text}", "bad_arguments" if status in (400, 422) else None)
+                    return ToolOutput(text)
+        except RetryableStatus as exc:
+            raise ToolError(f"{method} {path} failed after {self.retries + 1} attempts: {exc}") from None
+        except httpx.TransportError as exc:
+            raise ToolError(
+                f"{method} {path} failed after {self.retries + 1} attempts: connection error ({type(exc).__name__})"
+            ) from None
+        raise AssertionError("unreachable: tenacity either returns, or raises the last error")
 
     async def _read_bounded(self, resp: httpx.Response) -> str:
         buf = bytearray()

@@ -2,8 +2,10 @@
 
 Decision on verl: the trainer must run where verl is absent (the GPU machine, the default CPU path), so
 these are our own pure-torch implementations of verl 0.9.1's estimators, losses, KL estimators and rollout
-correction, proven equal to verl's on random inputs by ``tests/test_algos_parity.py`` (run wherever verl is
-installed, e.g. CI). :mod:`agentrl.train.algorithms.verl_registry` registers our extra losses into verl's
+correction, proven equal to verl's on random inputs by ``tests/test_algos_parity.py`` and the hypothesis
+property tests of ``tests/test_algos_properties.py`` (run wherever verl is installed, e.g. CI). Where verl's
+results are rounding artefacts or NaN from junk outside the mask, ours are exact and finite (see the
+modules' docstrings). :mod:`agentrl.train.algorithms.verl_registry` registers our extra losses into verl's
 registry for the verl backend.
 
 Public API:
@@ -12,7 +14,7 @@ Public API:
   agg_loss(loss_mat, loss_mask, loss_agg_mode)
   kl_penalty(log_prob, ref_log_prob, kind)
   rollout_correction(...) -> (is_weights | None, response_mask, metrics)
-  is_on_policy(ppo_epochs, num_mini_batches), onpolicy_old_log_prob(log_prob, ...)
+  is_on_policy(optimizer_steps=), onpolicy_old_log_prob(log_prob, optimizer_steps=)
 """
 
 from agentrl.train.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, register_advantage

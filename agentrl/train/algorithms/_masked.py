@@ -1,7 +1,8 @@
 """Masked reductions over ``[B, T]`` response-token matrices.
 
-``mask`` is 1 (or True) for model tokens and 0 for env/pad tokens. Means divide by ``count + 1e-8`` so
-an all-zero mask yields 0 rather than NaN; values outside the mask never contribute (NaN included).
+``mask`` is 1 (or True) for model tokens and 0 for env/pad tokens. Values outside the mask never reach a
+result, whatever they are (``NaN`` and ``±inf`` included): every reduction selects with ``torch.where``
+before it multiplies or adds. Means divide by ``count + 1e-8`` so an all-zero mask yields 0, not NaN.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import torch
 _EPS = 1e-8
 
 
+def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``mask`` is nonzero, exactly 0 elsewhere (gradient 0 there, never NaN)."""
+    return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of ``values`` where ``mask`` is nonzero (over all elements, or along ``dim``)."""
-    kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
-    kept = kept * mask
+    """Sum of ``values * mask`` over the elements where ``mask`` is nonzero (all, or along ``dim``)."""
+    kept = masked(values, mask) * mask
     return kept.sum() if dim is None else kept.sum(dim=dim)
 
 
@@ -25,16 +30,16 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(values - mean) / sqrt(var + 1e-8)`` with masked mean and unbiased masked variance.
+    """``(values - mean) / sqrt(var + 1e-8)`` with masked mean and unbiased masked variance (verl's rule).
 
-    Raises ValueError if fewer than two tokens are in the mask (the unbiased variance is undefined).
+    With fewer than two tokens in the mask the variance is undefined (verl raises); here every centred
+    value is then 0, so the result is all zeros: no learning signal rather than a crash mid-run.
+    Positions outside the mask hold ``(values - mean) / std`` of whatever they held (0 if non-finite).
     """
     n = mask.sum()
     if n < 2:
-        raise ValueError(
-            f"whitening needs at least 2 unmasked tokens, got {int(n)}; use a larger batch or an estimator "
-            "that does not whiten (e.g. 'grpo')"
-        )
+        return torch.zeros_like(values)
+    values = torch.where(mask.bool() | torch.isfinite(values), values, torch.zeros_like(values))
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask) * (n / (n - 1))
     return (values - mean) * torch.rsqrt(var + _EPS)

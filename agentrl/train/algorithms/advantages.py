@@ -5,7 +5,13 @@ maths and edge cases, checked against verl in ``tests/test_algos_parity.py``), s
 verl installed.
 
 Every estimator takes keyword arguments and returns ``(advantages, returns)``, both ``[B, T]`` float tensors
-zeroed outside ``response_mask`` (except GAE returns, which are ``advantages + values`` as in verl).
+zeroed outside ``response_mask`` (except GAE, as in verl: its whitened advantages are defined on every
+position, and its returns are ``advantages + values``). Where verl's results are exact, ours agree to rounding;
+where verl's are rounding artefacts we are exact: a group whose scores are all equal gets advantage exactly
+0 (grpo, rloo, opo, reinforce_plus_plus_baseline); junk (NaN, inf) at env tokens in ``values`` (gae) or in
+the rewards of the reward-to-go estimators (gae, reinforce_plus_plus), which verl multiplies by a zero mask
+into NaN, never reaches the result. (The outcome estimators score a row by the sum of all its token rewards,
+env tokens included, as verl does.)
 
 Inputs common to all estimators:
   token_level_rewards: ``[B, T]`` float; outcome estimators use the row sum as the sequence score.
@@ -56,32 +62,54 @@ def _group_ids(
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def _group_stats(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row group ``(count, mean, unbiased std)``; singleton groups get mean 0 and std 1."""
+def _group_sum(values: torch.Tensor, gid: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, gid, values)
+
+
+def _group_centered(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row ``(group size, score - group mean, unbiased group std)``, each ``[B]``.
+
+    The mean is taken of the differences to the group's first score (a shifted mean), so a group of equal
+    scores gives differences of exactly 0, a centred score of exactly 0 and a std of exactly 0 in any
+    dtype, for any size and value; verl's plain mean leaves a rounding residue there that the std division
+    blows up (~0.1 in fp32). Elsewhere the two agree to rounding. Singleton groups follow verl: mean 0 and
+    std 1, i.e. the centred score is the score itself.
+    """
     n_groups = int(gid.max()) + 1
-    count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
-        0, gid, torch.ones_like(scores)
-    )
-    total = torch.zeros_like(count).index_add_(0, gid, scores)
-    mean = total / count
-    sq = torch.zeros_like(count).index_add_(0, gid, (scores - mean[gid]) ** 2)
-    std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    single = count == 1
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    std = torch.where(single, torch.ones_like(std), std)
-    return count[gid], mean[gid], std[gid]
+    count = _group_sum(torch.ones_like(scores), gid, n_groups)
+    first = torch.full((n_groups,), len(scores), dtype=torch.long, device=scores.device)
+    first = first.scatter_reduce(0, gid, torch.arange(len(scores), device=scores.device), reduce="amin")
+    diff = scores - scores[first][gid]
+    centered = diff - (_group_sum(diff, gid, n_groups) / count)[gid]
+    var = _group_sum(centered.square(), gid, n_groups) / (count - 1).clamp(min=1)
+    single = count[gid] == 1
+    centered = torch.where(single, scores, centered)
+    std = torch.where(single, torch.ones_like(scores), var.sqrt()[gid])
+    return count[gid], centered, std
+
+
+def _constant_groups(scores: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: the row's group has at least two members and all its scores are equal."""
+    n_groups = int(gid.max()) + 1
+    hi = torch.full((n_groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    lo = torch.full((n_groups,), float("inf"), dtype=scores.dtype, device=scores.device)
+    hi = hi.scatter_reduce(0, gid, scores, reduce="amax")
+    lo = lo.scatter_reduce(0, gid, scores, reduce="amin")
+    count = _group_sum(torch.ones_like(scores), gid, n_groups)
+    return ((hi == lo) & (count > 1))[gid]
 
 
 @register_advantage("grpo")
 def grpo(*, token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True, **_):
     """GRPO outcome advantage: ``(score - group mean) / (group std + epsilon)``, broadcast over tokens.
 
-    With ``norm_adv_by_std_in_grpo=False`` the std division is skipped (Dr.GRPO).
+    With ``norm_adv_by_std_in_grpo=False`` the std division is skipped (Dr.GRPO). A group of equal scores
+    gets exactly 0 (see :func:`_group_centered`).
     """
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
-        _, mean, std = _group_stats(scores, _group_ids(index, scores.shape[0], scores.device))
-        adv = (scores - mean) / (std + epsilon) if norm_adv_by_std_in_grpo else scores - mean
+        _, centered, std = _group_centered(scores, _group_ids(index, scores.shape[0], scores.device))
+        adv = centered / (std + epsilon) if norm_adv_by_std_in_grpo else centered
         adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
 
@@ -91,38 +119,51 @@ def rloo(*, token_level_rewards, response_mask, index, **_):
     """RLOO: ``score - mean(other samples of the group)``; singleton groups keep the raw score."""
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
-        count, mean, _ = _group_stats(scores, _group_ids(index, scores.shape[0], scores.device))
+        count, centered, _ = _group_centered(scores, _group_ids(index, scores.shape[0], scores.device))
         scale = count / (count - 1).clamp(min=1)
-        adv = torch.where(count > 1, (scores - mean) * scale, scores)
+        adv = torch.where(count > 1, centered * scale, scores)
         adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
 
 
 @register_advantage("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(*, token_level_rewards, response_mask, index, **_):
-    """REINFORCE++ with a group-mean baseline, then whitened over all unmasked tokens of the batch."""
+    """REINFORCE++ with a group-mean baseline, then whitened over all unmasked tokens of the batch.
+
+    Rows of a group of equal scores get exactly 0 after the whitening too (verl gives them minus the batch
+    mean over the batch std: a push from other prompts' statistics on samples without signal). The
+    whitening statistics still include their tokens, as in verl, so every other row matches verl.
+    """
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
-        _, mean, _ = _group_stats(scores, _group_ids(index, scores.shape[0], scores.device))
-        adv = (scores - mean).unsqueeze(-1).expand_as(response_mask) * response_mask
+        gid = _group_ids(index, scores.shape[0], scores.device)
+        _, centered, _ = _group_centered(scores, gid)
+        adv = centered.unsqueeze(-1).expand_as(response_mask) * response_mask
         adv = masked_whiten(adv, response_mask) * response_mask
+        adv = torch.where(_constant_groups(scores, gid).unsqueeze(-1), torch.zeros_like(adv), adv)
     return adv, adv
 
 
 @register_advantage("opo")
 def opo(*, token_level_rewards, response_mask, index, **_):
-    """OPO: score minus the length-weighted group mean score (singleton groups: baseline 0)."""
+    """OPO: score minus the length-weighted group mean score (singleton groups: baseline 0).
+
+    Computed on differences to the group's first score, so a group of equal scores gets exactly 0; a group
+    whose rows have no model tokens at all gets 0 (verl divides 0 by 0 there and returns NaN).
+    """
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
         lengths = response_mask.sum(dim=-1).to(scores.dtype)
         gid = _group_ids(index, scores.shape[0], scores.device)
         n_groups = int(gid.max()) + 1
-        zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
-        count = zeros.clone().index_add_(0, gid, torch.ones_like(scores))
-        weighted = zeros.clone().index_add_(0, gid, lengths * scores)
-        total_len = zeros.clone().index_add_(0, gid, lengths)
-        baseline = torch.where(count > 1, weighted / total_len, zeros)
-        adv = (scores - baseline[gid]).unsqueeze(-1) * response_mask
+        count = _group_sum(torch.ones_like(scores), gid, n_groups)
+        first = torch.full((n_groups,), len(scores), dtype=torch.long, device=scores.device)
+        first = first.scatter_reduce(0, gid, torch.arange(len(scores), device=scores.device), reduce="amin")
+        diff = scores - scores[first][gid]
+        total_len = _group_sum(lengths, gid, n_groups)
+        baseline = _group_sum(lengths * diff, gid, n_groups) / torch.where(total_len > 0, total_len, 1.0)
+        adv = torch.where(count[gid] > 1, diff - baseline[gid], scores)
+        adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
 
 
@@ -131,10 +172,10 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        m = mask[:, t].to(rewards.dtype)
+        m = mask[:, t].bool()
         new = rewards[:, t] + gamma * running
-        returns[:, t] = new * m
-        running = new * m + running * (1 - m)
+        returns[:, t] = torch.where(m, new, torch.zeros_like(new))
+        running = torch.where(m, new, running)
     return returns
 
 
@@ -163,11 +204,11 @@ def gae(*, token_level_rewards, response_mask, values=None, gamma=1.0, lam=1.0, 
         running = torch.zeros_like(values[:, 0])
         adv = torch.zeros_like(values)
         for t in reversed(range(values.shape[1])):
-            m = response_mask[:, t].to(values.dtype)
+            m = response_mask[:, t].bool()  # selected, not multiplied: junk in env-token values stays out
             delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
             candidate = delta + gamma * lam * running
-            next_value = values[:, t] * m + (1 - m) * next_value
-            running = candidate * m + (1 - m) * running
+            next_value = torch.where(m, values[:, t], next_value)
+            running = torch.where(m, candidate, running)
             adv[:, t] = running
         returns = adv + values
         adv = masked_whiten(adv, response_mask)

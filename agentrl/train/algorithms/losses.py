@@ -6,6 +6,13 @@ Our own implementations of verl 0.9.1's ``agg_loss``, ``kl_penalty`` and the ``v
 
 Shapes: ``old_log_prob``, ``log_prob``, ``advantages``, ``response_mask`` and ``rollout_is_weights`` are
 ``[B, T]``; log-probs are natural-log probabilities of the sampled tokens (fp32 recommended).
+
+Positions outside ``response_mask`` never reach a loss, a gradient or a metric, whatever they hold:
+:func:`policy_loss` selects its inputs (``torch.where``) before any arithmetic, so ``NaN``/``inf`` in
+padding gives a finite loss and a zero gradient there; :func:`agg_loss` selects its loss matrix, so the
+value is finite and the gradient it sends back there is exactly 0. verl multiplies by the mask instead,
+so its sequence-level aggregations and its gradients turn such junk into NaN; on finite inputs the two
+agree to rounding.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentrl.train.algorithms._masked import masked_max, masked_mean, masked_min, masked_sum
+from agentrl.train.algorithms._masked import masked, masked_max, masked_mean, masked_min, masked_sum
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -32,11 +39,12 @@ def agg_loss(
     loss_mask: torch.Tensor,
     loss_agg_mode: str,
     *,
+    dp_size: int = 1,
     batch_num_tokens: float | torch.Tensor | None = None,
     global_batch_size: float | torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a ``[B, T]`` per-token loss to a scalar.
+    """Reduce a ``[B, T]`` per-token loss to a scalar (verl's ``agg_loss``, same keyword arguments).
 
     Modes:
       ``token-mean``: sum over unmasked tokens / ``batch_num_tokens`` (default: unmasked tokens here).
@@ -45,26 +53,36 @@ def agg_loss(
         (divided by ``global_batch_size`` if given).
       ``seq-mean-token-mean``: per-row token mean, averaged likewise.
       ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` / ``loss_scale_factor`` (default: T).
-    Pass ``batch_num_tokens`` / ``global_batch_size`` (totals over all micro-batches of an optimizer step)
-    when accumulating gradients over micro-batches, so the sum of micro-batch losses equals the full loss.
+    Pass ``batch_num_tokens`` / ``global_batch_size`` (totals over all micro-batches of an optimizer step,
+    over all data-parallel ranks) when accumulating gradients over micro-batches, so the sum of micro-batch
+    losses equals the full loss. ``dp_size`` multiplies the result (every mode), so that the data-parallel
+    gradient average equals the gradient of the global loss; with ``dp_size > 1`` the global totals are
+    required (verl's rule).
     """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+    loss_mat = masked(loss_mat, loss_mask)
     if loss_agg_mode == "token-mean":
-        denom = loss_mask.sum() if batch_num_tokens is None else batch_num_tokens
-        return masked_sum(loss_mat, loss_mask) / denom
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("token-mean with dp_size > 1 needs the global batch_num_tokens")
+            batch_num_tokens = loss_mask.sum()
+        return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
     if loss_agg_mode == "token-sum":
-        return masked_sum(loss_mat, loss_mask)
-    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
-        tokens_per_row = loss_mask.sum(dim=-1)
-        row_loss = (loss_mat * loss_mask).sum(dim=-1)
-        if loss_agg_mode == "seq-mean-token-mean":
-            row_loss = row_loss / (tokens_per_row + 1e-8)
-        rows = (tokens_per_row > 0).to(loss_mat.dtype)
-        denom = rows.sum() if global_batch_size is None else global_batch_size
-        loss = masked_sum(row_loss, rows) / denom
-        if loss_agg_mode == "seq-mean-token-sum-norm":
-            loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-        return loss
-    raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+        return masked_sum(loss_mat, loss_mask) * dp_size
+    tokens_per_row = loss_mask.sum(dim=-1)
+    row_loss = (loss_mat * loss_mask).sum(dim=-1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        row_loss = row_loss / (tokens_per_row + 1e-8)
+    rows = (tokens_per_row > 0).to(loss_mat.dtype)
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError(f"{loss_agg_mode} with dp_size > 1 needs the global global_batch_size")
+        global_batch_size = rows.sum()
+    loss = masked_sum(row_loss, rows) / global_batch_size * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return loss
 
 
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
@@ -231,8 +249,10 @@ def policy_loss(
     clip_ratio_high: float | None = None,
     clip_ratio_c: float = 3.0,
     rollout_is_weights: torch.Tensor | None = None,
+    dp_size: int = 1,
     batch_num_tokens: float | torch.Tensor | None = None,
     global_batch_size: float | torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar policy loss (to minimise) and metrics for the loss registered as ``name``.
 
@@ -240,6 +260,9 @@ def policy_loss(
     ``actor/ppo_kl`` (mean ``old - new`` log-prob), ``actor/pg_clipfrac_lower`` (dual-clip fraction), plus
     ``actor/ppo_ratio_mean|max|min`` (the importance ratio pi/pi_old over unmasked tokens).
     ``rollout_is_weights`` (``[B, T]``, detached) multiply the per-token losses (rollout correction).
+    ``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor`` go to
+    :func:`agg_loss` (verl's ``global_batch_info``). Inputs outside ``response_mask`` are ignored, whatever
+    they hold (see the module docstring).
     """
     fn = POLICY_LOSSES.get(name)
     if fn is None:
@@ -252,12 +275,20 @@ def policy_loss(
     }
     if len(set(shapes.values())) != 1:
         raise ValueError(f"policy_loss inputs must share one [B, T] shape, got {shapes}")
-    agg_kwargs = {}
-    if batch_num_tokens is not None:
-        agg_kwargs["batch_num_tokens"] = batch_num_tokens
-    if global_batch_size is not None:
-        agg_kwargs["global_batch_size"] = global_batch_size
+    agg_kwargs = {
+        k: v
+        for k, v in dict(
+            dp_size=dp_size,
+            batch_num_tokens=batch_num_tokens,
+            global_batch_size=global_batch_size,
+            loss_scale_factor=loss_scale_factor,
+        ).items()
+        if v is not None
+    }
     clip = ClipConfig(ratio=clip_ratio, low=clip_ratio_low, high=clip_ratio_high, c=clip_ratio_c)
+    old_log_prob, log_prob, advantages = (masked(t, response_mask) for t in (old_log_prob, log_prob, advantages))
+    if rollout_is_weights is not None:
+        rollout_is_weights = masked(rollout_is_weights, response_mask)
     return fn(
         old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs
     )

@@ -6,11 +6,15 @@ micro-batch composition, padding length or kernel path changes the bf16 arithmet
 near-tie in the router can flip an expert, so ``old`` and ``new`` log-probs differ by noise. Clipping then
 fires on pure noise (nonzero ``actor/pg_clipfrac`` at step 0) and biases the gradient.
 
-The fix (as in verl 0.7's ``dp_actor``, dropped in 0.9): when each rollout batch gets exactly one
-optimizer step (one PPO epoch and one mini-batch), use ``old_log_prob = log_prob.detach()`` taken from
-the very forward that produces the gradient. The ratio is then 1 by construction and the clipped loss
-reduces to the policy gradient ``-A * grad log pi``. With several epochs or mini-batches the later
-steps are genuinely off-policy, so the separate pass is required and the fix is off.
+The fix (as in verl 0.7's ``dp_actor``, dropped in 0.9): when a rollout batch gets exactly one optimizer
+step over all its rows, use ``old_log_prob = log_prob.detach()`` taken from the very forward that
+produces the gradient. The ratio is then 1 by construction and the clipped loss reduces to the policy
+gradient ``-A * grad log pi``. With several steps the later ones are genuinely off-policy, so the
+separate pass is required and the fix is off.
+
+What counts is the number of steps that actually run, not the configured ``ppo_epochs`` x
+``num_mini_batches``: the trainer decides after dropping unusable episodes and after chunking (two
+configured mini-batches over one usable row are one step), see :mod:`agentrl.train.update`.
 """
 
 from __future__ import annotations
@@ -18,18 +22,16 @@ from __future__ import annotations
 import torch
 
 
-def is_on_policy(ppo_epochs: int, num_mini_batches: int) -> bool:
-    """True iff a rollout batch gets exactly one optimizer step (``ppo_epochs == num_mini_batches == 1``)."""
-    if ppo_epochs < 1 or num_mini_batches < 1:
-        raise ValueError(f"ppo_epochs ({ppo_epochs}) and num_mini_batches ({num_mini_batches}) must be >= 1")
-    return ppo_epochs == 1 and num_mini_batches == 1
+def is_on_policy(*, optimizer_steps: int) -> bool:
+    """True iff the rollout batch gets exactly one optimizer step (over all its rows)."""
+    if optimizer_steps < 0:
+        raise ValueError(f"optimizer_steps must be >= 0, got {optimizer_steps}")
+    return optimizer_steps == 1
 
 
-def onpolicy_old_log_prob(
-    log_prob: torch.Tensor, *, ppo_epochs: int, num_mini_batches: int
-) -> torch.Tensor | None:
+def onpolicy_old_log_prob(log_prob: torch.Tensor, *, optimizer_steps: int) -> torch.Tensor | None:
     """``log_prob.detach()`` when :func:`is_on_policy`, else None (use the separately computed old log-probs).
 
     ``log_prob`` is the ``[B, T]`` tensor of the training forward that the loss backpropagates through.
     """
-    return log_prob.detach() if is_on_policy(ppo_epochs, num_mini_batches) else None
+    return log_prob.detach() if is_on_policy(optimizer_steps=optimizer_steps) else None

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from agentrl.train.algorithms._masked import masked_max, masked_mean, masked_min, masked_sum
+from agentrl.train.algorithms._masked import masked, masked_max, masked_mean, masked_min, masked_sum
 
 SAFETY_BOUND = 20.0
 RS_OPTIONS = (
@@ -106,8 +106,9 @@ def parse_rs_thresholds(
     return out
 
 
-def _is_weights(log_ratio, mask, level, upper, lower, batch_normalize):
-    """Return ``(weights, metrics)`` for IS; weights are detached and zero outside ``mask``."""
+def _is_weights(log_ratio, mask, level, upper, lower):
+    """Raw (unclipped) and applied IS weights ``[B, T]`` (zero outside ``mask``), and the log ratio the
+    metrics use (per token, or per row ``[B, 1]``)."""
     if level == "token":
         log_for_metrics = log_ratio
         raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
@@ -121,15 +122,21 @@ def _is_weights(log_ratio, mask, level, upper, lower, batch_normalize):
         weights = raw.clamp(max=upper)
     else:
         weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+    return raw, weights, log_for_metrics
 
+
+def _is_metrics(raw, weights, log_for_metrics, mask, level, upper, lower) -> dict[str, float]:
+    """verl's ``compute_is_metrics`` (same names and values; ``inf`` where verl's saturate to ``inf``)."""
     m: dict[str, float] = {}
     lo_bound = 1.0 / upper if lower is None else lower
     m["rollout_is_mean"] = masked_mean(weights, mask).item()
     if level == "sequence":
-        m["rollout_is_max"] = math.exp(min(log_for_metrics.max().item(), SAFETY_BOUND))
-        m["rollout_is_min"] = math.exp(log_for_metrics.min().item())
-        m["rollout_is_ratio_fraction_high"] = (log_for_metrics > math.log(upper)).float().mean().item()
-        m["rollout_is_ratio_fraction_low"] = (log_for_metrics < math.log(lo_bound)).float().mean().item()
+        log_hi = torch.log(torch.tensor(upper, device=raw.device))
+        log_lo = torch.log(torch.tensor(lo_bound, device=raw.device))
+        m["rollout_is_max"] = torch.exp(log_for_metrics.max().clamp(max=SAFETY_BOUND)).item()
+        m["rollout_is_min"] = torch.exp(log_for_metrics.min()).item()  # inf when every row's gap is huge
+        m["rollout_is_ratio_fraction_high"] = (log_for_metrics > log_hi).float().mean().item()
+        m["rollout_is_ratio_fraction_low"] = (log_for_metrics < log_lo).float().mean().item()
     else:
         m["rollout_is_ratio_fraction_high"] = masked_mean((raw > upper).float(), mask).item()
         m["rollout_is_ratio_fraction_low"] = masked_mean((raw < lo_bound).float(), mask).item()
@@ -142,9 +149,10 @@ def _is_weights(log_ratio, mask, level, upper, lower, batch_normalize):
         m["rollout_is_std"] = var.clamp(min=0.0).sqrt().item()
     else:
         m["rollout_is_std"] = 0.0
-    m["rollout_is_eff_sample_size"] = (
-        1.0 / masked_mean((bounded / (bounded_mean + 1e-8)).square(), mask).item()
-    )
+    # verl divides 1.0 by a Python float here and raises ZeroDivisionError when every weight is 0 (e.g.
+    # IcePop rejected all tokens); no weight carries any sample then, so the effective sample size is 0
+    spread = masked_mean((bounded / (bounded_mean + 1e-8)).square(), mask).item()
+    m["rollout_is_eff_sample_size"] = 1.0 / spread if spread > 0 else 0.0
     seq_mean = masked_mean(weights, mask, dim=-1)
     m["rollout_is_seq_mean"] = seq_mean.mean().item()
     m["rollout_is_seq_std"] = seq_mean.std().item() if seq_mean.numel() > 1 else 0.0
@@ -156,24 +164,22 @@ def _is_weights(log_ratio, mask, level, upper, lower, batch_normalize):
     m["rollout_is_seq_fraction_low"] = (raw_seq_mean < lo_bound).float().mean().item()
     if lower is not None:
         m["rollout_is_oob_ratio"] = masked_mean(((raw < lower) | (raw > upper)).float(), mask).item()
-
-    weights = weights.detach()
-    if batch_normalize:
-        if level == "token":
-            mean = masked_mean(weights, mask)
-        else:
-            rows = (mask.sum(dim=-1) > 0).to(weights.dtype)
-            mean = (masked_mean(weights, mask, dim=-1) * rows).sum() / rows.sum().clamp(min=1e-8)
-        if mean > 1e-8:
-            weights = weights / mean
-            m["rollout_is_batch_norm_factor"] = mean.item()
-        else:
-            m["rollout_is_batch_norm_factor"] = 1.0
-    return weights, m
+    return m
 
 
-def _rs_mask(log_ratio, mask, rs, rs_threshold):
-    """Return ``(keep mask [B, T] in mask's dtype, metrics)`` for rejection sampling."""
+def _batch_normalize(weights, mask, level, with_metrics) -> tuple[torch.Tensor, dict[str, float]]:
+    """Divide the weights by their batch mean (per token, or per row for ``sequence``) when it is > 1e-8."""
+    if level == "token":
+        mean = masked_mean(weights, mask)
+    else:
+        rows = (mask.sum(dim=-1) > 0).to(weights.dtype)
+        mean = (masked_mean(weights, mask, dim=-1) * rows).sum() / rows.sum().clamp(min=1e-8)
+    if mean > 1e-8:
+        return weights / mean, ({"rollout_is_batch_norm_factor": mean.item()} if with_metrics else {})
+    return weights, ({"rollout_is_batch_norm_factor": 1.0} if with_metrics else {})
+
+
+def _rs_options(rs: str) -> list[str]:
     options: list[str] = []
     for opt in (o.strip() for o in rs.split(",") if o.strip()):
         if opt not in RS_OPTIONS:
@@ -182,6 +188,12 @@ def _rs_mask(log_ratio, mask, rs, rs_threshold):
             options.append(opt)
     if not options:
         raise ValueError("rollout_rs is empty; give options like 'token_k3' or 'seq_mean_k1,token_k2'")
+    return options
+
+
+def _rs_mask(log_ratio, mask, rs, rs_threshold, with_metrics):
+    """Return ``(keep mask [B, T] in mask's dtype, metrics)`` for rejection sampling."""
+    options = _rs_options(rs)
     bounds = parse_rs_thresholds(options, rs_threshold)
     lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     per_token = {"k1": -lr, "k2": 0.5 * lr.square(), "k3": torch.exp(lr) - 1.0 - lr}
@@ -200,61 +212,65 @@ def _rs_mask(log_ratio, mask, rs, rs_threshold):
             seq_stat = None
             stat = stat_tok
             keep = stat <= hi
+            if is_k1:
+                keep = keep & (stat >= lo)
         else:
             if opt.startswith("seq_sum"):
                 seq_stat = masked_sum(stat_tok, mask, dim=-1)
             elif opt.startswith("seq_mean"):
                 seq_stat = masked_mean(stat_tok, mask, dim=-1)
-            else:
+            else:  # seq_max: rows without tokens get 0, as in verl
                 seq_stat = masked_max(stat_tok, mask, dim=-1)
-                seq_stat = torch.where(torch.isinf(seq_stat), torch.zeros_like(seq_stat), seq_stat)
+                seq_stat = torch.where(seq_stat == float("-inf"), torch.zeros_like(seq_stat), seq_stat)
             keep_row = seq_stat <= hi
             if is_k1:
                 keep_row = keep_row & (seq_stat >= lo)
             keep = keep_row.unsqueeze(-1).expand_as(mask_b)
             stat = seq_stat.unsqueeze(-1).expand_as(log_ratio)
-        if is_k1 and seq_stat is None:
-            keep = keep & (stat >= lo)
-
-        p = f"rollout_rs_{opt}"
-        rows = seq_stat if seq_stat is not None else masked_mean(stat, mask, dim=-1)
-        rows = rows[valid_rows]
-        m[f"{p}_mean"] = masked_mean(stat, mask).item()
-        if seq_stat is not None:
-            m[f"{p}_max"], m[f"{p}_min"] = rows.max().item(), rows.min().item()
-            m[f"{p}_fraction_high"] = (rows > hi).float().mean().item()
-            m[f"{p}_fraction_low"] = (rows < lo).float().mean().item() if is_k1 else 0.0
-        else:
-            m[f"{p}_max"], m[f"{p}_min"] = masked_max(stat, mask).item(), masked_min(stat, mask).item()
-            m[f"{p}_fraction_high"] = masked_mean((stat > hi).float(), mask).item()
-            m[f"{p}_fraction_low"] = masked_mean((stat < lo).float(), mask).item() if is_k1 else 0.0
-        if mask.sum() > 1:
-            bounded = stat.clamp(min=lo if is_k1 else 0.0, max=hi)
-            var = masked_mean(bounded.square(), mask) - masked_mean(bounded, mask).square()
-            m[f"{p}_std"] = var.clamp(min=0.0).sqrt().item()
-        else:
-            m[f"{p}_std"] = 0.0
-        m[f"{p}_seq_mean"] = rows.mean().item()
-        m[f"{p}_seq_std"] = rows.std().item() if rows.numel() > 1 else 0.0
-        m[f"{p}_seq_max"] = rows.max().item()
-        m[f"{p}_seq_min"] = rows.min().item()
-        m[f"{p}_seq_max_deviation"] = rows.abs().max().item()
-        m[f"{p}_seq_fraction_high"] = (rows > hi).float().mean().item()
-        if is_k1:
-            m[f"{p}_seq_fraction_low"] = (rows < lo).float().mean().item()
-
         keep_f = keep.to(log_ratio.dtype)
         combined = combined * keep_f
-        m[f"{p}_masked_fraction"] = masked_mean(1 - keep_f, mask).item()
-        row_kept = (keep | ~mask_b).all(dim=-1)
-        m[f"{p}_seq_masked_fraction"] = (
-            (~row_kept & valid_rows).float().sum() / valid_rows.float().sum()
-        ).item()
-
-    m["rollout_rs_masked_fraction"] = masked_mean(1 - combined, mask).item()
-    rejected_any = (~((combined > 0.5) & mask_b) & mask_b).any(dim=-1)
-    m["rollout_rs_seq_masked_fraction"] = rejected_any.float().mean().item()
+        if with_metrics:
+            m.update(_rs_option_metrics(f"rollout_rs_{opt}", stat, seq_stat, keep, keep_f, mask, valid_rows,
+                                        hi, lo, is_k1))
+    if with_metrics:
+        m["rollout_rs_masked_fraction"] = masked_mean(1 - combined, mask).item()
+        rejected_any = (~((combined > 0.5) & mask_b) & mask_b).any(dim=-1)
+        m["rollout_rs_seq_masked_fraction"] = rejected_any.float().mean().item()
     return (mask * combined).to(mask.dtype), m
+
+
+def _rs_option_metrics(p, stat, seq_stat, keep, keep_f, mask, valid_rows, hi, lo, is_k1) -> dict[str, float]:
+    """verl's ``compute_rs_metrics`` plus the option's masked fractions, for one rejection option."""
+    m: dict[str, float] = {}
+    rows = seq_stat if seq_stat is not None else masked_mean(stat, mask, dim=-1)
+    rows = rows[valid_rows]
+    m[f"{p}_mean"] = masked_mean(stat, mask).item()
+    if seq_stat is not None:
+        m[f"{p}_max"], m[f"{p}_min"] = rows.max().item(), rows.min().item()
+        m[f"{p}_fraction_high"] = (rows > hi).float().mean().item()
+        m[f"{p}_fraction_low"] = (rows < lo).float().mean().item() if is_k1 else 0.0
+    else:
+        m[f"{p}_max"], m[f"{p}_min"] = masked_max(stat, mask).item(), masked_min(stat, mask).item()
+        m[f"{p}_fraction_high"] = masked_mean((stat > hi).float(), mask).item()
+        m[f"{p}_fraction_low"] = masked_mean((stat < lo).float(), mask).item() if is_k1 else 0.0
+    if mask.sum() > 1:
+        bounded = stat.clamp(min=lo if is_k1 else 0.0, max=hi)
+        var = masked_mean(bounded.square(), mask) - masked_mean(bounded, mask).square()
+        m[f"{p}_std"] = var.clamp(min=0.0).sqrt().item()
+    else:
+        m[f"{p}_std"] = 0.0
+    m[f"{p}_seq_mean"] = rows.mean().item()
+    m[f"{p}_seq_std"] = rows.std().item() if rows.numel() > 1 else 0.0
+    m[f"{p}_seq_max"] = rows.max().item()
+    m[f"{p}_seq_min"] = rows.min().item()
+    m[f"{p}_seq_max_deviation"] = rows.abs().max().item()
+    m[f"{p}_seq_fraction_high"] = (rows > hi).float().mean().item()
+    if is_k1:
+        m[f"{p}_seq_fraction_low"] = (rows < lo).float().mean().item()
+    m[f"{p}_masked_fraction"] = masked_mean(1 - keep_f, mask).item()
+    row_kept = (keep | ~mask.bool()).all(dim=-1)
+    m[f"{p}_seq_masked_fraction"] = ((~row_kept & valid_rows).float().sum() / valid_rows.float().sum()).item()
+    return m
 
 
 def _gap_metrics(old_log_prob, rollout_log_prob, mask):
@@ -295,6 +311,7 @@ def rollout_correction(
     rollout_is_batch_normalize: bool = False,
     rollout_rs: str | None = None,
     rollout_rs_threshold: float | str | None = None,
+    with_metrics: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """IS weights, rejection-filtered mask and ``rollout_corr/*`` metrics for one batch.
 
@@ -302,8 +319,18 @@ def rollout_correction(
       old_log_prob: ``[B, T]`` log-probs of the sampled tokens under the training forward (pi_train).
       rollout_log_prob: ``[B, T]`` log-probs the rollout engine reported (pi_rollout).
       response_mask: ``[B, T]`` 1 = model token; must contain at least one 1.
+      with_metrics: False skips every metric (no host syncs): for per-micro-batch weights and masks, whose
+        metrics are then computed once over the whole batch.
     Returns ``(is_weights [B, T] detached or None, response_mask with rejected tokens zeroed (same dtype),
     metrics)``. With both ``rollout_is`` and ``rollout_rs`` None only the gap metrics are computed.
+
+    Any gap is handled: the weights are finite and exactly 0 outside the mask, and the mask is 0/1, for
+    log-prob gaps of any size (exponents are clamped at ±20, verl's safety bound) and any junk (NaN, ±inf)
+    outside the mask. Weights and masks depend on row-local values only (unless
+    ``rollout_is_batch_normalize``), so calls per micro-batch give the same weights and masks as one call on
+    the whole batch. Metrics saturate as
+    verl's do: e.g. ``rollout_is_min`` of sequence IS and ``k3_kl`` / ``training_ppl`` are ``inf`` when the
+    gap is large enough to overflow ``exp``, exactly where verl reports ``inf``.
     """
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
@@ -312,20 +339,24 @@ def rollout_correction(
         )
     if not response_mask.any():
         raise ValueError("response_mask has no model tokens; rollout correction needs at least one")
-    old_log_prob = old_log_prob.detach()
-    rollout_log_prob = rollout_log_prob.detach()
+    old_log_prob = masked(old_log_prob.detach(), response_mask)
+    rollout_log_prob = masked(rollout_log_prob.detach(), response_mask)
     log_ratio = old_log_prob - rollout_log_prob
     metrics: dict[str, float] = {}
     weights = None
     if rollout_is is not None and rollout_is_threshold is not None:
         upper, lower = parse_is_threshold(rollout_is_threshold)
-        weights, is_m = _is_weights(
-            log_ratio, response_mask, rollout_is, upper, lower, rollout_is_batch_normalize
-        )
-        metrics.update(is_m)
+        raw, weights, log_for_metrics = _is_weights(log_ratio, response_mask, rollout_is, upper, lower)
+        if with_metrics:
+            metrics.update(_is_metrics(raw, weights, log_for_metrics, response_mask, rollout_is, upper, lower))
+        weights = weights.detach()
+        if rollout_is_batch_normalize:
+            weights, norm_m = _batch_normalize(weights, response_mask, rollout_is, with_metrics)
+            metrics.update(norm_m)
     new_mask = response_mask.clone()
     if rollout_rs is not None:
-        new_mask, rs_m = _rs_mask(log_ratio, response_mask, rollout_rs, rollout_rs_threshold)
+        new_mask, rs_m = _rs_mask(log_ratio, response_mask, rollout_rs, rollout_rs_threshold, with_metrics)
         metrics.update(rs_m)
-    metrics.update(_gap_metrics(old_log_prob, rollout_log_prob, response_mask))
+    if with_metrics:
+        metrics.update(_gap_metrics(old_log_prob, rollout_log_prob, response_mask))
     return weights, new_mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}

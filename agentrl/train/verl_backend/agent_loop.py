@@ -3,15 +3,17 @@
 verl's ``AgentLoopWorker`` instantiates :class:`AgentrlAgentLoop` for every dataset row whose
 ``agent_name`` is ``"agentrl"`` and awaits ``run(sampling_params, **row)``. The row's ``agentrl`` column
 (written by :mod:`agentrl.train.verl_backend.dataset`) is the JSON episode spec ``{"env", "env_kwargs",
-"format", "task", "max_new_tokens", "format_reward"}``. The loop:
+"format", "task", "max_new_tokens", "format_reward"}``. The episode runs through the shared episode
+runner (:func:`agentrl.episodes.run_episode`, the same loop as the trainer, eval and the product Agent)
+with a :class:`VerlServerPolicy`:
 
-1. builds the env (``agentrl.make(env, format=..., **env_kwargs)``, with the boxed-answer bonus of
-   ``data.format_reward`` when set) and resets it on the task: the prompt token ids come from the env's
+1. the env is built (``agentrl.make(env, format=..., **env_kwargs)``, with the boxed-answer bonus of
+   ``data.format_reward`` when set) and reset on the task: the prompt token ids come from the env's
    ChatFormat, not from verl's chat template;
-2. asks ``server_manager.generate(request_id, prompt_ids=<context>, sampling_params=...)`` for one
-   assistant action (bounded by ``max_new_tokens`` and by what is left of ``rollout.response_length``,
-   stopping at the format's stop tokens) and hands the ``TokenOutput`` (ids + log-probs) to ``env.astep``;
-3. appends the env's observation tokens and repeats until the env terminates or truncates.
+2. each action is one ``server_manager.generate(request_id, prompt_ids=<context>, sampling_params=...)``
+   (bounded by ``max_new_tokens`` and by what is left of ``rollout.response_length``, stopping at the
+   format's stop tokens); its ids and log-probs go to ``env.astep``;
+3. the env appends its observation tokens, and the runner repeats until the env terminates or truncates.
 
 The returned ``AgentLoopOutput`` is ``env.trajectory`` field for field: ``prompt_ids``, ``response_ids``,
 ``response_mask`` (1 = sampled, 0 = env tokens), ``response_logprobs`` (the server's, 0.0 on env tokens;
@@ -26,13 +28,13 @@ always fits verl's padded width; a prompt longer than ``rollout.prompt_length`` 
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import replace
 from typing import Any
 from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
+from agentrl.episodes import Action, EpisodeLimits, EpisodeState, run_episode
+from agentrl.harmony import FORMAT_NAMES, make_format
 from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.trajectory import Trajectory
 from agentrl.train.verl_backend.config_map import AGENT_NAME
@@ -45,21 +47,13 @@ _FORMATS: dict[tuple[str, int], ChatFormat] = {}
 
 def resolve_format(kind: str, tokenizer: Any, hf_model_type: str | None) -> ChatFormat:
     """The ChatFormat for ``kind`` (``harmony``, ``chat_template`` or ``auto``: Harmony for GPT-OSS
-    models, the tokenizer's chat template otherwise), built once per process and tokenizer."""
-    if kind == "auto":
-        kind = "harmony" if hf_model_type == "gpt_oss" else "chat_template"
+    models, the tokenizer's chat template otherwise; :func:`agentrl.harmony.make_format`), built once per
+    process and tokenizer."""
+    if kind not in FORMAT_NAMES:
+        raise ValueError(f"unknown format {kind!r} in the agentrl episode spec; use {', '.join(FORMAT_NAMES)}")
     key = (kind, id(tokenizer))
     if key not in _FORMATS:
-        if kind == "harmony":
-            from agentrl.envs import default_format
-
-            _FORMATS[key] = default_format()
-        elif kind == "chat_template":
-            from agentrl.harmony import ChatTemplateFormat
-
-            _FORMATS[key] = ChatTemplateFormat(tokenizer)
-        else:
-            raise ValueError(f"unknown format {kind!r} in the agentrl episode spec; use auto, harmony or chat_template")
+        _FORMATS[key] = make_format(kind, tokenizer=tokenizer, model_type=hf_model_type)
     return _FORMATS[key]
 
 
@@ -106,12 +100,44 @@ def trajectory_to_output(
     )
 
 
-class _Action:
-    """A sampled completion handed to ``env.astep`` (ids + log-probs)."""
+class VerlServerPolicy:
+    """verl's rollout servers as an episode policy: one ``server_manager.generate`` per action, on the
+    exact token stream so far, bounded by ``max_new_tokens`` and by the tokens left in the episode's
+    response budget, stopping at the format's stop tokens. One instance per episode (one request id:
+    sticky server, prefix cache)."""
 
-    def __init__(self, token_ids: list[int], logprobs: list[float] | None):
-        self.token_ids = token_ids
-        self.logprobs = logprobs
+    def __init__(self, server_manager: Any, sampling_params: dict[str, Any], stop_token_ids: list[int],
+                 max_new_tokens: int, prompt_length: int, env_name: str):
+        self.server_manager = server_manager
+        self.params = dict(sampling_params, stop_token_ids=list(stop_token_ids))
+        self.max_new_tokens = max_new_tokens
+        self.prompt_length = prompt_length
+        self.env_name = env_name
+        self.request_id = uuid4().hex
+        self.routed_experts: Any = None  # the latest generation's MoE routing, when the server records it
+
+    async def act(self, episode: EpisodeState) -> list[Action]:
+        prompt = len(episode.trajectory.prompt_ids)
+        if prompt > self.prompt_length:
+            raise ValueError(
+                f"env {self.env_name!r} rendered a prompt of {prompt} tokens, over "
+                f"rollout.prompt_length={self.prompt_length}; raise verl.max_prompt_length"
+            )
+        budget = episode.tokens_left
+        if budget < 1:
+            raise RuntimeError(
+                "the env left no response budget without ending the episode; "
+                "this breaks the max_total_tokens contract of AgentEnv"
+            )
+        out = await self.server_manager.generate(
+            request_id=self.request_id,
+            prompt_ids=episode.context,
+            sampling_params=dict(self.params, max_tokens=min(self.max_new_tokens, budget)),
+        )
+        if out.routed_experts is not None:
+            self.routed_experts = out.routed_experts
+        logprobs = None if out.log_probs is None else [float(x) for x in out.log_probs]
+        return [Action([int(t) for t in out.token_ids], logprobs)]
 
 
 @register(AGENT_NAME)
@@ -141,45 +167,21 @@ class AgentrlAgentLoop(AgentLoopBase):
 
             env_kwargs["rubric"] = with_boxed_bonus(env_class(spec["env"]).rubric, float(spec["format_reward"]))
         env = agentrl.make(spec["env"], format=fmt, **env_kwargs)
-        gen_s = env_s = 0.0
+        policy = VerlServerPolicy(
+            self.server_manager,
+            sampling_params,
+            list(fmt.stop_token_ids),
+            max_new_tokens=int(spec.get("max_new_tokens") or self.response_length),
+            prompt_length=self.prompt_length,
+            env_name=spec["env"],
+        )
         try:
-            obs, _ = await env.areset(options={"task": spec["task"]})
-            prompt = [int(t) for t in obs["tokens"]]
-            if len(prompt) > self.prompt_length:
-                raise ValueError(
-                    f"env {spec['env']!r} rendered a prompt of {len(prompt)} tokens, over "
-                    f"rollout.prompt_length={self.prompt_length}; raise verl.max_prompt_length"
-                )
-            env.limits = replace(env.limits, max_total_tokens=len(prompt) + self.response_length)
-            context = list(prompt)
-            request_id = uuid4().hex  # one id per episode: sticky server, prefix cache
-            max_new = int(spec.get("max_new_tokens") or self.response_length)
-            params = dict(sampling_params, stop_token_ids=list(fmt.stop_token_ids))
-            done, logprobs, routed = False, True, None
-            while not done:
-                budget = self.response_length - (len(context) - len(prompt))
-                if budget < 1:
-                    raise RuntimeError(
-                        "the env left no response budget without ending the episode; "
-                        "this breaks the max_total_tokens contract of AgentEnv"
-                    )
-                t0 = time.perf_counter()
-                out = await self.server_manager.generate(
-                    request_id=request_id,
-                    prompt_ids=context,
-                    sampling_params=dict(params, max_tokens=min(max_new, budget)),
-                )
-                t1 = time.perf_counter()
-                ids = [int(t) for t in out.token_ids]
-                logprobs = logprobs and out.log_probs is not None
-                routed = out.routed_experts if out.routed_experts is not None else routed
-                obs, _, terminated, truncated, _ = await env.astep(_Action(ids, out.log_probs))
-                env_s += time.perf_counter() - t1
-                gen_s += t1 - t0
-                context += ids + [int(t) for t in obs["tokens"]]
-                done = terminated or truncated
-            traj = env.trajectory
+            result = await run_episode(
+                env, policy, task=spec["task"], limits=EpisodeLimits(max_response_tokens=self.response_length)
+            )
         finally:
             await env.aclose()
-        metrics = {"generate_sequences": gen_s, "tool_calls": env_s}
-        return trajectory_to_output(traj, metrics, logprobs=logprobs, routed_experts=routed)
+        metrics = {"generate_sequences": result.policy_s, "tool_calls": result.env_s}
+        return trajectory_to_output(
+            result.trajectory, metrics, logprobs=result.has_logprobs, routed_experts=policy.routed_experts
+        )

@@ -7,21 +7,31 @@ order; :func:`verl_overrides` renders them as the Hydra override strings ``verl.
 followed by the user's raw ``verl.overrides``. Only our cross-field checks run here (:func:`check_ours`);
 verl's own validation runs in :mod:`agentrl.train.verl_backend.validate`.
 
-Names follow verl where the concept is the same, so most keys map one to one (:data:`MAPPING`). The
-derived ones: ``actor.num_mini_batches`` -> ``ppo_mini_batch_size = rollout.batch_size / num_mini_batches``;
-``actor.policy_loss`` -> ``agentrl_onpolicy`` (our on-policy log-prob fix) when each rollout batch gets
-one optimizer step, else ``vanilla`` (verl's vanilla is already dual-clip); ``rollout.top_k=0`` -> ``-1``;
+Names follow verl where the concept is the same, so most keys map one to one (:data:`MAPPING`), including
+``actor.policy_loss`` -> ``policy_loss.loss_mode``. The derived ones: ``actor.num_mini_batches`` ->
+``ppo_mini_batch_size = rollout.batch_size / num_mini_batches``; ``rollout.top_k=0`` -> ``-1``;
 ``attn_implementation`` (default ``agentrl_sink`` for GPT-OSS models) -> ``override_config``.
+
+The on-policy fix is chosen afterwards, on verl's *resolved* config (ours plus every raw
+``verl.overrides``), by :func:`choose_policy_loss`: the user's loss (``actor.policy_loss`` or a raw
+``loss_mode`` override) becomes ``agentrl_onpolicy[_<loss>]`` exactly when the resolved config makes one
+optimizer step per batch, and is otherwise left as it is; it is never replaced by another loss.
+``verl.rollout`` -> ``actor_rollout_ref.rollout.name`` as resolved on this machine by
+:func:`~agentrl.train.verl_backend.rollout_backend.choose_rollout` (``auto``: vllm or sglang, whichever is
+installed); with ``verl.rollout=agentrl``, ``rollout.max_batch_size`` -> ``rollout.max_num_seqs`` (the most
+sequences the engine samples in one batch).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agentrl.train.verl_backend.rollout_backend import ROLLOUT_NAME, RolloutChoice, choose_rollout
 
 AGENT_NAME = "agentrl"
 """The name our agent loop registers under in verl (and the ``agent_name`` of every dataset row)."""
@@ -30,9 +40,13 @@ SINK_ATTENTION = "agentrl_sink"
 """The transformers attention implementation our plugin registers in every verl worker."""
 
 ONPOLICY_LOSS = "agentrl_onpolicy"
-"""The policy loss ``agentrl.train.algorithms.verl_registry`` registers in verl."""
+"""The on-policy fix with verl's ``vanilla``; ``agentrl_onpolicy_<loss>`` composes it with ``<loss>``
+(registered in verl by ``agentrl.train.algorithms.verl_registry``)."""
+LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
+NOT_COMPOSABLE = {
+    "bypass_mode": "it trains against the rollout log-probs (old_log_prob = rollout_log_prob) by design",
+}
 
-ROLLOUT_ENGINES = ("vllm", "sglang")
 STRATEGIES = ("fsdp", "fsdp2")
 
 
@@ -44,7 +58,9 @@ class VerlConfigError(ValueError):
 class VerlSection:
     """Settings only ``backend=verl`` reads (``verl.*`` keys of ``agentrl train``).
 
-    ``engine``: vLLM or SGLang rollout servers, ``tensor_parallel`` GPUs each. ``max_prompt_length`` /
+    ``rollout``: verl's rollout engine, ``auto`` | ``vllm`` | ``sglang`` | ``agentrl`` (agentrl's
+    transformers engine inside verl's training workers; see
+    :mod:`agentrl.train.verl_backend.rollout_backend`); ``tensor_parallel`` GPUs per vLLM/SGLang server. ``max_prompt_length`` /
     ``max_response_length``: verl's padded widths (the response is the whole multi-turn episode after
     the prompt). ``ulysses_sp``: Ulysses sequence-parallel group size (divides the attention heads).
     ``use_dynamic_bsz`` packs micro-batches up to ``max_tokens_per_gpu`` tokens; otherwise
@@ -53,7 +69,7 @@ class VerlSection:
     overrides appended last (``verl.overrides=[trainer.val_before_train=true]``).
     """
 
-    engine: str = "vllm"
+    rollout: str = "auto"
     tensor_parallel: int = 1
     gpu_memory_utilization: float = 0.6
     ulysses_sp: int = 1
@@ -112,6 +128,7 @@ MAPPING: list[tuple[str, str, Callable[[Any], Any]]] = [
     ("actor.betas", "actor_rollout_ref.actor.optim.betas", _floats),
     ("actor.grad_clip", "actor_rollout_ref.actor.grad_clip", float),
     ("actor.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs", int),
+    ("actor.policy_loss", LOSS_MODE_KEY, str),
     ("actor.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode", str),
     ("actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio", float),
     ("actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_low", float),
@@ -127,7 +144,6 @@ MAPPING: list[tuple[str, str, Callable[[Any], Any]]] = [
     ("trainer.wandb_project", "trainer.project_name", str),
     ("trainer.n_gpus_per_node", "trainer.n_gpus_per_node", int),
     ("trainer.nnodes", "trainer.nnodes", int),
-    ("verl.engine", "actor_rollout_ref.rollout.name", _one_of("verl.engine", ROLLOUT_ENGINES)),
     ("verl.tensor_parallel", "actor_rollout_ref.rollout.tensor_model_parallel_size", int),
     ("verl.gpu_memory_utilization", "actor_rollout_ref.rollout.gpu_memory_utilization", float),
     ("verl.agent_workers", "actor_rollout_ref.rollout.agent.num_workers", int),
@@ -228,6 +244,14 @@ def _n_gpus(cfg: Any) -> int:
     return int(select(cfg, "trainer.n_gpus_per_node") or 8) * int(select(cfg, "trainer.nnodes") or 1)
 
 
+def rollout_choice(cfg: Any) -> RolloutChoice:
+    """The rollout engine ``verl.rollout`` resolves to on this machine, and why (VerlConfigError if invalid)."""
+    try:
+        return choose_rollout(str(select(cfg, "verl.rollout") or "auto"))
+    except ValueError as exc:
+        raise VerlConfigError(str(exc)) from None
+
+
 def check_ours(cfg: Any) -> None:
     """Cross-field checks verl makes late (after Ray starts) or not at all. Raises VerlConfigError."""
     model = select(cfg, "model")
@@ -246,6 +270,11 @@ def check_ours(cfg: Any) -> None:
                 f"{key}={size} must be >= 1 and divide the GPU count "
                 f"(trainer.n_gpus_per_node x trainer.nnodes = {n_gpus})"
             )
+    if rollout_choice(cfg).name == ROLLOUT_NAME and int(select(cfg, "verl.tensor_parallel") or 1) != 1:
+        raise VerlConfigError(
+            "verl.rollout=agentrl runs one engine per GPU; set verl.tensor_parallel=1, or use "
+            "verl.rollout=vllm/sglang for models that need tensor parallelism"
+        )
     batch = select(cfg, "rollout.batch_size")
     minis = select(cfg, "actor.num_mini_batches")
     if batch is not None and minis is not None and int(batch) % int(minis):
@@ -261,6 +290,10 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
     check_ours(cfg)
     out: dict[str, Any] = {"data.train_files": list(train_files), "data.val_files": list(val_files)}
     out.update(FIXED)
+    out["actor_rollout_ref.rollout.name"] = rollout_choice(cfg).name
+    if out["actor_rollout_ref.rollout.name"] == ROLLOUT_NAME and select(cfg, "rollout.max_batch_size") is not None:
+        # the transformers engine's batch bound, as in the embedded trainer (vLLM/SGLang keep verl's own)
+        out["actor_rollout_ref.rollout.max_num_seqs"] = int(select(cfg, "rollout.max_batch_size"))
     for ours, theirs, transform in MAPPING:
         value = select(cfg, ours)
         if value is not None:
@@ -268,8 +301,6 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
     batch, minis = select(cfg, "rollout.batch_size"), select(cfg, "actor.num_mini_batches")
     if batch is not None and minis is not None:
         out["actor_rollout_ref.actor.ppo_mini_batch_size"] = int(batch) // int(minis)
-    on_policy = int(select(cfg, "actor.ppo_epochs") or 1) == 1 and int(minis or 1) == 1
-    out["actor_rollout_ref.actor.policy_loss.loss_mode"] = ONPOLICY_LOSS if on_policy else "vanilla"
     logger = ["console", "wandb"] if select(cfg, "trainer.wandb") else ["console"]
     out["trainer.logger"] = logger
     run_dir = select(cfg, "run_dir")
@@ -284,12 +315,97 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
     return out
 
 
-def verl_overrides(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]) -> list[str]:
-    """Hydra override strings for ``verl.trainer.main_ppo``: ours, then the user's ``verl.overrides``."""
+def verl_overrides(
+    cfg: Any, train_files: Sequence[str], val_files: Sequence[str], *, loss_mode: str | None = None
+) -> list[str]:
+    """Hydra override strings for ``verl.trainer.main_ppo``: ours, then the user's ``verl.overrides``.
+
+    ``loss_mode`` (the choice of :func:`choose_policy_loss`) replaces the mapped ``actor.policy_loss`` and
+    comes last, after the raw overrides, so that it is what verl resolves."""
     cfg = with_verl_defaults(cfg)
     settings = verl_settings(cfg, train_files, val_files)
+    if loss_mode is not None:
+        settings.pop(LOSS_MODE_KEY, None)
     overrides = [f"{key}={hydra_value(value)}" for key, value in settings.items()]
     extra = select(cfg, "verl.overrides") or []
     if isinstance(extra, str):
         extra = [extra]
-    return overrides + [str(item) for item in extra]
+    overrides += [str(item) for item in extra]
+    if loss_mode is not None:
+        overrides.append(f"{LOSS_MODE_KEY}={hydra_value(loss_mode)}")
+    return overrides
+
+
+def onpolicy_loss_name(base: str) -> str:
+    """The verl policy-loss name of the on-policy fix composed with ``base``."""
+    return ONPOLICY_LOSS if base == "vanilla" else f"{ONPOLICY_LOSS}_{base}"
+
+
+def fix_base(name: str) -> str | None:
+    """``<loss>`` for a name made by :func:`onpolicy_loss_name` (the fix composed with it), else None."""
+    if name == ONPOLICY_LOSS:
+        return "vanilla"
+    prefix = ONPOLICY_LOSS + "_"
+    return name[len(prefix):] if name.startswith(prefix) and len(name) > len(prefix) else None
+
+
+def optimizer_steps_per_batch(resolved: Any) -> int:
+    """Optimizer steps verl's actor makes per training batch under the resolved config:
+    ``ceil(data.train_batch_size / actor.ppo_mini_batch_size) * actor.ppo_epochs``."""
+    batch = int(select(resolved, "data.train_batch_size"))
+    mini = int(select(resolved, "actor_rollout_ref.actor.ppo_mini_batch_size"))
+    epochs = int(select(resolved, "actor_rollout_ref.actor.ppo_epochs"))
+    return -(-batch // max(mini, 1)) * epochs
+
+
+def choose_policy_loss(
+    resolved: Any, *, onpolicy_fix: bool = True, registered: Collection[str] | None = None
+) -> tuple[str, str]:
+    """``(loss_mode, why)`` for verl's resolved config (a DictConfig or nested dict of the whole config).
+
+    The user's loss is ``policy_loss.loss_mode`` as resolved. With one optimizer step per batch (see
+    :func:`optimizer_steps_per_batch`), ``onpolicy_fix`` and no ``bypass_mode``, it is composed with the
+    on-policy fix (``agentrl_onpolicy[_<loss>]``); otherwise it stays as it is. ``registered``: verl's
+    policy-loss registry once every plugin has loaded (the composed name must be in it). A loss that
+    cannot be composed, or an explicit ``agentrl_onpolicy*`` on a multi-step config, raises VerlConfigError.
+    """
+    current = str(select(resolved, LOSS_MODE_KEY) or "vanilla")
+    steps = optimizer_steps_per_batch(resolved)
+    bypass = bool(select(resolved, "algorithm.rollout_correction.bypass_mode"))
+    shape = (
+        f"data.train_batch_size={select(resolved, 'data.train_batch_size')}, "
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={select(resolved, 'actor_rollout_ref.actor.ppo_mini_batch_size')}, "
+        f"actor_rollout_ref.actor.ppo_epochs={select(resolved, 'actor_rollout_ref.actor.ppo_epochs')}"
+    )
+    explicit = fix_base(current)
+    if explicit is not None:
+        if steps != 1 or bypass:
+            why = f"{steps} optimizer steps per batch ({shape})" if steps != 1 else "bypass_mode is on"
+            raise VerlConfigError(
+                f"policy loss {current!r} (the on-policy fix) needs one optimizer step per batch on verl's own "
+                f"old_log_prob, but the resolved config has {why}; it would train on a stale old_log_prob. "
+                f"Use loss_mode={explicit} instead, or make ppo_mini_batch_size equal train_batch_size with ppo_epochs=1"
+            )
+        return current, f"the on-policy fix composed with {explicit!r} (set explicitly; one optimizer step per batch)"
+    if not onpolicy_fix:
+        return current, f"{current!r} as configured (actor.onpolicy_fix=false)"
+    if steps != 1:
+        return current, f"{current!r} as configured: {steps} optimizer steps per batch ({shape}), so the " \
+                        "old log-probs of later steps are genuinely off-policy and the fix does not apply"
+    if bypass:
+        return current, f"{current!r} as configured: bypass_mode uses the rollout log-probs as old_log_prob " \
+                        "(verl then trains with its bypass_mode loss)"
+    if current in NOT_COMPOSABLE:
+        raise VerlConfigError(
+            f"policy loss {current!r} cannot take the on-policy fix ({NOT_COMPOSABLE[current]}), and agentrl "
+            "does not replace a chosen loss; set actor.onpolicy_fix=false to train with it as it is"
+        )
+    composed = onpolicy_loss_name(current)
+    if registered is not None and composed not in registered:
+        raise VerlConfigError(
+            f"policy loss {current!r} has no on-policy variant {composed!r}: agentrl composes the fix with the "
+            "losses in verl's registry when its plugin loads (verl's own, and plugins loaded before it), and "
+            f"{current!r} is not among them{'' if current in registered else ' (nor is it a verl loss at all: check the spelling)'}. "
+            "agentrl does not replace a chosen loss; set actor.onpolicy_fix=false to train with it as it is"
+        )
+    return composed, f"the on-policy fix composed with {current!r} (one optimizer step per batch)"

@@ -20,24 +20,8 @@ from typing import Any
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-from agentrl.engines.base import SamplingParams
 from agentrl.engines.openai_engine import OpenAIEngine
-
-
-def to_sampling(params: dict[str, Any], default_max_tokens: int) -> SamplingParams:
-    """Our :class:`SamplingParams` for a verl sampling dict (see module docstring)."""
-    if float(params.get("repetition_penalty", 1.0)) != 1.0:
-        raise ValueError("repetition_penalty is not supported by OpenAITokenClient; leave it at 1.0")
-    top_k = int(params.get("top_k", -1) or -1)
-    max_tokens = params.get("max_tokens", params.get("max_new_tokens", default_max_tokens))
-    return SamplingParams(
-        max_new_tokens=int(max_tokens),
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        top_k=max(top_k, 0),
-        stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
-        seed=params.get("seed"),
-    )
+from agentrl.train.verl_backend.sampling import to_sampling
 
 
 class OpenAITokenClient(LLMServerClient):

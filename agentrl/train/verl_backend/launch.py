@@ -2,10 +2,15 @@
 
 :func:`plan` does everything short of launching: it writes ``<run_dir>/verl_data/{train,val}.parquet``
 from the env's tasks, maps our config to verl Hydra overrides, composes them with verl's own
-``ppo_trainer.yaml`` and runs verl's own validation (any failure: :class:`VerlConfigError` before
-launch), and writes the fully resolved verl config to ``<run_dir>/verl_config.yaml``.
+``ppo_trainer.yaml``, chooses the policy loss on that resolved config (the on-policy fix composed with
+the user's loss exactly when verl will make one optimizer step per batch:
+:func:`~agentrl.train.verl_backend.config_map.choose_policy_loss`),
+runs verl's own validation (any failure: :class:`VerlConfigError` before launch), and writes the fully
+resolved verl config to ``<run_dir>/verl_config.yaml``.
 :func:`main` prints the plan (the exact command and the settings as verl resolved them) and, unless
-``dry_run``, runs ``python -m verl.trainer.main_ppo <overrides>`` and returns its exit code.
+``dry_run``, runs ``python -m verl.trainer.main_ppo <overrides>`` and returns its exit code. The plan
+names the rollout engine (``verl.rollout``) and why; launching with vLLM/SGLang when it is not installed
+here stops first with a message suggesting ``verl.rollout=agentrl``.
 
 verl starts (or, with ``RAY_ADDRESS`` set / ``ray start`` done on this node, joins) a Ray cluster; the
 agentrl plugin is loaded in every worker through the ``verl.plugins`` entry point, so agentrl must be
@@ -25,25 +30,34 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentrl.train.verl_backend.config_map import (
+    LOSS_MODE_KEY,
     VerlConfigError,
+    choose_policy_loss,
+    rollout_choice,
     select,
     verl_overrides,
     verl_settings,
     with_verl_defaults,
 )
 from agentrl.train.verl_backend.dataset import write_env_dataset
+from agentrl.train.verl_backend.rollout_backend import RolloutChoice
 from agentrl.train.verl_backend.validate import compose_verl_config, validate_verl_config
 
 
 @dataclass
 class LaunchPlan:
-    """What :func:`main` runs: ``command`` (argv), the ``settings`` we set, verl's ``resolved`` config."""
+    """What :func:`main` runs: ``command`` (argv), the ``settings`` we set, verl's ``resolved`` config,
+    the ``rollout`` engine chosen (with why, and whether it is installed here), why the policy loss is what it
+    is (``loss_reason``) and the device-defaults line (``defaults_line``)."""
 
     command: list[str]
     settings: dict[str, Any]
     resolved: DictConfig
     run_dir: Path
     config_path: Path
+    rollout: RolloutChoice
+    loss_reason: str = ""
+    defaults_line: str = ""
 
 
 def _run_dir(cfg: Any) -> Path:
@@ -51,6 +65,15 @@ def _run_dir(cfg: Any) -> Path:
     if run_dir:
         return Path(run_dir)
     return Path("runs") / f"verl-{select(cfg, 'env')}"
+
+
+def _defaults_line(cfg: Any) -> str:
+    """The device-defaults line of a full agentrl config (empty for a partial config, e.g. in tests)."""
+    from agentrl.train.config import DEVICE_KEYS, describe_device_defaults
+
+    if select(cfg, "backend") is None or any(select(cfg, k) is None for k in DEVICE_KEYS):
+        return ""
+    return describe_device_defaults(cfg)
 
 
 def plan(cfg: Any) -> LaunchPlan:
@@ -83,22 +106,40 @@ def plan(cfg: Any) -> LaunchPlan:
     settings = verl_settings(cfg, *files)
     overrides = verl_overrides(cfg, *files)
     resolved = compose_verl_config(overrides)
+    # the on-policy fix is decided on what verl resolved, raw verl.overrides included
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY  # verl imported: every plugin has loaded
+
+    fix = select(cfg, "actor.onpolicy_fix")
+    loss_mode, why = choose_policy_loss(resolved, onpolicy_fix=True if fix is None else bool(fix),
+                                        registered=set(POLICY_LOSS_REGISTRY))
+    overrides = verl_overrides(cfg, *files, loss_mode=loss_mode)
+    resolved = compose_verl_config(overrides)
+    settings.pop(LOSS_MODE_KEY, None)
+    settings[LOSS_MODE_KEY] = loss_mode
     validate_verl_config(resolved)
     config_path = run_dir / "verl_config.yaml"
     config_path.write_text(OmegaConf.to_yaml(resolved))
     command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
-    return LaunchPlan(command, settings, resolved, run_dir, config_path)
+    return LaunchPlan(command, settings, resolved, run_dir, config_path, rollout_choice(cfg), why,
+                      _defaults_line(cfg))
 
 
 def describe(p: LaunchPlan) -> str:
     """Human-readable plan: the command, then each key we set as verl resolved it."""
-    lines = ["verl command:", "  " + shlex.join(p.command), "", "resolved verl settings (ours):"]
+    lines = [f"rollout backend: {p.rollout.name}", f"  why: {p.rollout.reason}"]
+    if not p.rollout.installed:
+        lines.append(f"  warning: {p.rollout.name} is not installed here: launching from this machine stops before "
+                     f"verl starts; install {p.rollout.name} on every node, or set verl.rollout=agentrl")
+    if p.defaults_line:
+        lines[:0] = [p.defaults_line]
+    lines += ["", "verl command:", "  " + shlex.join(p.command), "", "resolved verl settings (ours):"]
     for key in p.settings:
         value = OmegaConf.select(p.resolved, key.lstrip("+"))
         shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
         lines.append(f"  {key.lstrip('+')} = {shown!r}")
     lines += [
         "",
+        f"policy loss: {OmegaConf.select(p.resolved, LOSS_MODE_KEY)}: {p.loss_reason}",
         f"dataset: {p.run_dir / 'verl_data'} (train.parquet, val.parquet)",
         f"full resolved verl config: {p.config_path}",
     ]
@@ -116,4 +157,7 @@ def main(cfg: Any, dry_run: bool = False) -> int:
     if dry_run:
         print("\n--dry-run: nothing launched.")
         return 0
+    if not launch.rollout.installed:
+        print(f"agentrl train backend=verl: {launch.rollout.missing_message()}", file=sys.stderr)
+        return 2
     return subprocess.run(launch.command, env=dict(os.environ)).returncode

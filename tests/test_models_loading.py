@@ -1,0 +1,79 @@
+"""A training run directory is a model: ``model=runs/<run>`` loads the run's base model with its latest
+checkpoint's weights and the run's chat format, for ``agentrl eval`` and ``agentrl serve model`` alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import agentrl.envs.registry as registry
+from agentrl.envs import AgentEnv
+from agentrl.models.loading import load_model
+from agentrl.train.config import build_config
+from agentrl.train.trainer import Trainer
+
+
+class FirstTokenEnv(AgentEnv):
+    """One action; reward 1 when the first sampled id is even (so rewards differ within a group)."""
+
+    single_turn = True
+
+    @classmethod
+    def generate_task(cls, rng, split="train"):
+        return {"prompt": f"Say something about {int(rng.integers(10**6))}.", "answer": "0"}
+
+    def reward(self, ctx):
+        ids = ctx.trajectory.response_ids
+        return float(bool(ids) and ids[0] % 2 == 0), {}
+
+
+ARGS = ["env=first-token-test", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "rollout.batch_size=2", "rollout.n=4",
+        "rollout.max_new_tokens=4", "eval.num_tasks=0", "trainer.total_steps=1", "trainer.progress=false",
+        "trainer.tensorboard=false", "trainer.max_wall_s=0", "actor.lr=1e-2", "threads=1"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished one-step run; returns (run directory, the trained parameters)."""
+    registry.register("first-token-test", f"{__name__}:FirstTokenEnv")
+    run_dir = tmp_path_factory.mktemp("runs") / "tiny"
+    trainer = Trainer(build_config([*ARGS, f"run_dir={run_dir}"]))
+    trainer.fit()
+    return run_dir, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_run_dir_loads_the_latest_checkpoint(run):
+    run_dir, trained = run
+    loaded = load_model(str(run_dir))
+    assert loaded.checkpoint is not None and loaded.checkpoint.endswith("step_000001")
+    assert loaded.format_name == "harmony" and loaded.chat_format().name == "harmony"
+    state = loaded.model.state_dict()
+    assert state.keys() == trained.keys()
+    assert all(torch.equal(state[k], trained[k]) for k in trained)
+    base = load_model("tiny-gpt-oss", model_kwargs={"num_layers": 1})  # the run changed the weights
+    assert any(not torch.equal(base.model.state_dict()[k], trained[k]) for k in trained)
+
+
+def test_run_dir_serves_and_evaluates(run, tmp_path):
+    from agentrl.engines.server import load_local_engine
+    from agentrl.evaluation import EvalConfig, Evaluation
+    from agentrl.evaluation.cli import run_async
+
+    run_dir, _ = run
+    engine, fmt, name = load_local_engine(str(run_dir))
+    assert fmt.name == "harmony" and name == "tiny"
+    metrics = run_async(Evaluation(EvalConfig(env="gsm8k", model=str(run_dir), limit=2, max_new_tokens=4,
+                                              out=str(tmp_path / "eval"))).run())
+    assert metrics["run"]["episodes_run"] == 2 and metrics["run"]["episodes_failed"] == 0
+
+
+def test_run_without_checkpoint_and_bad_directories_are_clear_errors(tmp_path):
+    empty_run = tmp_path / "fresh"
+    (empty_run / "checkpoints").mkdir(parents=True)
+    (empty_run / "config.yaml").write_text("model: tiny-gpt-oss\n")
+    with pytest.raises(ValueError, match="has no checkpoint yet"):
+        load_model(str(empty_run))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(ValueError, match="no config.json.*training run directory"):
+        load_model(str(plain))
