@@ -149,6 +149,10 @@ def load_model(
     if attn_implementation and name in BUILTIN_MODELS:
         model.set_attn_implementation(attn_implementation)
     model.to(device)
+    if not attn_implementation:  # CPU + grouped-query attention: sdpa without per-head key/value copies
+        from agentrl.models.attention import use_gqa_sdpa
+
+        use_gqa_sdpa(model)
     model.train()
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     return LoadedModel(model=model, tokenizer=tokenizer, format_name=fmt, attn_implementation=attn)
