@@ -86,3 +86,24 @@ def test_sft_run_resume_and_load_as_model(tmp_path):
     loaded = load_model(str(killed))  # a run directory is a model name
     assert all(torch.equal(v, b[k]) for k, v in loaded.model.state_dict().items())
     assert loaded.format_name == "harmony"
+
+
+def test_kl_reference_is_the_policy_after_sft(tmp_path):
+    torch = pytest.importorskip("torch")
+    from agentrl.train.config import build_config
+    from agentrl.train.trainer import Trainer
+
+    run = tmp_path / "kl"
+    cfg = build_config([
+        "env=retool", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "sft.steps=2", "sft.num_demos=2",
+        "sft.batch_size=2", "sft.lr=1e-3", "actor.use_kl_loss=true", "trainer.total_steps=1", "rollout.batch_size=1",
+        "rollout.n=2", "rollout.max_new_tokens=4", "eval.num_tasks=0", "threads=1", "trainer.tensorboard=false",
+        "trainer.progress=false", "env_kwargs.sandbox_kwargs.workers=1", f"run_dir={run}",
+    ])
+    trainer = Trainer(cfg)
+    initial = {k: v.clone() for k, v in trainer.ref_model.state_dict().items()}
+    summary = trainer.fit()
+    assert summary["sft"]["steps"] == 2
+    reference = torch.load(run / "sft" / "reference.pt")
+    assert any(not torch.equal(reference[k], initial[k]) for k in initial)  # SFT moved the weights ...
+    assert all(torch.equal(v, reference[k]) for k, v in trainer.ref_model.state_dict().items())  # ... and KL uses them

@@ -109,7 +109,9 @@ class Trainer:
         self.model = self.loaded.model
         self.format = self.loaded.chat_format(cfg.format)
         self.ref_model = None
-        if cfg.actor.use_kl_loss:  # the initial weights, frozen (copied before any checkpoint is loaded)
+        # the KL reference: the initial weights, frozen (copied before any checkpoint is loaded); after an SFT
+        # stage, the SFT'd weights (kept in RUN_DIR/sft/reference.pt for resumed runs)
+        if cfg.actor.use_kl_loss:
             self.ref_model = copy.deepcopy(self.model).eval()
             self.ref_model.requires_grad_(False)
         if cfg.actor.freeze:
@@ -210,6 +212,9 @@ class Trainer:
         self.sft_done = bool(state.get("sft_done", True))
         self.sft_step = int(state.get("sft_step", 0))
         self.sft_info = dict(state.get("sft_info", {}))
+        reference = os.path.join(self.run_dir, "sft", "reference.pt")
+        if self.ref_model is not None and self.sft_done and os.path.exists(reference):
+            self.ref_model.load_state_dict(torch.load(reference, map_location=self.model.device, weights_only=True))
         self.sink.truncate_after(self.step)
         self.console.print(f"resumed from {ckpt}: step {self.step}, data position {self.data_position}")
 
@@ -417,6 +422,9 @@ class Trainer:
                 self._print_eval(after, "after SFT")
                 record.update(after)
         self.sft_done = True
+        if sft_metrics and self.ref_model is not None:  # RL's KL reference is the policy SFT produced
+            self.ref_model.load_state_dict(self.model.state_dict())
+            torch.save(self.model.state_dict(), os.path.join(self.run_dir, "sft", "reference.pt"))
         if sft_metrics and cfg.trainer.save_every:
             self.save()
         if record:
