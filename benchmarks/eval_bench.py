@@ -196,7 +196,7 @@ def main() -> int:
             print(
                 f"{len(items)} GSM8K items, scripted model at {url} answering after {args.delay * 1000:.0f} ms"
             )
-            from agentrl.evaluation.cli import run_async
+            from agentrl.evaluation.runner import run_async
 
             run_async(bench(args, url, tasks, work))
         finally:

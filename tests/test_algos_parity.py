@@ -191,7 +191,7 @@ def test_rollout_correction(kw):
 
 
 def test_onpolicy_loss_registered_in_verl():
-    from agentrl.train.algorithms.verl_registry import ONPOLICY_LOSS_NAME, register_all
+    from agentrl.train.verl_backend.losses import ONPOLICY_LOSS_NAME, register_all
 
     names = register_all()
     assert names[0] == ONPOLICY_LOSS_NAME and {"agentrl_onpolicy_gspo", "agentrl_onpolicy_cispo"} <= set(names)
@@ -209,7 +209,7 @@ def test_onpolicy_loss_registered_in_verl():
     _, vm = core_algos.get_policy_loss_fn("vanilla")(old, new, adv, mask, "token-mean", cfg, None)
     assert vm["actor/pg_clipfrac"] > 0
     bad = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1, ppo_epochs=2)
-    from agentrl.train.algorithms.verl_registry import StaleOldLogProbError
+    from agentrl.train.verl_backend.losses import StaleOldLogProbError
 
     with pytest.raises(StaleOldLogProbError, match="ppo_epochs=1"):
         fn(old, a, adv, mask, "token-mean", bad, None)

@@ -74,3 +74,4 @@ def test_distributed_config_errors_and_command():
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m"]
     assert cmd[6:] == ["agentrl.cli", "train", "env=gsm8k", "trainer.n_gpus=2"]
     assert distributed.SAFE_ENV["NCCL_NVLS_ENABLE"] == "0"
+

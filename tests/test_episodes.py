@@ -350,3 +350,19 @@ async def test_a_policy_must_act():
     with pytest.raises(ValueError, match="returned no action"):
         await run_episode(env, Mute(), task={"prompt": "add: 1 and 2", "answer": "3"})
     await env.aclose()
+
+
+async def test_collect_stops_starting_episodes_when_told():
+    """Once should_stop() is true, jobs that have not started are skipped (eval's unreachable endpoint)."""
+
+    class Down:
+        async def act(self, episode):
+            raise ConnectionError("endpoint down")
+
+    failures = []
+    pool = EnvPool(lambda: ParityEnv(format=FMT), 2)
+    jobs = [EpisodeJob({"prompt": f"add: {i} and 1", "answer": str(i + 1)}, i, str(i), i, 0) for i in range(10)]
+    results = await collect(pool, Down(), jobs, on_episode=failures.append, should_stop=lambda: len(failures) >= 3)
+    await pool.aclose()
+    assert 3 <= len(results) <= 4 and all(r.error == "ConnectionError: endpoint down" for r in results)
+    assert [r.task_id for r in results] == [str(i) for i in range(len(results))]  # job order, skipped left out

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import agentrl
+from agentrl.evaluation.answers import answers_comparable, comparable_answer
 from agentrl.evaluation.metrics import episode_stats, summarize
 from agentrl.evaluation.report import compare_warnings
-from agentrl.evaluation.runner import answers_comparable, comparable_answer, items_digest
+from agentrl.evaluation.store import items_digest
 from agentrl.harmony import default_format
 from agentrl.harmony.trajectory import Trajectory
 from agentrl.harmony.types import Message

@@ -57,7 +57,7 @@ def test_run_dir_loads_the_latest_checkpoint(run):
 def test_run_dir_serves_and_evaluates(run, tmp_path):
     from agentrl.engines.server import load_local_engine
     from agentrl.evaluation import EvalConfig, Evaluation
-    from agentrl.evaluation.cli import run_async
+    from agentrl.evaluation.runner import run_async
 
     run_dir, _ = run
     engine, fmt, name = load_local_engine(str(run_dir))

@@ -86,7 +86,7 @@ def test_server_describes_its_format_and_a_client_rebuilds_it(served):
 
 
 async def test_eval_against_the_server_needs_no_format(served, tmp_path):
-    from agentrl.evaluation.runner import EvalConfig, Evaluation
+    from agentrl.evaluation import EvalConfig, Evaluation
 
     srv, _, fmt = served
     cfg = EvalConfig(env="gsm8k", model=srv.base_url, limit=2, max_new_tokens=6, out=str(tmp_path / "auto"))

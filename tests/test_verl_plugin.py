@@ -83,7 +83,7 @@ def test_onpolicy_loss_through_get_policy_loss_fn():
     # d/dlogp of -A * exp(logp - sg(logp)) averaged over mask tokens = -A * mask / n_tokens
     torch.testing.assert_close(grad, -adv * mask / mask.sum())
 
-    from agentrl.train.algorithms.verl_registry import StaleOldLogProbError
+    from agentrl.train.verl_backend.losses import StaleOldLogProbError
 
     with pytest.raises(StaleOldLogProbError, match="ppo_epochs=1"):
         ours(stale_old, log_prob, adv, mask, "token-mean", dataclasses.replace(actor, ppo_epochs=2), None)
@@ -237,7 +237,7 @@ def _run_verl_update(n_rows: int, mini_batch_size: int, epochs: int = 1):
 
 
 def test_stale_old_log_prob_is_detected_inside_verls_update_loop():
-    from agentrl.train.algorithms.verl_registry import StaleOldLogProbError
+    from agentrl.train.verl_backend.losses import StaleOldLogProbError
 
     assert _run_verl_update(8, mini_batch_size=8) == [8]  # one step: trained with the fix
     with pytest.raises(StaleOldLogProbError, match="2 optimizer steps") as err:

@@ -39,8 +39,9 @@ def load_local_engine(
     max_batch_size: int = 64,
 ) -> tuple[RolloutEngine, ChatFormat, str]:
     """Load a local model (a built-in name such as ``tiny-gpt-oss`` / ``smollm2-135m``, a directory
-    with ``config.json``, or a hub id) into the transformers engine, with the ChatFormat that fits it
-    (``format="auto"``: Harmony for GPT-OSS, the HF chat template otherwise). Imports torch.
+    with ``config.json``, a training run directory, or a hub id; :func:`agentrl.models.loading.load_model`)
+    into the transformers engine, with the ChatFormat that fits it (``format="auto"``: Harmony for GPT-OSS,
+    the HF chat template otherwise, a run's own format). Imports torch.
     Returns ``(engine, format, model name)``."""
     from agentrl.engines.transformers_engine import TransformersEngine
     from agentrl.models.loading import load_model

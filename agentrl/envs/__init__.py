@@ -5,7 +5,8 @@ Importing this package (or just ``agentrl``) registers the built-in envs with Gy
 (``gymnasium.make("agentrl/ReTool-v0")``) and with :func:`make` (``agentrl.make("retool", **kwargs)``). The
 names below load on first use and env modules only when an env is made; nothing here imports torch.
 
-Driving an env (what a trainer does)::
+Driving an env by hand (the library's own callers use :func:`agentrl.episodes.run_episode`, which runs
+this loop with a policy, limits and hooks)::
 
     env = agentrl.make("retool", format=fmt, sandbox=shared_backend)
     task = env.tasks(split="train", n=1, seed=0)[0]
@@ -28,8 +29,11 @@ from agentrl.envs.registry import env_class, make, register, registered
 #: public name -> the module that defines it (imported on first use, so that ``import agentrl`` and the
 #: registry stay cheap: registering the built-in envs needs only gymnasium)
 _LAZY = {
+    "ActionLike": "agentrl.envs.env",
     "AgentEnv": "agentrl.envs.env",
     "EnvLimits": "agentrl.envs.env",
+    "Observation": "agentrl.envs.env",
+    "SampledCompletion": "agentrl.envs.env",
     "RewardContext": "agentrl.envs.rewards",
     "Rubric": "agentrl.envs.rewards",
     "MessageTuple": "agentrl.envs.spaces",
@@ -61,11 +65,14 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ERROR_KINDS",
+    "ActionLike",
     "AgentEnv",
     "EnvLimits",
     "MessageTuple",
+    "Observation",
     "RewardContext",
     "Rubric",
+    "SampledCompletion",
     "StatefulTool",
     "Tool",
     "ToolError",

@@ -1,7 +1,8 @@
 """``AgentEnv``: a ``gymnasium.Env`` whose actions are model completions and whose observations are the
 tokens the env appends (tool results, error notes, the next assistant header) plus their parsed messages.
 
-Contract (see ARCHITECTURE.md):
+Contract (generic like gymnasium's ``Env[ObsType, ActType]``: ``AgentEnv`` is an
+``Env[Observation, ActionLike]``):
 
 - ``reset(seed=None, options=None) -> (obs, info)``: ``obs["tokens"]`` is the full prompt (ending with the
   assistant header), ``obs["messages"]`` the prompt messages. ``options={"task": {...}}`` picks the task;
@@ -23,7 +24,8 @@ Contract (see ARCHITECTURE.md):
 - ``env.trajectory`` is the token-exact :class:`~agentrl.harmony.trajectory.Trajectory`; the final step
   also puts it in ``info["trajectory"]`` together with ``info["reward_components"]`` and
   ``info["stop_reason"]`` (also in ``trajectory.metadata``): ``answer`` (a final answer), ``no_answer``
-  (a single-turn env's action without one), ``tool_limit``, ``turn_limit`` or ``token_limit``.
+  (a single-turn env's action without one), ``tool_limit``, ``turn_limit`` or ``token_limit`` (the
+  total-token budget, or a last completion cut before its stop token).
 - ``areset``/``astep`` are the async twins (tool calls of one action run concurrently); the sync methods
   drive them on a private event loop. Use one style per env instance. ``close()``/``aclose()`` are
   idempotent.
@@ -39,7 +41,7 @@ import inspect
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypedDict, runtime_checkable
 
 import gymnasium
 import numpy as np
@@ -62,6 +64,29 @@ _PARSE_ERROR_KINDS = {
 }
 
 
+class Observation(TypedDict):
+    """What ``reset``/``step`` observe. ``tokens``: ``np.int64`` ids, shape ``[n]``, to append to the
+    token stream (the whole prompt after ``reset``; tool results, notes and the next assistant header after
+    ``step``; empty once the episode is over). ``messages``: the same content as parsed messages."""
+
+    tokens: np.ndarray
+    messages: tuple[Message, ...]
+
+
+@runtime_checkable
+class SampledCompletion(Protocol):
+    """An action that carries its sampling log-probs (an engine ``Completion``, an episode ``Action``).
+    ``logprobs``: one natural-log probability per id, or ``None`` when unknown (recorded as 0.0)."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float] | None
+
+
+#: One assistant completion, as ``step`` accepts it: token ids (a sequence or a 1-D integer array), text
+#: (encoded by the format, special-token text allowed), or a :class:`SampledCompletion`.
+ActionLike = Sequence[int] | np.ndarray | str | SampledCompletion
+
+
 @dataclass(frozen=True)
 class EnvLimits:
     """Episode limits. Hitting ``max_turns`` (model actions), ``max_tool_calls`` or ``max_total_tokens``
@@ -75,7 +100,7 @@ class EnvLimits:
     max_tool_result_chars: int = 8000
 
 
-class AgentEnv(gymnasium.Env):
+class AgentEnv(gymnasium.Env[Observation, ActionLike]):
     """Base class of every agentrl env; see the module docstring for the contract."""
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
@@ -204,8 +229,24 @@ class AgentEnv(gymnasium.Env):
     # ----------------------------------------------------------------- async API
     async def areset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Async :meth:`reset`."""
+    ) -> tuple[Observation, dict[str, Any]]:
+        """Start an episode: pick the task, render the prompt, start a fresh trajectory.
+
+        Args:
+            seed: seeds ``self.np_random`` (gymnasium semantics: only when given, or on the first reset).
+            options: ``{"task": {...}}`` runs that task; without it a task is drawn with ``self.np_random``
+                from the env's task list, else from :meth:`sample_task`.
+
+        Returns:
+            ``(observation, info)``: ``observation["tokens"]`` is the whole prompt, ending with the
+            assistant header; ``observation["messages"]`` the prompt messages; ``info["task"]`` a copy of
+            the task. Tool sessions of the previous episode are released first.
+
+        Raises:
+            RuntimeError: the env is closed.
+            NotImplementedError: no task given, no task list, and no offline generator.
+            Whatever the format raises while rendering (e.g. a chat template that is not append-only).
+        """
         self._check_open()
         super().reset(seed=seed)
         await self._sessions.release_all()
@@ -226,11 +267,30 @@ class AgentEnv(gymnasium.Env):
         self._tool_calls = 0
         self._errors: Counter[str] = Counter()
         self._history: list[Message] = list(messages)  # the conversation so far, for history-aware formats
-        obs = {"tokens": as_token_array(prompt), "messages": tuple(replace(m) for m in messages)}
+        obs: Observation = {"tokens": as_token_array(prompt), "messages": tuple(replace(m) for m in messages)}
         return obs, {"task": dict(task)}
 
-    async def astep(self, action: Any) -> tuple[dict[str, Any], float, bool, bool, dict[str, Any]]:
-        """Async :meth:`step`."""
+    async def astep(self, action: ActionLike) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+        """Apply one model action: parse it, run its tool calls (concurrently), render the answer.
+
+        Args:
+            action: one assistant completion (see :data:`ActionLike`); its log-probs, when it carries them,
+                go into the trajectory.
+
+        Returns:
+            ``(observation, reward, terminated, truncated, info)``: ``observation["tokens"]`` the ids to
+            append before the next completion (empty when the episode is over); ``reward`` the episode
+            reward on the last step, else 0.0; ``terminated`` on a final answer (or after a single-turn
+            env's action); ``truncated`` when a limit ends the episode. ``info``: ``turn`` (model actions
+            so far), ``errors`` (this action's error kinds), ``tool_calls`` (so far); on the last step also
+            ``trajectory``, ``reward_components`` and ``stop_reason``.
+
+        Raises:
+            RuntimeError: the episode is over or was never started, or the env is closed.
+            TypeError: ``action`` is none of the accepted types.
+            ValueError: the action's log-probs and token ids differ in length.
+            Bad model output never raises: it becomes an error observation and a trajectory record.
+        """
         self._check_open()
         if self._done or self.trajectory is None:
             raise RuntimeError("the episode is over (or was never started); call reset()/areset() first")
@@ -302,11 +362,12 @@ class AgentEnv(gymnasium.Env):
             info["trajectory"] = traj
             info["reward_components"] = dict(traj.reward_components)
             info["stop_reason"] = stop_reason
-        obs = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
+        obs: Observation = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
         return obs, reward, terminated, truncated, info
 
     async def aclose(self) -> None:
-        """Release sessions and the tools' resources. Idempotent."""
+        """Release tool sessions, the tools' resources and the env's own (:meth:`aclose_resources`).
+        Idempotent; the env cannot be used afterwards. Raises what a tool's cleanup raises."""
         if self._closed:
             return
         self._closed = True
@@ -318,12 +379,14 @@ class AgentEnv(gymnasium.Env):
         """Subclass hook: free env-owned resources (services, indexes). Called once by :meth:`aclose`."""
 
     # ----------------------------------------------------------------- sync API
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[override]
-        """Start an episode; see the module docstring."""
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Observation, dict[str, Any]]:  # type: ignore[override]
+        """Blocking :meth:`areset` (same arguments, returns and errors) on the env's private event loop;
+        raises ``RuntimeError`` inside a running event loop (use ``await env.areset(...)`` there)."""
         return self._run(self.areset(seed=seed, options=options))
 
-    def step(self, action: Any):  # type: ignore[override]
-        """Apply one model action; see the module docstring."""
+    def step(self, action: ActionLike) -> tuple[Observation, float, bool, bool, dict[str, Any]]:  # type: ignore[override]
+        """Blocking :meth:`astep` (same argument, returns and errors) on the env's private event loop;
+        raises ``RuntimeError`` inside a running event loop (use ``await env.astep(...)`` there)."""
         return self._run(self.astep(action))
 
     def close(self) -> None:
@@ -363,7 +426,7 @@ class AgentEnv(gymnasium.Env):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed; create a new env")
 
-    def _action_ids(self, action: Any) -> tuple[list[int], list[float]]:
+    def _action_ids(self, action: ActionLike) -> tuple[list[int], list[float]]:
         logprobs = None
         if isinstance(action, str):
             ids = encode_action_text(self.format, action)
@@ -450,7 +513,7 @@ class AgentEnv(gymnasium.Env):
         traj.metadata["stop_reason"] = stop_reason
         traj.metadata["errors"] = dict(self._errors)
         traj.metadata["tool_calls"] = self._tool_calls
-        final = next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)
+        final = traj.final_answer
         ctx = RewardContext(
             task=self.task,
             final=final,

@@ -12,7 +12,6 @@ crash, endpoint down) ends that episode; its partial trajectory is kept with ``e
 from __future__ import annotations
 
 import asyncio
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,19 +72,21 @@ class EnvPool:
 @dataclass(frozen=True)
 class EpisodeJob:
     """One episode to run: ``task`` (``None``: the env draws one with ``seed``), the env's reset ``seed``,
-    and labels copied to the result: ``task_id`` and ``group`` (id shared by the samples of one task)."""
+    and labels copied to the result: ``task_id``, ``group`` (id shared by the samples of one task) and
+    ``sample`` (which sample of its task this is)."""
 
     task: dict[str, Any] | None
     seed: int | None = None
     task_id: str | None = None
     group: int = 0
+    sample: int = 0
 
 
 def grouped_jobs(tasks: Sequence[tuple[str, dict[str, Any]]], n: int, seed: int) -> list[EpisodeJob]:
     """``n`` jobs per ``(task_id, task)``, ordered by (task, sample); sample ``k`` of task ``g`` gets env
     seed ``seed + g*n + k`` and group ``g``."""
     return [
-        EpisodeJob(task, seed + g * n + k, task_id, g)
+        EpisodeJob(task, seed + g * n + k, task_id, g, k)
         for g, (task_id, task) in enumerate(tasks)
         for k in range(n)
     ]
@@ -99,6 +100,7 @@ async def collect(
     limits: EpisodeLimits | None = None,
     on_step: StepHook | None = None,
     on_episode: Callable[[EpisodeResult], Any] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[EpisodeResult]:
     """Run every job concurrently (at most ``pool.size`` at a time); returns the results in job order.
 
@@ -108,22 +110,28 @@ async def collect(
         jobs: the episodes to run.
         limits, on_step: passed to :func:`~agentrl.episodes.run_episode`.
         on_episode: called with each result as it finishes (failed ones too), e.g. to write it out.
+        should_stop: checked before each episode starts; once it returns True the jobs not yet started
+            are skipped (e.g. every episode so far failed: the model is unreachable).
 
     Returns:
-        One :class:`~agentrl.episodes.EpisodeResult` per job; an episode that raised has ``error`` set,
+        One :class:`~agentrl.episodes.EpisodeResult` per job that ran (skipped ones are left out; each
+        result carries its job's labels); an episode that raised has ``error`` set,
         ``stop_reason="error"`` and its partial trajectory. Raises only what ``on_episode`` raises.
     """
     make_policy = policy if not hasattr(policy, "act") else (lambda job: policy)  # type: ignore[misc]
 
-    async def one(job: EpisodeJob) -> EpisodeResult:
+    async def one(job: EpisodeJob) -> EpisodeResult | None:
         env = await pool.acquire()
+        if should_stop is not None and should_stop():
+            pool.release(env)
+            return None
         previous = env.trajectory  # the last episode's, until this episode's reset replaces it
         try:
             result = await run_episode(
                 env, make_policy(job), task=job.task, seed=job.seed, limits=limits, on_step=on_step
             )
         except Exception as exc:  # noqa: BLE001 - one bad episode must not stop the others
-            error = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            error = f"{type(exc).__name__}: {exc}"
             started = env.trajectory is not None and env.trajectory is not previous
             partial = env.trajectory if started else Trajectory(prompt_ids=[])
             partial.metadata["rollout_error"] = error
@@ -132,9 +140,10 @@ async def collect(
             result = EpisodeResult(partial, "error", error=error)
         else:
             pool.release(env)
-        result.task_id, result.group = job.task_id, job.group
+        result.task_id, result.group, result.sample = job.task_id, job.group, job.sample
         if on_episode is not None:
             on_episode(result)
         return result
 
-    return list(await asyncio.gather(*(one(job) for job in jobs)))
+    results = await asyncio.gather(*(one(job) for job in jobs))
+    return [r for r in results if r is not None]

@@ -82,8 +82,8 @@ class EpisodeResult:
     - ``has_logprobs``: every action carried sampled log-probs (else the trajectory's 0.0 entries for
       model tokens are placeholders).
     - Collection labels (set by :func:`~agentrl.episodes.collect`): ``task_id``, ``group`` (the id
-      shared by the samples of one task), ``error`` (the exception's last line when the episode
-      raised; the trajectory is then the partial one).
+      shared by the samples of one task), ``sample`` (which sample of its task), ``error`` (the
+      exception's last line when the episode raised; the trajectory is then the partial one).
     """
 
     trajectory: Trajectory
@@ -95,6 +95,7 @@ class EpisodeResult:
     has_logprobs: bool = True
     task_id: str | None = None
     group: int = 0
+    sample: int = 0
     error: str | None = None
 
     @property
@@ -143,73 +144,76 @@ async def run_episode(
         Whatever ``policy.act``, ``env.areset``/``env.astep`` or ``on_step`` raise (the env keeps the
         partial trajectory in ``env.trajectory``); ``ValueError`` for a policy that returns no action.
     """
-    limits = limits or EpisodeLimits()
+    run = _Run(env, policy, limits or EpisodeLimits(), on_step)
     saved_limits = env.limits
-    if limits.env_overrides():
-        env.limits = replace(env.limits, **limits.env_overrides())
-    timing = {"policy_s": 0.0, "env_s": 0.0}
-    holder: dict[str, EpisodeState] = {}
-    t0 = time.perf_counter()
+    if run.limits.env_overrides():
+        env.limits = replace(env.limits, **run.limits.env_overrides())
     try:
-        run = _loop(env, policy, task, seed, limits, on_step, timing, holder)
-        if limits.time_s is None:
-            stop_reason = await run
+        if run.limits.time_s is None:
+            stop_reason = await run.loop(task, seed)
         else:
             try:
-                stop_reason = await asyncio.wait_for(run, limits.time_s)
+                stop_reason = await asyncio.wait_for(run.loop(task, seed), run.limits.time_s)
             except (TimeoutError, asyncio.TimeoutError):
                 stop_reason = "time_limit"
     finally:
         env.limits = saved_limits
-    state = holder.get("state")
-    traj = env.trajectory if state is not None and env.trajectory is not None else Trajectory(prompt_ids=[])
-    traj.metadata["stop_reason"] = stop_reason
-    steps = state.steps if state is not None else []
-    return EpisodeResult(
-        trajectory=traj,
-        stop_reason=stop_reason,
-        steps=steps,
-        policy_s=timing["policy_s"],
-        env_s=timing["env_s"],
-        wall_s=time.perf_counter() - t0,
-        has_logprobs=all(getattr(s.action, "logprobs", None) is not None for s in steps),
-    )
+    return run.result(stop_reason)
 
 
-async def _loop(
-    env: AgentEnv,
-    policy: Policy,
-    task: dict[str, Any] | None,
-    seed: int | None,
-    limits: EpisodeLimits,
-    on_step: StepHook | None,
-    timing: dict[str, float],
-    holder: dict[str, EpisodeState],
-) -> str:
-    """The loop itself; returns the env's stop reason. ``timing`` and ``holder`` are filled as it goes so
-    a time limit that cancels the loop still leaves the steps done so far."""
-    obs, info = await env.areset(seed=seed, options={"task": task} if task is not None else None)
-    state = holder["state"] = EpisodeState(env, info["task"], seed, tuple(obs["messages"]))
-    if limits.max_response_tokens is not None:
-        cap = len(state.trajectory.prompt_ids) + limits.max_response_tokens
-        if cap < env.limits.max_total_tokens:
-            env.limits = replace(env.limits, max_total_tokens=cap)
-    while True:
-        t0 = time.perf_counter()
-        actions = list(await policy.act(state))
-        timing["policy_s"] += time.perf_counter() - t0
-        if not actions:
-            raise ValueError(f"{type(policy).__name__}.act returned no action; a policy must return at least one")
-        for action in actions:
+class _Run:
+    """One call of :func:`run_episode`. The state lives here, not in the loop's frame, so a time limit
+    that cancels the loop still leaves the steps done so far."""
+
+    def __init__(self, env: AgentEnv, policy: Policy, limits: EpisodeLimits, on_step: StepHook | None):
+        self.env, self.policy, self.limits, self.on_step = env, policy, limits, on_step
+        self.state: EpisodeState | None = None
+        self.policy_s = self.env_s = 0.0
+        self.t0 = time.perf_counter()
+
+    async def loop(self, task: dict[str, Any] | None, seed: int | None) -> str:
+        """Reset, then act and step until the env ends the episode; returns the env's stop reason."""
+        env = self.env
+        obs, info = await env.areset(seed=seed, options={"task": task} if task is not None else None)
+        state = self.state = EpisodeState(env, info["task"], seed, tuple(obs["messages"]))
+        if self.limits.max_response_tokens is not None:
+            cap = len(state.trajectory.prompt_ids) + self.limits.max_response_tokens
+            if cap < env.limits.max_total_tokens:
+                env.limits = replace(env.limits, max_total_tokens=cap)
+        while True:
             t0 = time.perf_counter()
-            obs, reward, terminated, truncated, info = await env.astep(action)
-            env_s = time.perf_counter() - t0
-            timing["env_s"] += env_s
-            step = Step(action, obs, reward, terminated, truncated, info, state.trajectory.turns[-1], env_s)
-            state.steps.append(step)
-            if on_step is not None:
-                maybe = on_step(step)
-                if inspect.isawaitable(maybe):
-                    await maybe
-            if step.done:
-                return str(info["stop_reason"])
+            actions = list(await self.policy.act(state))
+            self.policy_s += time.perf_counter() - t0
+            if not actions:
+                raise ValueError(
+                    f"{type(self.policy).__name__}.act returned no action; a policy must return at least one"
+                )
+            for action in actions:
+                t0 = time.perf_counter()
+                obs, reward, terminated, truncated, info = await env.astep(action)
+                env_s = time.perf_counter() - t0
+                self.env_s += env_s
+                step = Step(action, obs, reward, terminated, truncated, info, state.trajectory.turns[-1], env_s)
+                state.steps.append(step)
+                if self.on_step is not None:
+                    maybe = self.on_step(step)
+                    if inspect.isawaitable(maybe):
+                        await maybe
+                if step.done:
+                    return str(info["stop_reason"])
+
+    def result(self, stop_reason: str) -> EpisodeResult:
+        started = self.state is not None and self.env.trajectory is not None
+        traj = self.env.trajectory if started else Trajectory(prompt_ids=[])
+        assert traj is not None
+        traj.metadata["stop_reason"] = stop_reason
+        steps = self.state.steps if self.state is not None else []
+        return EpisodeResult(
+            trajectory=traj,
+            stop_reason=stop_reason,
+            steps=steps,
+            policy_s=self.policy_s,
+            env_s=self.env_s,
+            wall_s=time.perf_counter() - self.t0,
+            has_logprobs=all(getattr(s.action, "logprobs", None) is not None for s in steps),
+        )

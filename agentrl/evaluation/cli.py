@@ -3,14 +3,13 @@
     agentrl eval env=gsm8k model=http://127.0.0.1:8000/v1 tasks=data/gsm8k/test.jsonl n=4 limit=50
     agentrl eval --compare runs/eval/a runs/eval/b
 
-Keys are the fields of :class:`~agentrl.evaluation.runner.EvalConfig`, read by :mod:`agentrl.cli_args`
+Keys are the fields of :class:`~agentrl.evaluation.config.EvalConfig`, read by :mod:`agentrl.cli_args`
 (``k=1,2,4`` sets ``ks``; ``env.<name>=<value>`` goes to the env constructor). Without ``model=``,
 ``$OPENAI_BASE_URL`` is used.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from collections.abc import Sequence
@@ -19,8 +18,9 @@ from typing import Any
 from rich.console import Console
 
 from agentrl.cli_args import CommandSpec, fail, is_help, run, to_object
+from agentrl.evaluation.config import EvalConfig
 from agentrl.evaluation.report import compare_table, compare_warnings, load_metrics, metrics_table
-from agentrl.evaluation.runner import EvalConfig, Evaluation
+from agentrl.evaluation.runner import Evaluation, run_async
 
 SANDBOXES = ("local", "unsafe_local", "sandboxfusion", "e2b")
 
@@ -89,16 +89,6 @@ async def run_eval(config: EvalConfig, *, progress: bool, console: Console) -> d
 
     with bar:
         return await Evaluation(config, on_progress=update).run()
-
-
-def run_async(coro: Any) -> Any:
-    """Run ``coro`` on uvloop when it is installed (it roughly halves the event loop's CPU per HTTP
-    request, which bounds eval throughput at high concurrency), else on the default asyncio loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 def _compare(argv: list[str], console: Console) -> int:

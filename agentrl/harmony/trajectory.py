@@ -82,6 +82,11 @@ class Trajectory:
     def num_turns(self) -> int:
         return len(self.turns)
 
+    @property
+    def final_answer(self) -> str | None:
+        """The last final answer the model gave (``parsed.final`` of the latest turn that has one), or None."""
+        return next((t.parsed.final for t in reversed(self.turns) if t.parsed.final is not None), None)
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the broken invariant."""
         n = len(self.response_ids)

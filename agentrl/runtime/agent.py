@@ -203,9 +203,9 @@ class Agent:
                 if not score:
                     del self.env.reward
             policy.sync(result.steps)
-            policy.annotate(result)
             traj = result.trajectory
-            answer = next((t.parsed.final for t in reversed(traj.turns) if t.parsed.final is not None), None)
+            traj.metadata["latency_s"] = result.wall_s
+            answer = traj.final_answer
             return AgentResult(
                 answer=answer if result.stop_reason == "answer" else None,
                 stop_reason=result.stop_reason,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentrl.engines.openai_engine import ChatClient, ChatResult
-from agentrl.episodes import Action, EpisodeResult, EpisodeState, Step
+from agentrl.episodes import Action, EpisodeState, Step
 from agentrl.runtime.bridge import observation_to_openai, prompt_to_openai, reply_to_steps, tools_to_openai
 
 
@@ -30,7 +30,8 @@ class ChatPolicy:
 
     After the episode, :attr:`messages` is the transcript (call :meth:`sync` with the episode's steps to
     add the last observations), :attr:`requests` the chat requests made and :attr:`usage` the summed
-    ``prompt_tokens`` / ``completion_tokens`` the endpoint reported.
+    ``prompt_tokens`` / ``completion_tokens`` the endpoint reported; the trajectory's metadata records
+    them too (``api="chat"``, ``requests``, ``gen_tokens``, ``prompt_tokens``).
     """
 
     def __init__(
@@ -72,6 +73,12 @@ class ChatPolicy:
         self.requests += 1
         for key in self.usage:
             self.usage[key] += int(reply.usage.get(key) or 0)
+        episode.trajectory.metadata.update(
+            api="chat",
+            requests=self.requests,
+            gen_tokens=self.usage["completion_tokens"],
+            prompt_tokens=self.usage["prompt_tokens"],
+        )
         calls = [
             dict(c, id=c.get("id") or f"call_{self.requests}_{i}") for i, c in enumerate(reply.tool_calls)
         ]
@@ -96,17 +103,6 @@ class ChatPolicy:
             call_id = self._call_ids[k] if k < len(self._call_ids) else None
             self.messages += observation_to_openai(step.observation["messages"], call_id)
         self._synced = len(steps)
-
-    def annotate(self, result: EpisodeResult) -> None:
-        """Record the chat API's bookkeeping in ``result.trajectory.metadata`` (``api``, ``requests``,
-        ``latency_s``, ``gen_tokens``, ``prompt_tokens``)."""
-        result.trajectory.metadata.update(
-            api="chat",
-            requests=self.requests,
-            latency_s=result.wall_s,
-            gen_tokens=self.usage["completion_tokens"],
-            prompt_tokens=self.usage["prompt_tokens"],
-        )
 
     async def _ask(self) -> ChatResult:
         tools = self._tools or []

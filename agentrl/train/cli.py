@@ -2,7 +2,7 @@
 
 ``backend=verl`` hands the config to :mod:`agentrl.train.verl_backend.launch` (``--dry-run`` prints the
 verl command and resolved config without launching); ``trainer.n_gpus=N`` (N > 1) re-launches under
-torchrun with FSDP2 (:mod:`agentrl.train.distributed`).
+torchrun with FSDP2 (:func:`agentrl.train.trainer.run_distributed`).
 
 ``resume=RUN_DIR`` continues a run from its latest checkpoint with the run's saved ``config.yaml``
 (further overrides, e.g. a larger ``trainer.total_steps``, apply on top). A run directory is written
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         print("agentrl train: --dry-run applies to backend=verl only", file=sys.stderr)
         return 2
     if cfg.trainer.n_gpus > 1:
-        from agentrl.train.distributed import run
+        from agentrl.train.trainer import run_distributed
 
-        return run(cfg, argv)
+        return run_distributed(cfg, argv)
     from agentrl.train.trainer import Trainer
 
     try:

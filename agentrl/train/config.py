@@ -31,7 +31,6 @@ from agentrl.cli_args import help_text as spec_help_text
 from agentrl.cli_args import suggest as _suggest
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
-from agentrl.train.verl_backend.config_map import VerlSection
 
 # critic-free estimators only: this trainer has no value model (gae needs one)
 ADV_ESTIMATORS = tuple(sorted(name for name in ADVANTAGE_ESTIMATORS if name != "gae"))
@@ -201,6 +200,39 @@ class TrainerConfig:
     n_gpus: int = 1
     n_gpus_per_node: int = 8
     nnodes: int = 1
+
+
+@dataclass
+class VerlSection:
+    """Settings only ``backend=verl`` reads (``verl.*`` keys of ``agentrl train``).
+
+    ``rollout``: verl's rollout engine, ``auto`` | ``vllm`` | ``sglang`` | ``agentrl`` (agentrl's
+    transformers engine inside verl's training workers; see
+    :mod:`agentrl.train.verl_backend.rollout_backend`); ``tensor_parallel`` GPUs per vLLM/SGLang server. ``max_prompt_length`` /
+    ``max_response_length``: verl's padded widths (the response is the whole multi-turn episode after
+    the prompt). ``ulysses_sp``: Ulysses sequence-parallel group size (divides the attention heads).
+    ``use_dynamic_bsz`` packs micro-batches up to ``max_tokens_per_gpu`` tokens; otherwise
+    ``micro_batch_size_per_gpu`` sequences. ``n_train_tasks`` / ``n_val_tasks``: training-stream and
+    held-out tasks written to the dataset (from ``data.tasks``, as for the embedded trainer). ``overrides``: raw verl Hydra
+    overrides appended last (``verl.overrides=[trainer.val_before_train=true]``).
+    """
+
+    rollout: str = "auto"
+    tensor_parallel: int = 1
+    gpu_memory_utilization: float = 0.6
+    ulysses_sp: int = 1
+    max_prompt_length: int = 2048
+    max_response_length: int = 8192
+    use_dynamic_bsz: bool = True
+    max_tokens_per_gpu: int = 16384
+    micro_batch_size_per_gpu: int = 1
+    strategy: str = "fsdp2"
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    agent_workers: int = 8
+    n_train_tasks: int = 1024
+    n_val_tasks: int = 64
+    overrides: list[str] = field(default_factory=list)
 
 
 @dataclass

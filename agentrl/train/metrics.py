@@ -93,6 +93,21 @@ def eval_summary(metrics: dict[str, float], prefix: str = "eval/") -> dict[str, 
     }
 
 
+class NullSink:
+    """The metrics sink of a rank that does not write (ranks other than 0 of a parallel run)."""
+
+    warnings: list[str] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class MetricsSink:
     """Writes one record per step to ``RUN_DIR/metrics.jsonl`` (flushed each step), TensorBoard
     (``RUN_DIR/tensorboard``) when enabled, and W&B when enabled *and* installed (else a warning).

@@ -35,6 +35,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,9 +48,10 @@ from agentrl.episodes import EnvPool, EpisodeResult
 from agentrl.models.checkpoints import latest_checkpoint
 from agentrl.models.loading import load_model
 from agentrl.train.batch import collate
-from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
+from agentrl.train.checkpoint import save_checkpoint
 from agentrl.train.config import describe_device_defaults
-from agentrl.train.metrics import MetricsSink, episode_metrics, eval_summary
+from agentrl.train.metrics import MetricsSink, NullSink, episode_metrics, eval_summary
+from agentrl.train.parallel import SingleProcess
 from agentrl.train.rollout import rollout
 from agentrl.train.tasks import TaskSource, with_boxed_bonus
 from agentrl.train.update import update_policy
@@ -65,12 +67,14 @@ def default_run_dir(cfg: DictConfig) -> str:
 class Trainer:
     """Owns the model, optimizer, envs and engine of one run. See the module docstring."""
 
-    def __init__(self, cfg: DictConfig, *, console: Any = None) -> None:
+    def __init__(self, cfg: DictConfig, *, console: Any = None, parallel: SingleProcess | None = None) -> None:
         from rich.console import Console
 
         self.t_created = time.perf_counter()
         self.cfg = cfg
-        self.console = console or Console(soft_wrap=True)
+        self.parallel = parallel or SingleProcess()
+        self.parallel.check(cfg)
+        self.console = console or Console(soft_wrap=True, quiet=not self.parallel.is_main)
         self.console.print(describe_device_defaults(cfg), markup=False, highlight=False)
         self.run_dir = cfg.run_dir or default_run_dir(cfg)
         if cfg.threads:
@@ -120,6 +124,9 @@ class Trainer:
             freeze(self.model, list(cfg.actor.freeze))
         if cfg.actor.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self.parallel.wrap(self.model)  # before the optimizer: it holds the (sharded) parameters
+        if self.ref_model is not None:
+            self.parallel.wrap(self.ref_model)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"actor.freeze={list(cfg.actor.freeze)} froze every parameter; nothing to train")
@@ -139,16 +146,18 @@ class Trainer:
         self.step = 0
         self.data_position = 0
         self.update_generator = torch.Generator().manual_seed(cfg.seed)
-        # the run starts (env, model and engine ready): only now is its directory written
-        os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
-        OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
-        self.sink = MetricsSink(
-            self.run_dir,
-            tensorboard=cfg.trainer.tensorboard,
-            wandb=cfg.trainer.wandb,
-            wandb_project=cfg.trainer.wandb_project,
-            config=OmegaConf.to_container(cfg, resolve=True),
-        )
+        self.sink: MetricsSink | NullSink = NullSink()
+        if self.parallel.is_main:
+            # the run starts (env, model and engine ready): only now is its directory written
+            os.makedirs(os.path.join(self.run_dir, "trajectories"), exist_ok=True)
+            OmegaConf.save(cfg, os.path.join(self.run_dir, "config.yaml"))
+            self.sink = MetricsSink(
+                self.run_dir,
+                tensorboard=cfg.trainer.tensorboard,
+                wandb=cfg.trainer.wandb,
+                wandb_project=cfg.trainer.wandb_project,
+                config=OmegaConf.to_container(cfg, resolve=True),
+            )
         for warning in self.sink.warnings:
             self.console.print(f"[yellow]warning:[/] {warning}")
         self.eval_history: dict[str, dict[str, Any]] = {}  # "before", "after_sft", "step_N" -> eval_summary
@@ -185,7 +194,8 @@ class Trainer:
         )
 
     def _save_trajectories(self, name: str, episodes: list[EpisodeResult]) -> None:
-        if not self.cfg.trainer.save_trajectories:
+        """Write every episode of all ranks (``episodes`` is already gathered); rank 0 only."""
+        if not self.cfg.trainer.save_trajectories or not self.parallel.is_main:
             return
         path = os.path.join(self.run_dir, "trajectories", f"{name}.jsonl")
         with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -197,6 +207,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ resume
     def maybe_resume(self) -> None:
+        """Restore the run's latest checkpoint, if any (model, optimizer, step, data position, update
+        generator, eval history); the metrics log is cut back to that step."""
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is None:
             return
@@ -204,7 +216,7 @@ class Trainer:
             in_sft = not json.load(f).get("sft_done", True)
         if in_sft:  # an SFT-stage checkpoint: its optimizer state is the SFT optimizer's
             self._resumed_sft_optimizer = self._sft_optimizer()
-        state = load_checkpoint(ckpt, model=self.model, optimizer=self._resumed_sft_optimizer or self.optimizer)
+        state = self.parallel.load_checkpoint(ckpt, self.model, self._resumed_sft_optimizer or self.optimizer)
         self.step = int(state["step"])
         self.data_position = int(state["data_position"])
         self.update_generator.set_state(torch.tensor(state["update_generator"], dtype=torch.uint8))
@@ -219,38 +231,47 @@ class Trainer:
         self.console.print(f"resumed from {ckpt}: step {self.step}, data position {self.data_position}")
 
     def save(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Checkpoint now; ``optimizer``: the SFT optimizer when called inside the SFT stage (an ``sft_<k>``
-        checkpoint), else the RL optimizer is saved."""
+        """Write an atomic checkpoint of the current step (rank 0 writes the gathered full states);
+        ``optimizer``: the SFT optimizer when called inside the SFT stage (an ``sft_<k>`` checkpoint), else
+        the RL optimizer is saved."""
         in_sft = optimizer is not None
-        save_checkpoint(
-            self.run_dir,
-            step=self.step,
-            data_position=self.data_position,
-            model=self.model,
-            optimizer=optimizer or self.optimizer,
-            sft_step=self.sft_step if in_sft else None,
-            extra={
-                "update_generator": self.update_generator.get_state().tolist(),
-                "eval_history": self.eval_history,
-                "sft_done": not in_sft and self.sft_done,
-                "sft_step": self.sft_step,
-                "sft_info": self.sft_info,
-            },
-            keep=self.cfg.trainer.keep_checkpoints,
-        )
+        model, optim, extra = self.parallel.checkpoint_states(self.model, optimizer or self.optimizer)
+        if self.parallel.is_main:
+            save_checkpoint(
+                self.run_dir,
+                step=self.step,
+                data_position=self.data_position,
+                model=model,
+                optimizer=optim,
+                sft_step=self.sft_step if in_sft else None,
+                extra={
+                    "update_generator": self.update_generator.get_state().tolist(),
+                    "eval_history": self.eval_history,
+                    "sft_done": not in_sft and self.sft_done,
+                    "sft_step": self.sft_step,
+                    "sft_info": self.sft_info,
+                    **extra,
+                },
+                keep=self.cfg.trainer.keep_checkpoints,
+            )
+        self.parallel.barrier()
 
     # ------------------------------------------------------------------ steps
     async def evaluate(self, pool: EnvPool, label: str | None = None) -> dict[str, float]:
-        """Greedy (``eval.temperature``) episodes on the held-out tasks; ``eval/*`` metrics. ``label``: the
-        key in ``eval_history`` (default ``step_N``, or ``before`` at step 0)."""
+        """Greedy (``eval.temperature``) episodes on the held-out tasks; ``eval/*`` metrics over all ranks.
+        ``label``: the key in ``eval_history`` (default ``step_N``, or ``before`` at step 0)."""
         label = label or ("before" if self.step == 0 else f"step_{self.step}")
-        tasks = self.eval_tasks()
-        self.engine.reseed(self.cfg.seed + 999_983)
-        result = await rollout(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1, seed=self.cfg.seed + 7_777_777)
-        self._save_trajectories("eval_after_sft" if label == "after_sft" else f"eval_step_{self.step:06d}", result.episodes)
-        metrics = episode_metrics(result.episodes, prefix="eval/")
-        metrics["eval/timing_s"] = result.wall_s
-        self.eval_seconds = result.wall_s
+        par = self.parallel
+        tasks = par.shard_list(self.eval_tasks())
+        self.engine.reseed(self.cfg.seed + 999_983 + par.rank)
+        with par.gathered(self.model):
+            result = await rollout(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1,
+                                   seed=self.cfg.seed + 7_777_777 + par.rank * len(tasks))
+        episodes = par.gather(result.episodes)
+        self._save_trajectories("eval_after_sft" if label == "after_sft" else f"eval_step_{self.step:06d}", episodes)
+        metrics = episode_metrics(episodes, prefix="eval/")
+        metrics["eval/timing_s"] = par.max(result.wall_s)
+        self.eval_seconds = metrics["eval/timing_s"]
         self.eval_history[label] = {"step": self.step, **eval_summary(metrics)}
         return metrics
 
@@ -325,48 +346,60 @@ class Trainer:
         }
 
     async def train_step(self, pool: EnvPool) -> dict[str, float]:
-        cfg = self.cfg
+        """Roll out this rank's share of the next ``rollout.batch_size`` tasks, update the policy, and
+        return the step's metrics (over all ranks)."""
+        cfg, par = self.cfg, self.parallel
         t_step = time.perf_counter()
         step = self.step + 1
-        tasks = [self.train_task(self.data_position + i) for i in range(cfg.rollout.batch_size)]
-        self.engine.reseed(cfg.seed * 1_000_003 + step)
-        result = await rollout(
-            pool, self.engine, self.sampling(cfg.rollout.temperature), tasks, n=cfg.rollout.n,
-            seed=cfg.seed * 1_000_003 + self.data_position * cfg.rollout.n,
-        )
-        self._save_trajectories(f"step_{step:06d}", result.episodes)
-        metrics = episode_metrics(result.episodes)
-        tool_s = sum(e.tool_s for e in result.episodes)
-        metrics.update({
+        start, count = par.shard_range(self.data_position, cfg.rollout.batch_size)
+        tasks = [self.train_task(start + i) for i in range(count)]
+        self.engine.reseed(cfg.seed * 1_000_003 + step * par.world_size + par.rank)
+        with par.gathered(self.model):
+            result = await rollout(pool, self.engine, self.sampling(cfg.rollout.temperature), tasks,
+                                   n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + start * cfg.rollout.n)
+        episodes = par.gather(result.episodes)
+        self._save_trajectories(f"step_{step:06d}", episodes)
+        metrics = episode_metrics(episodes)
+        metrics.update(par.mean({
             "timing_s/rollout": result.wall_s,
             "timing_s/gen": result.gen_s,
-            "timing_s/tools": tool_s,
+            "timing_s/tools": sum(e.tool_s for e in result.episodes),
             "timing_s/env": sum(e.env_s for e in result.episodes),
             "perf/gen_tokens_per_s": result.generated_tokens / max(result.gen_s, 1e-9),
-        })
-        usable = [e for e in result.episodes if e.usable and sum(e.trajectory.response_mask) > 0]
-        if usable:
-            batch = collate([e.trajectory for e in usable], [e.group for e in usable], self.pad_token_id)
+        }))
+        rows, failed = self._training_rows(result.episodes)
+        if rows:
+            batch = collate([e.trajectory for e in rows], [e.group for e in rows], self.pad_token_id)
+            batch.response_mask[failed] = 0
             batch = batch.to(self.model.device)
-            metrics.update(
-                update_policy(
-                    model=self.model,
-                    optimizer=self.optimizer,
-                    batch=batch,
-                    cfg=cfg,
-                    temperature=cfg.rollout.temperature,
-                    ref_model=self.ref_model,
-                    generator=self.update_generator,
-                    routing=[e.routing for e in usable] if cfg.actor.routing_replay else None,
-                )
+            update = update_policy(
+                model=self.model,
+                optimizer=self.optimizer,
+                batch=batch,
+                cfg=cfg,
+                temperature=cfg.rollout.temperature,
+                ref_model=self.ref_model,
+                generator=self.update_generator,
+                routing=[e.routing for e in rows] if cfg.actor.routing_replay else None,
             )
+            metrics.update(par.mean(update))
         else:
             metrics["actor/skipped_update"] = 1.0
         self.step = step
         self.data_position += cfg.rollout.batch_size
         metrics["training/data_position"] = float(self.data_position)
-        metrics["timing_s/step"] = time.perf_counter() - t_step
+        metrics["timing_s/step"] = par.max(time.perf_counter() - t_step)
         return metrics
+
+    def _training_rows(self, episodes: list[EpisodeResult]) -> tuple[list[EpisodeResult], torch.Tensor]:
+        """The episodes to collate and a bool mask of the rows whose loss mask is zeroed. One process
+        trains on the usable episodes only; ranks of a parallel run keep every row (equal batch shapes
+        keep FSDP's collectives in step) and zero the loss mask of failed or empty episodes."""
+        trainable = [e.usable and sum(e.trajectory.response_mask) > 0 for e in episodes]
+        if self.parallel.equal_batches:
+            return list(episodes), ~torch.tensor(trainable, dtype=torch.bool)
+        rows = [e for e, ok in zip(episodes, trainable, strict=True) if ok]
+        return rows, torch.zeros(len(rows), dtype=torch.bool)
 
     # ------------------------------------------------------------------ loop
     async def _fit(self) -> dict[str, Any]:
@@ -503,7 +536,31 @@ class Trainer:
                 summary["eval_after_sft"] = history["after_sft"]
             summary["eval_after"] = history[steps[-1][1]] if steps else history[first]
             summary["eval_tasks"] = self.cfg.eval.num_tasks
-        with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+        if self.parallel.is_main:
+            with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2)
         return summary
+
+
+def run_distributed(cfg: DictConfig, argv: Sequence[str]) -> int:
+    """``agentrl train`` with ``trainer.n_gpus > 1``: relaunch under torchrun, or (inside a torchrun child)
+    train as one rank of :class:`~agentrl.train.parallel.FSDP2Parallel`. Returns the exit code; rank 0
+    prints the summary."""
+    from agentrl.train import distributed
+    from agentrl.train.parallel import FSDP2Parallel
+
+    n_procs = int(cfg.trainer.n_gpus)
+    if not distributed.launched_by_torchrun():
+        distributed.check_config(cfg, n_procs)
+        return distributed.relaunch(argv, n_procs)
+    if int(os.environ["WORLD_SIZE"]) != n_procs:
+        raise RuntimeError(f"torchrun started {os.environ['WORLD_SIZE']} processes but trainer.n_gpus={n_procs}")
+    distributed.init(cfg.device)
+    try:
+        summary = Trainer(cfg, parallel=FSDP2Parallel()).fit()
+        if distributed.rank() == 0:
+            print(json.dumps(summary, indent=2))
+    finally:
+        distributed.destroy()
+    return 0
 

@@ -5,7 +5,7 @@ these are our own pure-torch implementations of verl 0.9.1's estimators, losses,
 correction, proven equal to verl's on random inputs by ``tests/test_algos_parity.py`` and the hypothesis
 property tests of ``tests/test_algos_properties.py`` (run wherever verl is installed, e.g. CI). Where verl's
 results are rounding artefacts or NaN from junk outside the mask, ours are exact and finite (see the
-modules' docstrings). :mod:`agentrl.train.algorithms.verl_registry` registers our extra losses into verl's
+modules' docstrings). :mod:`agentrl.train.verl_backend.losses` registers our extra losses into verl's
 registry for the verl backend.
 
 Public API:

@@ -103,8 +103,21 @@ def _constant_groups(scores: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:
 def grpo(*, token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True, **_):
     """GRPO outcome advantage: ``(score - group mean) / (group std + epsilon)``, broadcast over tokens.
 
-    With ``norm_adv_by_std_in_grpo=False`` the std division is skipped (Dr.GRPO). A group of equal scores
-    gets exactly 0 (see :func:`_group_centered`).
+    Shao et al. 2024, "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+    https://arxiv.org/abs/2402.03300. With ``norm_adv_by_std_in_grpo=False`` the std division is skipped:
+    Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+    https://arxiv.org/abs/2503.20783.
+
+    Args:
+        token_level_rewards: ``[B, T]`` float; the row sum is the sequence score.
+        response_mask: ``[B, T]``, 1 = model token.
+        index: ``B`` group ids (rows with one id are samples of one prompt).
+        epsilon: added to the group std (unbiased; 1 for a singleton group).
+        norm_adv_by_std_in_grpo: divide by the group std.
+
+    Returns:
+        ``(advantages, returns)``: both the same ``[B, T]`` float tensor, 0 outside ``response_mask``.
+        A group of equal scores gets exactly 0 (see :func:`_group_centered`).
     """
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
@@ -116,7 +129,20 @@ def grpo(*, token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by
 
 @register_advantage("rloo")
 def rloo(*, token_level_rewards, response_mask, index, **_):
-    """RLOO: ``score - mean(other samples of the group)``; singleton groups keep the raw score."""
+    """RLOO: ``score - mean(other samples of the group)``, broadcast over tokens.
+
+    Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human
+    Feedback in LLMs", https://arxiv.org/abs/2402.14740 (the leave-one-out baseline of Kool et al. 2019).
+
+    Args:
+        token_level_rewards: ``[B, T]`` float; the row sum is the sequence score.
+        response_mask: ``[B, T]``, 1 = model token.
+        index: ``B`` group ids.
+
+    Returns:
+        ``(advantages, returns)``: both the same ``[B, T]`` tensor, 0 outside ``response_mask``; a
+        singleton group keeps its raw score, a group of equal scores gets exactly 0.
+    """
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
         count, centered, _ = _group_centered(scores, _group_ids(index, scores.shape[0], scores.device))
@@ -130,9 +156,19 @@ def rloo(*, token_level_rewards, response_mask, index, **_):
 def reinforce_plus_plus_baseline(*, token_level_rewards, response_mask, index, **_):
     """REINFORCE++ with a group-mean baseline, then whitened over all unmasked tokens of the batch.
 
-    Rows of a group of equal scores get exactly 0 after the whitening too (verl gives them minus the batch
-    mean over the batch std: a push from other prompts' statistics on samples without signal). The
-    whitening statistics still include their tokens, as in verl, so every other row matches verl.
+    Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
+    https://arxiv.org/abs/2501.03262 (the "baseline" variant for outcome rewards).
+
+    Args:
+        token_level_rewards: ``[B, T]`` float; the row sum is the sequence score.
+        response_mask: ``[B, T]``, 1 = model token.
+        index: ``B`` group ids.
+
+    Returns:
+        ``(advantages, returns)``: both the same ``[B, T]`` tensor, 0 outside ``response_mask``.
+        Rows of a group of equal scores get exactly 0 after the whitening too (verl gives them minus the
+        batch mean over the batch std: a push from other prompts' statistics on samples without signal).
+        The whitening statistics still include their tokens, as in verl, so every other row matches verl.
     """
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
@@ -146,10 +182,21 @@ def reinforce_plus_plus_baseline(*, token_level_rewards, response_mask, index, *
 
 @register_advantage("opo")
 def opo(*, token_level_rewards, response_mask, index, **_):
-    """OPO: score minus the length-weighted group mean score (singleton groups: baseline 0).
+    """OPO: score minus the length-weighted group mean score, broadcast over tokens.
 
-    Computed on differences to the group's first score, so a group of equal scores gets exactly 0; a group
-    whose rows have no model tokens at all gets 0 (verl divides 0 by 0 there and returns NaN).
+    Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", https://arxiv.org/abs/2505.23585 (the
+    baseline ``sum_i |y_i| r_i / sum_i |y_i|`` over the group, ``|y_i|`` the model tokens of row ``i``).
+
+    Args:
+        token_level_rewards: ``[B, T]`` float; the row sum is the sequence score.
+        response_mask: ``[B, T]``, 1 = model token (the row length is its sum).
+        index: ``B`` group ids.
+
+    Returns:
+        ``(advantages, returns)``: both the same ``[B, T]`` tensor, 0 outside ``response_mask``; a
+        singleton group has baseline 0. Computed on differences to the group's first score, so a group of
+        equal scores gets exactly 0; a group whose rows have no model tokens at all gets 0 (verl divides 0
+        by 0 there and returns NaN).
     """
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
@@ -181,7 +228,19 @@ def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float)
 
 @register_advantage("reinforce_plus_plus")
 def reinforce_plus_plus(*, token_level_rewards, response_mask, gamma=1.0, **_):
-    """REINFORCE++: discounted reward-to-go, whitened over all unmasked tokens of the batch."""
+    """REINFORCE++: discounted reward-to-go, whitened over all unmasked tokens of the batch.
+
+    Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
+    https://arxiv.org/abs/2501.03262.
+
+    Args:
+        token_level_rewards: ``[B, T]`` float per-token rewards.
+        response_mask: ``[B, T]``, 1 = model token; env tokens pass the running return through unchanged.
+        gamma: discount per model token.
+
+    Returns:
+        ``(advantages [B, T]`` whitened and 0 outside the mask, ``returns [B, T])`` the reward-to-go.
+    """
     with torch.no_grad():
         returns = _discounted_returns(token_level_rewards, response_mask, gamma)
         adv = masked_whiten(returns, response_mask) * response_mask
@@ -190,10 +249,24 @@ def reinforce_plus_plus(*, token_level_rewards, response_mask, gamma=1.0, **_):
 
 @register_advantage("gae")
 def gae(*, token_level_rewards, response_mask, values=None, gamma=1.0, lam=1.0, **_):
-    """Generalised Advantage Estimation with a critic's ``values`` ``[B, T]``.
+    """Generalised Advantage Estimation with a critic's values.
 
-    Env tokens (mask 0) are skipped: they neither bootstrap a value nor reset the running GAE. Returns are
-    ``advantages + values`` before whitening; advantages are then whitened over unmasked tokens.
+    Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage Estimation",
+    https://arxiv.org/abs/1506.02438.
+
+    Args:
+        token_level_rewards: ``[B, T]`` float per-token rewards.
+        response_mask: ``[B, T]``, 1 = model token. Env tokens are skipped: they neither bootstrap a value
+            nor reset the running GAE, and junk in their values never reaches the result.
+        values: ``[B, T]`` float critic values (required).
+        gamma: discount; lam: the GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]``: returns are ``advantages + values`` before whitening;
+        advantages are then whitened over unmasked tokens (defined on every position, as in verl).
+
+    Raises:
+        ValueError: ``values`` is missing.
     """
     if values is None:
         raise ValueError(
@@ -227,10 +300,23 @@ def compute_advantages(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the estimator registered as ``name``; returns ``(advantages, returns)``, each ``[B, T]``.
+    """Run the estimator registered as ``name`` (verl's ``compute_advantage`` dispatch).
 
-    Names: see :data:`ADVANTAGE_ESTIMATORS` (``grpo``, ``rloo``, ``gae``, ``reinforce_plus_plus``,
-    ``reinforce_plus_plus_baseline``, ``opo``). Group estimators need ``index``; ``gae`` needs ``values``.
+    Args:
+        name: one of :data:`ADVANTAGE_ESTIMATORS` (``grpo``, ``rloo``, ``gae``, ``reinforce_plus_plus``,
+            ``reinforce_plus_plus_baseline``, ``opo``); see each function for its paper.
+        token_level_rewards: ``[B, T]`` float.
+        response_mask: ``[B, T]``, 1 = model token.
+        index: ``B`` group ids (group estimators).
+        values: ``[B, T]`` critic values (``gae``).
+        gamma, lam, norm_adv_by_std_in_grpo, epsilon: the estimators' parameters.
+
+    Returns:
+        ``(advantages, returns)``, each ``[B, T]`` float.
+
+    Raises:
+        ValueError: an unknown name (listing the valid ones), mismatched shapes, a group estimator without
+            ``index``, ``gae`` without ``values``.
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
     if fn is None:

@@ -46,6 +46,22 @@ def agg_loss(
 ) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss to a scalar (verl's ``agg_loss``, same keyword arguments).
 
+    ``token-mean`` is the token-level loss of DAPO (Yu et al. 2025, https://arxiv.org/abs/2503.14476);
+    ``seq-mean-token-mean`` GRPO's original (https://arxiv.org/abs/2402.03300); ``seq-mean-token-sum-norm``
+    the constant-normaliser loss of Dr. GRPO (https://arxiv.org/abs/2503.20783).
+
+    Args:
+        loss_mat: ``[B, T]`` float per-token loss.
+        loss_mask: ``[B, T]``, 1 = a token that counts.
+        loss_agg_mode: one of :data:`LOSS_AGG_MODES` (below).
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: see below.
+
+    Returns:
+        A 0-d float tensor (differentiable through ``loss_mat``).
+
+    Raises:
+        ValueError: an unknown mode, or ``dp_size > 1`` without the global totals.
+
     Modes:
       ``token-mean``: sum over unmasked tokens / ``batch_num_tokens`` (default: unmasked tokens here).
       ``token-sum``: sum over unmasked tokens.
@@ -89,7 +105,21 @@ KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate from sampled-token log-probs (Schulman's k1/k2/k3).
+    """Per-token KL(pi || ref) estimate from sampled-token log-probs.
+
+    The k1/k2/k3 estimators of Schulman 2020, "Approximating KL Divergence",
+    http://joschu.net/blog/kl-approx.html.
+
+    Args:
+        log_prob: ``[B, T]`` log-probs of the sampled tokens under the policy.
+        ref_log_prob: ``[B, T]`` the same tokens under the reference policy.
+        kind: one of :data:`KL_KINDS`, optionally with a trailing ``+``.
+
+    Returns:
+        ``[B, T]`` float per-token estimates (mask them with the response mask).
+
+    Raises:
+        ValueError: an unknown ``kind``.
 
     ``k1``/``kl``: ``logp - ref``; ``abs``: ``|logp - ref|``; ``k2``/``mse``: ``0.5 (logp - ref)^2``;
     ``k3``/``low_var_kl``: ``exp(ref - logp) - (ref - logp) - 1`` with the log-ratio clamped to ±20 and the
@@ -166,7 +196,24 @@ def _ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
 def vanilla(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs
 ):
-    """PPO clipped surrogate with dual clip for negative advantages (ratio capped at ``clip.c``)."""
+    """PPO clipped surrogate with dual clip for negative advantages (ratio capped at ``clip.c``).
+
+    Schulman et al. 2017, "Proximal Policy Optimization Algorithms", https://arxiv.org/abs/1707.06347; dual
+    clip: Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement Learning",
+    https://arxiv.org/abs/1912.09729; asymmetric bounds (``clip.high > clip.low``, "clip-higher"): DAPO,
+    https://arxiv.org/abs/2503.14476.
+
+    Args (all ``[B, T]`` unless said): old_log_prob, log_prob (differentiable), advantages, response_mask;
+    loss_agg_mode; clip: :class:`ClipConfig`; rollout_is_weights: ``[B, T]`` or None; agg_kwargs: for
+    :func:`agg_loss`.
+
+    Returns:
+        ``(loss, metrics)``: a 0-d tensor and ``actor/pg_clipfrac``, ``actor/ppo_kl``,
+        ``actor/pg_clipfrac_lower``, ``actor/ppo_ratio_mean|max|min``.
+
+    Raises:
+        ValueError: ``clip.c <= 1``.
+    """
     if clip.c <= 1.0:
         raise ValueError(f"dual-clip bound clip_ratio_c must be > 1.0, got {clip.c}")
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP)
@@ -195,7 +242,14 @@ def vanilla(
 def gspo(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs
 ):
-    """GSPO: sequence-level ratio ``exp(mean_t log(pi/pi_old))`` with per-token gradients, clipped."""
+    """GSPO: sequence-level ratio ``exp(mean_t log(pi/pi_old))`` with per-token gradients, clipped.
+
+    Zheng et al. 2025, "Group Sequence Policy Optimization", https://arxiv.org/abs/2507.18071 (the
+    GSPO-token form: every token of a row carries the row's ratio, the gradient flows per token).
+
+    Args and returns: as :func:`vanilla` (``[B, T]`` inputs, ``(loss, metrics)``; no dual clip, so
+    ``actor/pg_clipfrac_lower`` is 0).
+    """
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / response_mask.sum(dim=-1).clamp(min=1)
     token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
@@ -219,7 +273,15 @@ def gspo(
 def cispo(
     old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, clip, rollout_is_weights, agg_kwargs
 ):
-    """CISPO: ``-sg(clip(ratio)) * A * log_prob`` (the clipped ratio is a stopped-gradient weight)."""
+    """CISPO: ``-sg(clip(ratio)) * A * log_prob`` (the clipped ratio is a stopped-gradient weight).
+
+    MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+    https://arxiv.org/abs/2506.13585: clipping the importance weight instead of the update keeps every
+    token's gradient.
+
+    Args and returns: as :func:`vanilla` (``[B, T]`` inputs, ``(loss, metrics)``;
+    ``actor/pg_clipfrac`` counts tokens whose ratio was clipped).
+    """
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - clip.lo, 1 + clip.hi)
@@ -255,6 +317,22 @@ def policy_loss(
     loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar policy loss (to minimise) and metrics for the loss registered as ``name``.
+
+    Args:
+        name: one of :data:`POLICY_LOSSES` (``vanilla``, ``gspo``, ``cispo``; see each for its paper).
+        old_log_prob: ``[B, T]`` log-probs of the sampled tokens under the policy that sampled the batch.
+        log_prob: ``[B, T]`` the same under the current policy (differentiable).
+        advantages: ``[B, T]``.
+        response_mask: ``[B, T]``, 1 = model token.
+        loss_agg_mode: see :func:`agg_loss`.
+        clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c: :class:`ClipConfig`.
+        rollout_is_weights: ``[B, T]`` detached rollout-correction weights, or None.
+
+    Returns:
+        ``(loss, metrics)``: a 0-d tensor and a dict of floats.
+
+    Raises:
+        ValueError: an unknown name (listing the valid ones) or inputs of different shapes.
 
     Metrics use verl's names: ``actor/pg_clipfrac`` (fraction of unmasked tokens where clipping bound),
     ``actor/ppo_kl`` (mean ``old - new`` log-prob), ``actor/pg_clipfrac_lower`` (dual-clip fraction), plus

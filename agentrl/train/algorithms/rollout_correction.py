@@ -315,14 +315,32 @@ def rollout_correction(
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """IS weights, rejection-filtered mask and ``rollout_corr/*`` metrics for one batch.
 
+    Truncated IS (TIS): Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+    Training", https://fengyao.notion.site/off-policy-rl. Masking outside ``[lo, hi]`` (IcePop): Ling Team
+    2025, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale Thinking Model",
+    https://arxiv.org/abs/2510.18855. Sequence-level IS and rejection by divergence: Liu et al. 2025, "When
+    Speed Kills Stability: Demystifying RL Collapse from the Training-Inference Mismatch",
+    https://richardli.xyz/rl-collapse (the references verl's ``rollout_corr_helper`` gives).
+
     Args:
       old_log_prob: ``[B, T]`` log-probs of the sampled tokens under the training forward (pi_train).
       rollout_log_prob: ``[B, T]`` log-probs the rollout engine reported (pi_rollout).
       response_mask: ``[B, T]`` 1 = model token; must contain at least one 1.
+      rollout_is: ``"token"``, ``"sequence"`` or None (no weights).
+      rollout_is_threshold: upper truncation bound (float) or ``"lo_hi"`` mask bounds (see the module).
+      rollout_is_batch_normalize: divide the weights by their batch mean.
+      rollout_rs: comma-separated rejection options (:data:`RS_OPTIONS`) or None;
+        rollout_rs_threshold: their bounds.
       with_metrics: False skips every metric (no host syncs): for per-micro-batch weights and masks, whose
         metrics are then computed once over the whole batch.
-    Returns ``(is_weights [B, T] detached or None, response_mask with rejected tokens zeroed (same dtype),
-    metrics)``. With both ``rollout_is`` and ``rollout_rs`` None only the gap metrics are computed.
+
+    Returns:
+      ``(is_weights [B, T] detached or None, response_mask [B, T] with rejected tokens zeroed (same dtype),
+      metrics)``. With both ``rollout_is`` and ``rollout_rs`` None only the gap metrics are computed.
+
+    Raises:
+      ValueError: shapes differ, the mask has no model token, or an option/threshold is malformed.
+      TypeError: ``rollout_is_threshold`` is neither a number nor a string.
 
     Any gap is handled: the weights are finite and exactly 0 outside the mask, and the mask is 0/1, for
     log-prob gaps of any size (exponents are clamped at ±20, verl's safety bound) and any junk (NaN, ±inf)

@@ -1,8 +1,8 @@
 """Map an ``agentrl train`` config onto verl's Hydra config (``verl/trainer/config/ppo_trainer.yaml``).
 
 Contract: :func:`verl_settings` takes our resolved training config (an OmegaConf ``DictConfig`` or a
-nested ``dict`` shaped like :class:`agentrl.train.config.TrainConfig`, with the :class:`VerlSection`
-under ``verl``) and the dataset paths, and returns the verl keys to set with their values, in a stable
+nested ``dict`` shaped like :class:`agentrl.train.config.TrainConfig`, with its
+:class:`~agentrl.train.config.VerlSection` under ``verl``) and the dataset paths, and returns the verl keys to set with their values, in a stable
 order; :func:`verl_overrides` renders them as the Hydra override strings ``verl.trainer.main_ppo`` takes,
 followed by the user's raw ``verl.overrides``. Only our cross-field checks run here (:func:`check_ours`);
 verl's own validation runs in :mod:`agentrl.train.verl_backend.validate`.
@@ -27,10 +27,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.train.config import VerlSection
 from agentrl.train.verl_backend.rollout_backend import ROLLOUT_NAME, RolloutChoice, choose_rollout
 
 AGENT_NAME = "agentrl"
@@ -41,7 +41,7 @@ SINK_ATTENTION = "agentrl_sink"
 
 ONPOLICY_LOSS = "agentrl_onpolicy"
 """The on-policy fix with verl's ``vanilla``; ``agentrl_onpolicy_<loss>`` composes it with ``<loss>``
-(registered in verl by ``agentrl.train.algorithms.verl_registry``)."""
+(registered in verl by ``agentrl.train.verl_backend.losses``)."""
 LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 NOT_COMPOSABLE = {
     "bypass_mode": "it trains against the rollout log-probs (old_log_prob = rollout_log_prob) by design",
@@ -52,39 +52,6 @@ STRATEGIES = ("fsdp", "fsdp2")
 
 class VerlConfigError(ValueError):
     """A config that verl would reject (or that we know cannot work), found before launch."""
-
-
-@dataclass
-class VerlSection:
-    """Settings only ``backend=verl`` reads (``verl.*`` keys of ``agentrl train``).
-
-    ``rollout``: verl's rollout engine, ``auto`` | ``vllm`` | ``sglang`` | ``agentrl`` (agentrl's
-    transformers engine inside verl's training workers; see
-    :mod:`agentrl.train.verl_backend.rollout_backend`); ``tensor_parallel`` GPUs per vLLM/SGLang server. ``max_prompt_length`` /
-    ``max_response_length``: verl's padded widths (the response is the whole multi-turn episode after
-    the prompt). ``ulysses_sp``: Ulysses sequence-parallel group size (divides the attention heads).
-    ``use_dynamic_bsz`` packs micro-batches up to ``max_tokens_per_gpu`` tokens; otherwise
-    ``micro_batch_size_per_gpu`` sequences. ``n_train_tasks`` / ``n_val_tasks``: training-stream and
-    held-out tasks written to the dataset (from ``data.tasks``, as for the embedded trainer). ``overrides``: raw verl Hydra
-    overrides appended last (``verl.overrides=[trainer.val_before_train=true]``).
-    """
-
-    rollout: str = "auto"
-    tensor_parallel: int = 1
-    gpu_memory_utilization: float = 0.6
-    ulysses_sp: int = 1
-    max_prompt_length: int = 2048
-    max_response_length: int = 8192
-    use_dynamic_bsz: bool = True
-    max_tokens_per_gpu: int = 16384
-    micro_batch_size_per_gpu: int = 1
-    strategy: str = "fsdp2"
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    agent_workers: int = 8
-    n_train_tasks: int = 1024
-    n_val_tasks: int = 64
-    overrides: list[str] = field(default_factory=list)
 
 
 def _top_k(value: Any) -> int:

@@ -6,8 +6,8 @@ every Ray worker, so importing this module is what makes agentrl available insid
 - the ``agentrl`` agent loop (:mod:`agentrl.train.verl_backend.agent_loop`) in verl's agent-loop registry;
 - agentrl's policy losses (``agentrl_onpolicy`` and ``agentrl_onpolicy_<base>``: the on-policy log-prob fix
   composed with verl's own losses) in verl's policy-loss registry, through
-  :func:`agentrl.train.algorithms.verl_registry.register_all`, and the update guard that lets those losses
-  refuse a stale ``old_log_prob`` (:func:`~agentrl.train.algorithms.verl_registry.install_update_guard`);
+  :func:`agentrl.train.verl_backend.losses.register_all`, and the update guard that lets those losses
+  refuse a stale ``old_log_prob`` (:func:`~agentrl.train.verl_backend.losses.install_update_guard`);
 - sink attention as the transformers attention implementation ``agentrl_sink``, Ulysses-aware
   (:mod:`agentrl.train.verl_backend.ulysses`), selectable with
   ``actor_rollout_ref.model.override_config.attn_implementation=agentrl_sink``;
@@ -38,7 +38,7 @@ def _agent_loop() -> list[str]:
 
 
 def _policy_losses() -> list[str]:
-    from agentrl.train.algorithms.verl_registry import install_update_guard, register_all
+    from agentrl.train.verl_backend.losses import install_update_guard, register_all
 
     names = list(register_all())
     install_update_guard()

@@ -27,6 +27,7 @@ two registries:
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -39,6 +40,10 @@ ROLLOUT_CHOICES = ("auto", *SERVER_ENGINES, ROLLOUT_NAME)
 
 ADAPTER_PATH = "agentrl.train.verl_backend.rollout.AgentrlRollout"
 """Dotted path verl imports the server adapter from (``get_rollout_class``)."""
+
+REPLICA_PATH = "agentrl.train.verl_backend.rollout_server.AgentrlReplica"
+"""Dotted path of our ``RolloutReplica``, imported when verl first asks for it (like the adapter, by name:
+this registering module never imports the implementations it registers)."""
 
 
 def installed_version(package: str) -> str | None:
@@ -95,10 +100,9 @@ def choose_rollout(requested: str) -> RolloutChoice:
     )
 
 
-def _load_replica():
-    from agentrl.train.verl_backend.rollout_server import AgentrlReplica
-
-    return AgentrlReplica
+def _load_replica() -> type:
+    module, _, name = REPLICA_PATH.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def register_rollout() -> list[str]:

@@ -1,4 +1,5 @@
-"""The on-policy fix as verl policy losses (for the verl backend).
+"""The on-policy fix as verl policy losses (for the verl backend; the pure-torch algorithms are in
+:mod:`agentrl.train.algorithms`).
 
 verl is optional: import this module only where verl is installed. :func:`register_all` is idempotent.
 

@@ -1,0 +1,135 @@
+"""How each ``api`` drives eval episodes: the env to build and the policy of each job.
+
+``completions`` (an endpoint or a local model): a :class:`~agentrl.episodes.TokenPolicy` on the engine,
+token-in-token-out. ``chat``: a :class:`~agentrl.runtime.ChatPolicy` on the endpoint. Both run through the
+shared episode loop (:func:`agentrl.episodes.run_episode`) that training, the verl agent loop and the product
+``Agent`` run, so an evaluation episode is exactly a training rollout.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import inspect
+from typing import Any
+
+from agentrl.engines.base import SamplingParams
+from agentrl.episodes import EpisodeJob, EpisodeResult, Policy, TokenPolicy
+from agentrl.evaluation.config import EvalConfig
+
+
+async def open_runner(cfg: EvalConfig, stack: contextlib.AsyncExitStack) -> EpisodeRunner:
+    """The episode runner for ``cfg.api`` and ``cfg.model``; its resources (sandbox backend, HTTP client,
+    engine) are entered on ``stack`` and closed with it."""
+    from agentrl.envs.registry import env_class
+
+    cls = env_class(cfg.env)
+    env_kwargs = dict(cfg.env_kwargs)
+    if "sandbox" in inspect.signature(cls.__init__).parameters and "sandbox" not in env_kwargs:
+        from agentrl.envs.sandbox import make_backend
+
+        backend = await stack.enter_async_context(make_backend(cfg.sandbox))  # shared by all envs
+        await backend.run("pass")  # start the pool before the first episode
+        env_kwargs["sandbox"] = backend
+    if cfg.api == "chat":
+        from agentrl.engines.openai_engine import ChatClient, Endpoint
+
+        client = await stack.enter_async_context(ChatClient(_endpoint(cfg, Endpoint)))
+        return ChatRunner(cls, env_kwargs, cfg, client)
+    if cfg.is_endpoint:
+        from agentrl.engines.openai_engine import Endpoint, OpenAIEngine
+
+        engine = await stack.enter_async_context(OpenAIEngine(_endpoint(cfg, Endpoint)))
+        served = await _served_format(engine.endpoint) if cfg.format == "auto" else None
+        if served is not None:  # auto: the server's own format (agentrl serve model describes it)
+            fmt = served
+        else:
+            from agentrl.harmony import make_format
+
+            fmt = make_format(cfg.format)
+    else:
+        from agentrl.engines.server import load_local_engine
+
+        engine, fmt, _ = load_local_engine(cfg.model, format=cfg.format, seed=cfg.seed)
+    return TokenRunner(cls, {**env_kwargs, "format": fmt}, cfg, engine)
+
+
+def _endpoint(cfg: EvalConfig, endpoint_cls: Any) -> Any:
+    return endpoint_cls(
+        cfg.model,
+        api_key=cfg.api_key,
+        model=cfg.served_model,
+        timeout_s=cfg.timeout_s,
+        max_retries=cfg.retries,
+        max_concurrency=cfg.concurrency,
+    )
+
+
+async def _served_format(endpoint: Any) -> Any:
+    """The endpoint's own ChatFormat, or ``None`` if it describes none or cannot be reached now (the
+    episodes then fail, are recorded in ``errors.jsonl`` and retried by the next run)."""
+    from agentrl.engines.openai_engine import EndpointError
+
+    try:
+        return await endpoint.served_format()
+    except EndpointError:
+        return None
+
+
+class EpisodeRunner(abc.ABC):
+    """How one ``api`` drives episodes: the env to build and the policy of each job."""
+
+    def __init__(self, cls: type, env_kwargs: dict[str, Any], cfg: EvalConfig, backend: Any):
+        self.cls, self.env_kwargs, self.cfg, self.backend = cls, env_kwargs, cfg, backend
+
+    def make_env(self) -> Any:
+        return self.cls(**self.env_kwargs)
+
+    @abc.abstractmethod
+    def policy(self, job: EpisodeJob) -> Policy:
+        """The policy of one episode (sample ``job.sample`` is drawn with seed ``cfg.seed + job.sample``)."""
+
+    def describe(self, result: EpisodeResult) -> dict[str, Any]:
+        """Entries for the trajectory's metadata beyond what the policy recorded."""
+        return {}
+
+
+class TokenRunner(EpisodeRunner):
+    """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        # looked up once: openai-harmony computes them on each call
+        self.stop_ids = list(self.env_kwargs["format"].stop_token_ids)
+
+    def policy(self, job: EpisodeJob) -> Policy:
+        cfg = self.cfg
+        sampling = SamplingParams(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            stop_token_ids=self.stop_ids,
+            seed=cfg.seed + job.sample,
+        )
+        return TokenPolicy(self.backend, sampling)
+
+    def describe(self, result: EpisodeResult) -> dict[str, Any]:
+        return {"api": "completions", "env_s": result.env_s, "requests": len(result.steps)}
+
+
+class ChatRunner(EpisodeRunner):
+    """Chat-completions episodes: a :class:`~agentrl.runtime.ChatPolicy` on the endpoint (it records
+    ``api``, ``requests`` and token usage in the trajectory)."""
+
+    def policy(self, job: EpisodeJob) -> Policy:
+        from agentrl.runtime import ChatPolicy
+
+        cfg = self.cfg
+        sampling = {
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "max_completion_tokens": cfg.max_new_tokens,
+            "seed": cfg.seed + job.sample,
+        }
+        return ChatPolicy(self.backend, sampling)
+
