@@ -176,7 +176,8 @@ def _load_run(
     base = str(cfg.get("model") or "")
     if not base:
         raise ValueError(f"{os.path.join(run_dir, 'config.yaml')} names no model; is it an agentrl run?")
-    kwargs = OmegaConf.to_container(cfg.get("model_kwargs") or {}, resolve=True)
+    raw_kwargs = cfg.get("model_kwargs")  # an empty DictConfig (the default) is falsy: no to_container on a dict
+    kwargs = OmegaConf.to_container(raw_kwargs, resolve=True) if raw_kwargs else {}
     if is_run_dir(base):
         loaded = _load_run(base, device=device, dtype=dtype, attn_implementation=attn_implementation, depth=depth + 1)
     else:
