@@ -534,7 +534,9 @@ class Trainer:
             summary["eval_before"] = history[first]
             if "after_sft" in history:
                 summary["eval_after_sft"] = history["after_sft"]
-            summary["eval_after"] = history[steps[-1][1]] if steps else history[first]
+            # no RL step evaluated (an SFT-only run, or total_steps=0): the latest evaluation is the last one
+            latest = "after_sft" if "after_sft" in history else first
+            summary["eval_after"] = history[steps[-1][1]] if steps else history[latest]
             summary["eval_tasks"] = self.cfg.eval.num_tasks
         if self.parallel.is_main:
             with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
