@@ -31,6 +31,13 @@ PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "rollout_train_gap": ("rollout vs train log-prob, mean |Δ|", ("rollout_corr/logprob_abs_diff_mean",)),
 }
 
+#: held-out panels: the evaluation before the SFT stage (logged at step 0 beside the after-SFT one), drawn as
+#: its own point so a run with a cold start shows before -> after SFT -> after RL
+BEFORE_SFT: dict[str, str] = {
+    "eval_reward": "eval_before/critic/score/mean",
+    "eval_tool_call_rate": "eval_before/episode/tool_call_rate",
+}
+
 
 def _series(records: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[str, list[int], list[float]] | None:
     for key in keys:
@@ -63,6 +70,11 @@ def plot_runs(run_dirs: list[str], out_dir: str, *, dpi: int = 80) -> list[str]:
             key, steps, values = found
             for target in (ax, ax_all):
                 target.plot(steps, values, marker="o", markersize=3, label=f"{label} ({key})" if len(keys) > 1 else label)
+            before = _series(records, (BEFORE_SFT[stem],)) if stem in BEFORE_SFT else None
+            if before is not None:
+                for target in (ax, ax_all):
+                    target.plot(before[1], before[2], marker="x", markersize=7, linestyle="none",
+                                label=f"{label} (before SFT)")
         for target in (ax, ax_all):
             target.set_title(title)
             target.set_xlabel("step")
