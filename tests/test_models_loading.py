@@ -104,3 +104,22 @@ def test_run_without_checkpoint_and_bad_directories_are_clear_errors(tmp_path):
     plain.mkdir()
     with pytest.raises(ValueError, match="no config.json.*training run directory"):
         load_model(str(plain))
+
+
+def test_agentrl_sink_attention_is_registered_on_demand(tmp_path):
+    """``attn_implementation=agentrl_sink`` works for any model name (the embedded trainer compares with
+    verl on the same kernel): a saved GPT-OSS directory gives eager's logits (fp32; the kernel runs under
+    TRITON_INTERPRET=1 without a GPU, see conftest)."""
+    pytest.importorskip("triton")
+    from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
+    from agentrl.models.tiny import tiny_gpt_oss
+
+    tiny_gpt_oss(num_layers=2, hidden=64, sliding_window=4, seed=1).save_pretrained(tmp_path / "m")
+    harmony_hf_tokenizer().save_pretrained(tmp_path / "m")
+    sink = load_model(str(tmp_path / "m"), attn_implementation="agentrl_sink")
+    eager = load_model(str(tmp_path / "m"), attn_implementation="eager")
+    assert (sink.attn_implementation, eager.attn_implementation) == ("agentrl_sink", "eager")
+    ids = torch.tensor([[200006, 9, 17, 3, 44, 2, 8, 61, 7, 12]], device=sink.model.device)
+    with torch.no_grad():
+        torch.testing.assert_close(sink.model(ids).logits, eager.model(ids).logits.to(sink.model.device),
+                                   atol=1e-4, rtol=1e-4)

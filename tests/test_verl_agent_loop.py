@@ -118,3 +118,62 @@ def test_trajectory_to_output_contract():
     traj.response_mask = [1, 0]
     with pytest.raises(ValueError, match="lengths disagree"):
         trajectory_to_output(traj, {})
+
+
+def test_weight_versions_reach_verl_and_episodes_are_saved(tmp_path):
+    """verl's v1 trainer reads min/max_global_steps of every sample (its staleness metrics fail on None):
+    the first generation's versions are kept and max_global_steps follows the last one. Finished episodes
+    are appended per step and per worker process."""
+    import json
+    import os
+
+    from agentrl.harmony.trajectory import Trajectory
+    from agentrl.train.verl_backend.agent_loop import (
+        VerlServerPolicy,
+        save_trajectory,
+        trajectory_file,
+        trajectory_to_output,
+    )
+
+    policy = VerlServerPolicy(None, {}, [], max_new_tokens=4, prompt_length=16, env_name="x")
+    policy.record({"global_steps": 3, "min_global_steps": 3, "max_global_steps": 3, "num_cached_tokens": 5})
+    policy.record({"global_steps": 4, "min_global_steps": 4, "max_global_steps": 4})
+    assert policy.server_fields == {"global_steps": 3, "min_global_steps": 3, "max_global_steps": 4,
+                                    "num_cached_tokens": 5}
+    traj = Trajectory(prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 1], rollout_logprobs=[-1.0, -2.0],
+                      reward=1.0, reward_components={"correct": 1.0})
+    out = trajectory_to_output(traj, {}, server_fields=policy.server_fields)
+    assert (out.extra_fields["min_global_steps"], out.extra_fields["max_global_steps"]) == (3, 4)
+    assert out.extra_fields["reward_components"] == {"correct": 1.0}
+
+    row = {"global_steps": 4, "uid": "u-1", "task": {"id": "t7"}, "extra_info": {"split": "train"}}
+    assert trajectory_file(str(tmp_path), row, policy.server_fields).endswith(f"step_000004-{os.getpid()}.jsonl")
+    assert os.path.basename(trajectory_file("d", {"extra_info": {"split": "test"}}, {"global_steps": 2})) == \
+        f"eval_step_000003-{os.getpid()}.jsonl"  # no row step (verl's legacy trainer): weights version + 1
+    for _ in range(2):
+        save_trajectory(str(tmp_path / "trajectories"), traj, row, policy.server_fields)
+    lines = (tmp_path / "trajectories" / f"step_000004-{os.getpid()}.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    saved = Trajectory.from_json(lines[0])
+    assert saved.response_ids == [2, 3] and saved.reward == 1.0
+    assert {k: saved.metadata[k] for k in ("task_id", "group", "global_steps")} == \
+        {"task_id": "t7", "group": "u-1", "global_steps": 3}
+    # an unwritable directory is logged, never raised: the episode still reaches verl
+    (tmp_path / "file").write_text("")
+    save_trajectory(str(tmp_path / "file" / "sub"), traj, row, policy.server_fields)
+    assert json.loads(lines[1])["response_ids"] == [2, 3]
+
+
+def test_env_registered_only_in_the_launching_process_is_built_from_its_entry_point():
+    from agentrl.envs import env_class
+    from agentrl.harmony import HarmonyFormat
+    from agentrl.train.verl_backend.agent_loop import make_env
+
+    with pytest.raises(KeyError):
+        env_class("verl_add_entry_point_only")
+    spec = {"env": "verl_add_entry_point_only", "entry_point": "_verl_test_env:AddEnv", "env_kwargs": {},
+            "task": {"prompt": "What is 1 + 2?", "answer": "3"}, "format_reward": 0.5}
+    env = make_env(spec, HarmonyFormat())
+    assert type(env).__name__ == "AddEnv" and env_class("verl_add_entry_point_only").__name__ == "AddEnv"
+    with pytest.raises(KeyError, match="no env named"):
+        make_env({"env": "nowhere_env", "task": {}}, HarmonyFormat())

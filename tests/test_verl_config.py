@@ -80,6 +80,8 @@ def test_dry_run_plan_is_valid_for_verl(tmp_path, capsys):
     assert row["agent_name"] == "agentrl" and row["index"] == 3
     spec = parse_spec(row["agentrl"])
     assert spec["env"] == "verl_add" and spec["max_new_tokens"] == 512 and "answer" in spec["task"]
+    assert spec["entry_point"] == "_verl_test_env:AddEnv"  # verl's workers build it even unregistered there
+    assert spec["trajectory_dir"] == str(tmp_path / "run" / "trajectories")
     assert row["raw_prompt"][0]["content"] == spec["task"]["prompt"]
     assert row["reward_model"] == {"style": "agentrl_env", "ground_truth": spec["task"]["answer"]}
 
@@ -127,6 +129,7 @@ def test_verl_rejects_incompatible_sizes_before_launch(tmp_path):
         ({"model": "smollm2-135m"}, "GGUF checkpoint"),
         ({"verl.ulysses": 2}, "Valid verl.\\* keys"),
         ({"rollout.batch_size": 30, "actor.num_mini_batches": 4}, "divisible by actor.num_mini_batches"),
+        ({"attn_implementation": "eager"}, "verl.ulysses_sp needs packed sequences"),
     ],
 )
 def test_our_checks(tmp_path, over, message):
@@ -142,11 +145,73 @@ def test_mapping_details(tmp_path):
     kv = dict(o.split("=", 1) for o in overrides)
     assert kv["actor_rollout_ref.actor.ppo_mini_batch_size"] == "8"
     assert "+actor_rollout_ref.model.override_config.attn_implementation" not in kv  # not GPT-OSS
-    assert kv["trainer.logger"] == "[console,wandb]"
+    assert kv["trainer.logger"] == "[console,agentrl,wandb]"  # ours: metrics.jsonl + TensorBoard
     assert kv["data.train_files"] == "[/d/t.parquet]"
     assert [hydra_value(v) for v in (None, True, 3, "a b", "it's", "x/y-1.5")] == [
         "null", "true", "3", "'a b'", "'it\\'s'", "x/y-1.5"]
     assert json.loads(json.dumps(kv))  # plain strings only
+
+
+def test_run_dir_logging_checkpoints_and_resume_mapping(tmp_path):
+    run = tmp_path / "run"
+    kv = dict(o.split("=", 1) for o in verl_overrides(
+        _cfg(tmp_path, **{"trainer.keep_checkpoints": 2, "trainer.save_every": 5, "trainer.tensorboard": False}),
+        ["t.parquet"], ["v.parquet"]))
+    assert kv["trainer.default_local_dir"] == str(run / "checkpoints")
+    assert kv["+trainer.agentrl.run_dir"] == str(run)
+    assert kv["+trainer.agentrl.tensorboard"] == "false"
+    assert (kv["trainer.save_freq"], kv["trainer.max_actor_ckpt_to_keep"]) == ("5", "2")
+    assert kv["trainer.resume_mode"] == "auto" and "trainer.resume_from_path" not in kv
+
+    # resume=RUN_DIR: the checkpoint verl's tracker names, or a clear error before anything starts
+    with pytest.raises(VerlConfigError, match="no verl checkpoint there") as err:
+        verl_overrides(_cfg(tmp_path, resume=str(run)), ["t.parquet"], ["v.parquet"])
+    assert "start it again without resume=" in str(err.value)
+    (run / "checkpoints" / "global_step_4").mkdir(parents=True)
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    kv = dict(o.split("=", 1) for o in verl_overrides(_cfg(tmp_path, resume=str(run)), ["t.parquet"], ["v.parquet"]))
+    assert kv["trainer.resume_mode"] == "resume_path"
+    assert kv["trainer.resume_from_path"] == str(run / "checkpoints" / "global_step_4")
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("7")  # names a missing folder
+    with pytest.raises(VerlConfigError, match="no verl checkpoint there"):
+        verl_overrides(_cfg(tmp_path, resume=str(run)), ["t.parquet"], ["v.parquet"])
+
+
+def test_cli_resume_reloads_the_saved_config(tmp_path, capsys):
+    """`agentrl train backend=verl ...` saves RUN_DIR/config.yaml; `resume=RUN_DIR` reloads it, applies new
+    overrides on top and points verl at the latest checkpoint (dry runs: nothing is launched)."""
+    from agentrl.train.cli import main
+
+    run = tmp_path / "run"
+    argv = ["backend=verl", f"env={register()}", "model=openai/gpt-oss-20b", "verl.rollout=agentrl",
+            "trainer.n_gpus_per_node=1", "trainer.total_steps=4", "verl.n_train_tasks=8", "verl.n_val_tasks=2",
+            f"run_dir={run}", "--dry-run"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert f"run directory: {run}" in first and "resume: auto" in first
+    assert f"hydra.run.dir={run / 'hydra'}" in first  # Hydra's own output in the run dir, never ./outputs
+    assert (run / "config.yaml").is_file() and (run / "verl_data" / "train.parquet").is_file()
+
+    assert main([f"resume={run}", "trainer.total_steps=6", "--dry-run"]) == 2  # no checkpoint yet
+    assert "no verl checkpoint there" in capsys.readouterr().err
+    (run / "checkpoints" / "global_step_4").mkdir(parents=True)
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    assert main([f"resume={run}", "trainer.total_steps=6", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"resume: from {run / 'checkpoints' / 'global_step_4'}" in out
+    assert "trainer.total_training_steps = 6" in out and "actor_rollout_ref.rollout.name = 'agentrl'" in out
+
+
+@pytest.mark.parametrize("model, attention, packed", [
+    ("openai/gpt-oss-20b", None, True),  # agentrl_sink: packed rows kept apart
+    ("openai/gpt-oss-20b", "eager", False),  # GPT-OSS eager attends across packed rows: padded rows instead
+    ("Qwen/Qwen3-8B", None, True),  # verl's default flash_attention_2
+    ("Qwen/Qwen3-8B", "sdpa", False),
+])
+def test_packed_rows_only_with_an_attention_that_keeps_them_apart(tmp_path, model, attention, packed):
+    over = {"model": model, "verl.ulysses_sp": 1, "attn_implementation": attention}
+    kv = dict(o.split("=", 1) for o in verl_overrides(_cfg(tmp_path, **over), ["t.parquet"], ["v.parquet"]))
+    assert kv["actor_rollout_ref.model.use_remove_padding"] == ("true" if packed else "false")
 
 
 # ---------------------------------------------------------------------------- the policy loss verl runs

@@ -19,6 +19,7 @@ from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 from verl.workers.rollout.base import _ROLLOUT_REGISTRY
 from verl.workers.rollout.replica import RolloutReplicaRegistry
+from verl.utils.tracking import Tracking
 print(json.dumps({
     "agent_loop": _agent_loop_registry.get("agentrl"),
     "loss": "agentrl_onpolicy" in POLICY_LOSS_REGISTRY and "agentrl_onpolicy_gspo" in POLICY_LOSS_REGISTRY,
@@ -26,6 +27,7 @@ print(json.dumps({
                      "_agentrl_guard", False),
     "attention": getattr(AttentionInterface._global_mapping.get("agentrl_sink"), "__qualname__", None),
     "rollout": [_ROLLOUT_REGISTRY.get(("agentrl", "async")), "agentrl" in RolloutReplicaRegistry._registry],
+    "tracking": "agentrl" in Tracking.supported_backend,
 }))
 """
 
@@ -45,9 +47,11 @@ def test_import_verl_registers_agent_loop_loss_and_attention():
     assert seen["loss"] is True and seen["guard"] is True
     assert seen["attention"] == "ulysses_attention.<locals>.attention"
     assert seen["rollout"] == ["agentrl.train.verl_backend.rollout.AgentrlRollout", True]
+    assert seen["tracking"] is True
     # verl's switch turns the plugin off: the registrations above came from the entry point
     off = _probe(VERL_USE_EXTERNAL_PLUGINS="none")
-    assert off == {"agent_loop": None, "loss": False, "guard": False, "attention": None, "rollout": [None, False]}
+    assert off == {"agent_loop": None, "loss": False, "guard": False, "attention": None, "rollout": [None, False],
+                   "tracking": False}
 
 
 def test_onpolicy_loss_through_get_policy_loss_fn():

@@ -16,7 +16,8 @@ Names (``model=`` in the train config):
 
 :func:`load_model` returns the model on ``device`` in ``dtype`` plus a tokenizer (``None`` for
 models that speak Harmony, whose tokenizer lives in :mod:`agentrl.harmony`); :meth:`LoadedModel.chat_format`
-gives the ChatFormat that fits it.
+gives the ChatFormat that fits it. ``attn_implementation="agentrl_sink"`` (agentrl's sink-attention kernel,
+:mod:`agentrl.kernels`) is registered with transformers on first use, so every model name can take it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ import torch
 from agentrl.models.checkpoints import is_run_dir, latest_checkpoint
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SINK_ATTENTION = "agentrl_sink"
+"""agentrl's sink-attention kernel as a transformers attention implementation (registered on demand)."""
 BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,6 +124,10 @@ def load_model(
             run with a checkpoint, a bad dtype.
     """
     torch_dtype = resolve_dtype(dtype)
+    if attn_implementation == SINK_ATTENTION:
+        from agentrl.kernels import register_transformers_attention
+
+        register_transformers_attention(SINK_ATTENTION)
     if is_run_dir(name):
         return _load_run(name, device=device, dtype=dtype, attn_implementation=attn_implementation)
     if name == "smollm2-135m":

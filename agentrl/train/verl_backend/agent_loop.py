@@ -2,14 +2,15 @@
 
 verl's ``AgentLoopWorker`` instantiates :class:`AgentrlAgentLoop` for every dataset row whose
 ``agent_name`` is ``"agentrl"`` and awaits ``run(sampling_params, **row)``. The row's ``agentrl`` column
-(written by :mod:`agentrl.train.verl_backend.dataset`) is the JSON episode spec ``{"env", "env_kwargs",
-"format", "task", "max_new_tokens", "format_reward"}``. The episode runs through the shared episode
+(written by :mod:`agentrl.train.verl_backend.dataset`) is the JSON episode spec ``{"env", "entry_point",
+"env_kwargs", "format", "task", "max_new_tokens", "format_reward", "trajectory_dir"}``. The episode runs through the shared episode
 runner (:func:`agentrl.episodes.run_episode`, the same loop as the trainer, eval and the product Agent)
 with a :class:`VerlServerPolicy`:
 
 1. the env is built (``agentrl.make(env, format=..., **env_kwargs)``, with the boxed-answer bonus of
-   ``data.format_reward`` when set) and reset on the task: the prompt token ids come from the env's
-   ChatFormat, not from verl's chat template;
+   ``data.format_reward`` when set; an env name unknown in this worker is registered from the spec's
+   ``entry_point`` first) and reset on the task: the prompt token ids come from the env's ChatFormat,
+   not from verl's chat template;
 2. each action is one ``server_manager.generate(request_id, prompt_ids=<context>, sampling_params=...)``
    (bounded by ``max_new_tokens`` and by what is left of ``rollout.response_length``, stopping at the
    format's stop tokens); its ids and log-probs go to ``env.astep``;
@@ -20,14 +21,27 @@ The returned ``AgentLoopOutput`` is ``env.trajectory`` field for field: ``prompt
 ``None`` when the server returned none, i.e. ``rollout.calculate_log_probs=false``),
 ``routed_experts`` (the server's MoE routing, when it records it), ``reward_score`` (the env's reward, so
 verl needs no reward function), ``num_turns`` (verl's count of
-messages: the prompt, each model action, each env answer) and ``metrics``. Nothing is re-tokenised.
+messages: the prompt, each model action, each env answer) and ``metrics``. ``extra_fields`` carries the
+weight versions the episode was sampled with, as verl's own agent loops do (``global_steps`` and
+``min_global_steps`` of the first generation, ``max_global_steps`` of the last: verl's v1 trainer reads them
+for its staleness metrics and fails without them), next to our ``reward_components``, ``terminated`` and
+``truncated``. Nothing is re-tokenised.
 The env's episode budget is set to ``len(prompt) + rollout.response_length`` tokens so the response
 always fits verl's padded width; a prompt longer than ``rollout.prompt_length`` raises.
+
+With ``trajectory_dir`` in the spec, each finished episode is appended as one JSON line
+(``Trajectory.to_json``, metadata ``task_id``, ``group`` = verl's prompt ``uid``, ``global_steps`` = the
+weights version it was sampled with) to ``<trajectory_dir>/step_<NNNNNN>-<pid>.jsonl`` (validation rows:
+``eval_step_...``), where ``NNNNNN`` is the training step the sample was drawn for (verl's
+``global_steps`` of the row, else the weights version + 1); one file per worker process, so concurrent
+workers never interleave lines. A failed write is logged, never raised.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from typing import Any
 from uuid import uuid4
 
@@ -41,6 +55,8 @@ from agentrl.train.verl_backend.config_map import AGENT_NAME
 
 SPEC_COLUMN = "agentrl"
 """The dataset column holding the JSON episode spec."""
+
+logger = logging.getLogger("agentrl.verl")
 
 _FORMATS: dict[tuple[str, int], ChatFormat] = {}
 
@@ -72,12 +88,18 @@ def verl_num_turns(traj: Trajectory) -> int:
 
 
 def trajectory_to_output(
-    traj: Trajectory, metrics: dict[str, float], *, logprobs: bool = True, routed_experts: Any = None
+    traj: Trajectory,
+    metrics: dict[str, float],
+    *,
+    logprobs: bool = True,
+    routed_experts: Any = None,
+    server_fields: dict[str, Any] | None = None,
 ) -> AgentLoopOutput:
     """The verl ``AgentLoopOutput`` carrying ``traj`` unchanged (see module docstring); ``logprobs=False``
     (the server returned none) gives ``response_logprobs=None`` rather than the env's 0.0 placeholders.
     ``routed_experts``: the last generation's MoE routing from the server (routing replay), cut to the
-    sequence length as verl's own loops do."""
+    sequence length as verl's own loops do. ``server_fields``: what the servers reported in their outputs'
+    ``extra_fields`` (weight versions; see :meth:`VerlServerPolicy.record`)."""
     traj.validate()
     if routed_experts is not None:
         routed_experts = routed_experts[: len(traj.prompt_ids) + len(traj.response_ids)]
@@ -91,6 +113,7 @@ def trajectory_to_output(
         num_turns=verl_num_turns(traj),
         metrics=AgentLoopMetrics(**metrics),
         extra_fields={
+            **(server_fields or {}),
             "reward_components": dict(traj.reward_components),
             "terminated": traj.terminated,
             "truncated": traj.truncated,
@@ -98,6 +121,58 @@ def trajectory_to_output(
             "tool_rewards": [],
         },
     )
+
+
+def make_env(spec: dict[str, Any], fmt: ChatFormat) -> Any:
+    """The env of an episode spec, with the spec's format, env kwargs and boxed-answer bonus; an env name
+    this process does not know is registered from the spec's ``entry_point``."""
+    import agentrl
+    from agentrl.envs import env_class, register
+
+    name = spec["env"]
+    try:
+        cls = env_class(name)
+    except KeyError:
+        if not spec.get("entry_point"):
+            raise
+        register(name, spec["entry_point"])
+        cls = env_class(name)
+    env_kwargs = dict(spec.get("env_kwargs") or {})
+    if spec.get("format_reward"):
+        from agentrl.train.tasks import with_boxed_bonus
+
+        env_kwargs["rubric"] = with_boxed_bonus(cls.rubric, float(spec["format_reward"]))
+    return agentrl.make(name, format=fmt, **env_kwargs)
+
+
+def trajectory_file(directory: str, row: dict[str, Any], server_fields: dict[str, Any]) -> str:
+    """Where an episode of dataset row ``row`` is saved (see module docstring)."""
+    step = row.get("global_steps")
+    if step is None and server_fields.get("global_steps") is not None:
+        step = int(server_fields["global_steps"]) + 1
+    split = (row.get("extra_info") or {}).get("split") if isinstance(row.get("extra_info"), dict) else None
+    prefix = "eval_step" if split == "test" else "step"
+    name = f"{prefix}_{int(step):06d}" if step is not None else f"{prefix}_unknown"
+    return os.path.join(directory, f"{name}-{os.getpid()}.jsonl")
+
+
+def save_trajectory(directory: str, traj: Trajectory, row: dict[str, Any], server_fields: dict[str, Any]) -> None:
+    """Append ``traj`` as one JSON line (see module docstring); errors are logged, not raised."""
+    traj.metadata.setdefault("task_id", str((row.get("task") or {}).get("id", row.get("index", ""))))
+    traj.metadata["group"] = str(row.get("uid", row.get("index", "")))
+    version = server_fields.get("global_steps")
+    traj.metadata["global_steps"] = None if version is None else int(version)
+    path = trajectory_file(directory, row, server_fields)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        line = (traj.to_json() + "\n").encode("utf-8")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        logger.warning("agentrl agent loop: could not save a trajectory to %s: %s", path, exc)
 
 
 class VerlServerPolicy:
@@ -115,6 +190,7 @@ class VerlServerPolicy:
         self.env_name = env_name
         self.request_id = uuid4().hex
         self.routed_experts: Any = None  # the latest generation's MoE routing, when the server records it
+        self.server_fields: dict[str, Any] = {}  # the servers' extra_fields (weight versions), see record()
 
     async def act(self, episode: EpisodeState) -> list[Action]:
         prompt = len(episode.trajectory.prompt_ids)
@@ -136,8 +212,17 @@ class VerlServerPolicy:
         )
         if out.routed_experts is not None:
             self.routed_experts = out.routed_experts
+        self.record(dict(out.extra_fields or {}))
         logprobs = None if out.log_probs is None else [float(x) for x in out.log_probs]
         return [Action([int(t) for t in out.token_ids], logprobs)]
+
+    def record(self, fields: dict[str, Any]) -> None:
+        """Keep the first generation's ``extra_fields`` (``global_steps``, ``min_global_steps``, ...) and
+        advance ``max_global_steps`` with each later one, as verl's tool agent loop does."""
+        if not self.server_fields:
+            self.server_fields = fields
+        elif fields.get("max_global_steps") is not None:
+            self.server_fields["max_global_steps"] = fields["max_global_steps"]
 
 
 @register(AGENT_NAME)
@@ -151,8 +236,6 @@ class AgentrlAgentLoop(AgentLoopBase):
         self.response_length = int(self.rollout_config.response_length)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        import agentrl
-
         if SPEC_COLUMN not in kwargs:
             raise ValueError(
                 f"dataset row has no {SPEC_COLUMN!r} column; write the dataset with "
@@ -160,13 +243,7 @@ class AgentrlAgentLoop(AgentLoopBase):
             )
         spec = parse_spec(kwargs[SPEC_COLUMN])
         fmt = resolve_format(spec.get("format", "auto"), self.tokenizer, self.hf_model_type)
-        env_kwargs = dict(spec.get("env_kwargs") or {})
-        if spec.get("format_reward"):
-            from agentrl.envs import env_class
-            from agentrl.train.tasks import with_boxed_bonus
-
-            env_kwargs["rubric"] = with_boxed_bonus(env_class(spec["env"]).rubric, float(spec["format_reward"]))
-        env = agentrl.make(spec["env"], format=fmt, **env_kwargs)
+        env = make_env(spec, fmt)
         policy = VerlServerPolicy(
             self.server_manager,
             sampling_params,
@@ -182,6 +259,10 @@ class AgentrlAgentLoop(AgentLoopBase):
         finally:
             await env.aclose()
         metrics = {"generate_sequences": result.policy_s, "tool_calls": result.env_s}
+        if spec.get("trajectory_dir"):
+            save_trajectory(spec["trajectory_dir"], result.trajectory, {**kwargs, "task": spec["task"]},
+                            policy.server_fields)
         return trajectory_to_output(
-            result.trajectory, metrics, logprobs=result.has_logprobs, routed_experts=policy.routed_experts
+            result.trajectory, metrics, logprobs=result.has_logprobs, routed_experts=policy.routed_experts,
+            server_fields=policy.server_fields,
         )

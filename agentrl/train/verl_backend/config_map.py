@@ -10,7 +10,12 @@ verl's own validation runs in :mod:`agentrl.train.verl_backend.validate`.
 Names follow verl where the concept is the same, so most keys map one to one (:data:`MAPPING`), including
 ``actor.policy_loss`` -> ``policy_loss.loss_mode``. The derived ones: ``actor.num_mini_batches`` ->
 ``ppo_mini_batch_size = rollout.batch_size / num_mini_batches``; ``rollout.top_k=0`` -> ``-1``;
-``attn_implementation`` (default ``agentrl_sink`` for GPT-OSS models) -> ``override_config``.
+``attn_implementation`` (default ``agentrl_sink`` for GPT-OSS models) -> ``override_config``;
+``actor_rollout_ref.model.use_remove_padding`` (verl's packed training rows) is on exactly when the attention
+keeps packed sequences apart (:data:`PACKED_ATTENTION`, or verl's default flash_attention_2 when none is
+set): GPT-OSS's eager attention would attend across the packed sequences, so with
+``attn_implementation=eager`` verl trains on padded rows instead (and Ulysses, which needs packed rows,
+is refused).
 
 The on-policy fix is chosen afterwards, on verl's *resolved* config (ours plus every raw
 ``verl.overrides``), by :func:`choose_policy_loss`: the user's loss (``actor.policy_loss`` or a raw
@@ -20,11 +25,25 @@ optimizer step per batch, and is otherwise left as it is; it is never replaced b
 :func:`~agentrl.train.verl_backend.rollout_backend.choose_rollout` (``auto``: vllm or sglang, whichever is
 installed); with ``verl.rollout=agentrl``, ``rollout.max_batch_size`` -> ``rollout.max_num_seqs`` (the most
 sequences the engine samples in one batch).
+
+Run directory, logging and resume (the embedded trainer's layout, see :mod:`agentrl.train.trainer`):
+``run_dir`` (made absolute) -> ``trainer.default_local_dir = RUN_DIR/checkpoints`` (verl's checkpoints,
+``global_step_<N>/`` + ``latest_checkpointed_iteration.txt``), ``trainer.experiment_name``, and
+``trainer.agentrl.{run_dir,tensorboard}`` for the ``agentrl`` logger backend
+(:mod:`agentrl.train.verl_backend.tracking`), which ``trainer.logger`` always includes, so verl's
+per-step metrics land in ``RUN_DIR/metrics.jsonl`` and ``RUN_DIR/tensorboard`` (``trainer.wandb`` adds
+verl's ``wandb`` backend). ``trainer.save_every`` -> ``trainer.save_freq`` (0: none),
+``trainer.keep_checkpoints`` -> ``trainer.max_actor_ckpt_to_keep``. ``resume=RUN_DIR`` ->
+``trainer.resume_mode=resume_path`` with ``trainer.resume_from_path`` = the run's latest verl checkpoint
+(:func:`latest_verl_checkpoint`; VerlConfigError when there is none); without ``resume=``,
+``trainer.resume_mode=auto`` (a run directory that already holds a checkpoint continues from it, as the
+embedded trainer does).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -46,6 +65,16 @@ LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 NOT_COMPOSABLE = {
     "bypass_mode": "it trains against the rollout log-probs (old_log_prob = rollout_log_prob) by design",
 }
+
+TRACKING_NAME = "agentrl"
+"""The logger backend :mod:`agentrl.train.verl_backend.tracking` registers in verl (``trainer.logger``)."""
+
+TRACKING_CONFIG_KEY = "agentrl"
+"""The section under verl's ``trainer`` telling that backend where to write (``run_dir``, ``tensorboard``)."""
+
+PACKED_ATTENTION = (SINK_ATTENTION, "flash_attention_2", "flash_attention_3")
+"""Attention implementations that keep sequences packed into one row apart (through ``position_ids``), so
+verl may train on packed rows (``use_remove_padding``); eager and sdpa would attend across sequences."""
 
 STRATEGIES = ("fsdp", "fsdp2")
 
@@ -133,7 +162,6 @@ FIXED: dict[str, Any] = {
     "actor_rollout_ref.rollout.agent.default_agent_loop": AGENT_NAME,
     "actor_rollout_ref.rollout.calculate_log_probs": True,  # rollout log-probs: correction + on-policy check
     "actor_rollout_ref.rollout.mode": "async",
-    "actor_rollout_ref.model.use_remove_padding": True,  # packed sequences (sink attention under Ulysses)
     "data.return_raw_chat": True,
     "data.filter_overlong_prompts": False,  # the env renders the prompt, not verl's chat template
     "trainer.val_before_train": False,
@@ -219,6 +247,47 @@ def rollout_choice(cfg: Any) -> RolloutChoice:
         raise VerlConfigError(str(exc)) from None
 
 
+def latest_verl_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """``RUN_DIR/checkpoints/global_step_<N>`` named by verl's ``latest_checkpointed_iteration.txt``, or
+    None when the run has no complete checkpoint."""
+    root = Path(run_dir) / "checkpoints"
+    tracker = root / "latest_checkpointed_iteration.txt"
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        return None
+    folder = root / f"global_step_{int(text)}"
+    return folder if folder.is_dir() else None
+
+
+def _resume_settings(cfg: Any) -> dict[str, Any]:
+    resume = select(cfg, "resume")
+    if not resume:
+        return {"trainer.resume_mode": "auto"}
+    folder = latest_verl_checkpoint(resume)
+    if folder is None:
+        raise VerlConfigError(
+            f"resume={resume}: no verl checkpoint there ({Path(resume) / 'checkpoints'} has no "
+            "latest_checkpointed_iteration.txt naming a global_step_<N> folder). The run saved none "
+            "(trainer.save_every=0, or it stopped before its first save); start it again without resume="
+        )
+    return {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(folder.resolve())}
+
+
+def resolved_attention(cfg: Any) -> str | None:
+    """``attn_implementation``, or ``agentrl_sink`` for a GPT-OSS model when unset (None: verl's default)."""
+    attention = select(cfg, "attn_implementation")
+    if attention is None and is_gpt_oss(str(select(cfg, "model"))):
+        attention = SINK_ATTENTION
+    return None if attention is None else str(attention)
+
+
+def packs_sequences(attention: str | None) -> bool:
+    """True when ``attention`` keeps sequences packed in one row apart (None: verl's flash_attention_2)."""
+    return attention is None or attention in PACKED_ATTENTION
+
+
 def check_ours(cfg: Any) -> None:
     """Cross-field checks verl makes late (after Ray starts) or not at all. Raises VerlConfigError."""
     model = select(cfg, "model")
@@ -237,6 +306,12 @@ def check_ours(cfg: Any) -> None:
                 f"{key}={size} must be >= 1 and divide the GPU count "
                 f"(trainer.n_gpus_per_node x trainer.nnodes = {n_gpus})"
             )
+    attention = resolved_attention(cfg)
+    if int(select(cfg, "verl.ulysses_sp") or 1) > 1 and not packs_sequences(attention):
+        raise VerlConfigError(
+            f"verl.ulysses_sp needs packed sequences, which attn_implementation={attention} would attend "
+            f"across; use attn_implementation={SINK_ATTENTION} (GPT-OSS) or flash_attention_2, or verl.ulysses_sp=1"
+        )
     if rollout_choice(cfg).name == ROLLOUT_NAME and int(select(cfg, "verl.tensor_parallel") or 1) != 1:
         raise VerlConfigError(
             "verl.rollout=agentrl runs one engine per GPU; set verl.tensor_parallel=1, or use "
@@ -268,15 +343,21 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
     batch, minis = select(cfg, "rollout.batch_size"), select(cfg, "actor.num_mini_batches")
     if batch is not None and minis is not None:
         out["actor_rollout_ref.actor.ppo_mini_batch_size"] = int(batch) // int(minis)
-    logger = ["console", "wandb"] if select(cfg, "trainer.wandb") else ["console"]
-    out["trainer.logger"] = logger
+    out["trainer.logger"] = ["console", TRACKING_NAME] + (["wandb"] if select(cfg, "trainer.wandb") else [])
     run_dir = select(cfg, "run_dir")
     if run_dir:
+        run_dir = os.path.abspath(str(run_dir))
         out["trainer.default_local_dir"] = str(Path(run_dir) / "checkpoints")
         out["trainer.experiment_name"] = Path(run_dir).name
-    attention = select(cfg, "attn_implementation")
-    if attention is None and is_gpt_oss(str(select(cfg, "model"))):
-        attention = SINK_ATTENTION
+        out[f"+trainer.{TRACKING_CONFIG_KEY}.run_dir"] = run_dir
+        tensorboard = select(cfg, "trainer.tensorboard")
+        out[f"+trainer.{TRACKING_CONFIG_KEY}.tensorboard"] = True if tensorboard is None else bool(tensorboard)
+    keep = select(cfg, "trainer.keep_checkpoints")
+    if keep is not None:
+        out["trainer.max_actor_ckpt_to_keep"] = int(keep)
+    out.update(_resume_settings(cfg))
+    attention = resolved_attention(cfg)
+    out["actor_rollout_ref.model.use_remove_padding"] = packs_sequences(attention)
     if attention:
         out["+actor_rollout_ref.model.override_config.attn_implementation"] = str(attention)
     return out

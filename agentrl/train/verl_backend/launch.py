@@ -4,9 +4,13 @@
 from the env's tasks, maps our config to verl Hydra overrides, composes them with verl's own
 ``ppo_trainer.yaml``, chooses the policy loss on that resolved config (the on-policy fix composed with
 the user's loss exactly when verl will make one optimizer step per batch:
-:func:`~agentrl.train.verl_backend.config_map.choose_policy_loss`),
-runs verl's own validation (any failure: :class:`VerlConfigError` before launch), and writes the fully
-resolved verl config to ``<run_dir>/verl_config.yaml``.
+:func:`~agentrl.train.verl_backend.config_map.choose_policy_loss`), runs verl's own validation (any
+failure: :class:`VerlConfigError` before launch), and writes our config to ``<run_dir>/config.yaml`` (what
+``resume=RUN_DIR`` reloads, as for the embedded trainer) and the fully resolved verl config to
+``<run_dir>/verl_config.yaml``. The run directory is made absolute (verl's Ray workers may run elsewhere);
+verl writes its checkpoints under ``<run_dir>/checkpoints``, our logger backend ``metrics.jsonl`` and
+``tensorboard/``, the agent loop ``trajectories/`` (with ``trainer.save_trajectories``), and Hydra its
+``.hydra/`` record and ``main_ppo.log`` under ``<run_dir>/hydra`` (``hydra.run.dir``; never ``./outputs``).
 :func:`main` prints the plan (the exact command and the settings as verl resolved them) and, unless
 ``dry_run``, runs ``python -m verl.trainer.main_ppo <overrides>`` and returns its exit code. The plan
 names the rollout engine (``verl.rollout``) and why; launching with vLLM/SGLang when it is not installed
@@ -23,6 +27,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,7 @@ from agentrl.train.verl_backend.config_map import (
     LOSS_MODE_KEY,
     VerlConfigError,
     choose_policy_loss,
+    hydra_value,
     rollout_choice,
     select,
     verl_overrides,
@@ -64,7 +70,7 @@ def _run_dir(cfg: Any) -> Path:
     run_dir = select(cfg, "run_dir")
     if run_dir:
         return Path(run_dir)
-    return Path("runs") / f"verl-{select(cfg, 'env')}"
+    return Path("runs") / f"verl-{select(cfg, 'env')}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _defaults_line(cfg: Any) -> str:
@@ -82,7 +88,10 @@ def plan(cfg: Any) -> LaunchPlan:
     env = select(cfg, "env")
     if not env:
         raise VerlConfigError("env is not set; pass env=<name>, e.g. env=retool")
-    run_dir = _run_dir(cfg)
+    run_dir = _run_dir(cfg).resolve()
+    cfg.run_dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml")  # what resume=RUN_DIR starts from
     max_turns = select(cfg, "rollout.max_turns")
     env_kwargs = dict(select(cfg, "env_kwargs") or {})
     if max_turns is not None:
@@ -101,6 +110,7 @@ def plan(cfg: Any) -> LaunchPlan:
         format=str(select(cfg, "format") or "auto"),
         max_new_tokens=select(cfg, "rollout.max_new_tokens"),
         format_reward=float(select(cfg, "data.format_reward") or 0.0),
+        trajectory_dir=str(run_dir / "trajectories") if select(cfg, "trainer.save_trajectories") is not False else None,
     )
     files = ([str(Path(train_file).resolve())], [str(Path(val_file).resolve())])
     settings = verl_settings(cfg, *files)
@@ -119,7 +129,10 @@ def plan(cfg: Any) -> LaunchPlan:
     validate_verl_config(resolved)
     config_path = run_dir / "verl_config.yaml"
     config_path.write_text(OmegaConf.to_yaml(resolved))
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    # Hydra's own output (.hydra/, main_ppo.log) goes into the run directory, not ./outputs/ of wherever
+    # the user (or a test) started from; it changes nothing in verl's job config
+    hydra_dir = f"hydra.run.dir={hydra_value(str(run_dir / 'hydra'))}"
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, hydra_dir]
     return LaunchPlan(command, settings, resolved, run_dir, config_path, rollout_choice(cfg), why,
                       _defaults_line(cfg))
 
@@ -137,8 +150,15 @@ def describe(p: LaunchPlan) -> str:
         value = OmegaConf.select(p.resolved, key.lstrip("+"))
         shown = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
         lines.append(f"  {key.lstrip('+')} = {shown!r}")
+    trainer = p.resolved.trainer
+    if trainer.resume_mode == "resume_path":
+        resume = f"resume: from {trainer.resume_from_path}"
+    else:
+        resume = f"resume: {trainer.resume_mode} (continues from {trainer.default_local_dir} if it holds a checkpoint)"
     lines += [
         "",
+        f"run directory: {p.run_dir} (config.yaml, metrics.jsonl, tensorboard/, trajectories/, checkpoints/, hydra/)",
+        resume,
         f"policy loss: {OmegaConf.select(p.resolved, LOSS_MODE_KEY)}: {p.loss_reason}",
         f"dataset: {p.run_dir / 'verl_data'} (train.parquet, val.parquet)",
         f"full resolved verl config: {p.config_path}",

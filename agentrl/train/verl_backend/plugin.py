@@ -13,7 +13,10 @@ every Ray worker, so importing this module is what makes agentrl available insid
   ``actor_rollout_ref.model.override_config.attn_implementation=agentrl_sink``;
 - the ``agentrl`` rollout (``actor_rollout_ref.rollout.name=agentrl``: agentrl's transformers engine in
   verl's hybrid-engine workers) in verl's two rollout registries, through
-  :func:`agentrl.train.verl_backend.rollout_backend.register_rollout`.
+  :func:`agentrl.train.verl_backend.rollout_backend.register_rollout`;
+- the ``agentrl`` logger backend (``trainer.logger=[console,agentrl]``: verl's per-step metrics into
+  ``RUN_DIR/metrics.jsonl`` and TensorBoard), through
+  :func:`agentrl.train.verl_backend.tracking.register_tracking`.
 
 verl logs plugin failures only at debug level, so each part is registered separately and a failure is
 logged as a warning here and kept in :data:`FAILED` (what failed -> why); :data:`REGISTERED` maps each
@@ -57,11 +60,18 @@ def _rollout() -> list[str]:
     return register_rollout()
 
 
+def _tracking() -> list[str]:
+    from agentrl.train.verl_backend.tracking import register_tracking
+
+    return register_tracking()
+
+
 PARTS: dict[str, Callable[[], list[str]]] = {
     "agent_loop": _agent_loop,
     "policy_loss": _policy_losses,
     "attention": _attention,
     "rollout": _rollout,
+    "tracking": _tracking,
 }
 
 
