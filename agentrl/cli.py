@@ -16,6 +16,7 @@ from agentrl.cli_args import HELP_FLAGS, fail, suggest
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("agentrl.train.cli:main", "train a policy: agentrl train env=retool [key=value ...]"),
+    "sft": ("agentrl.train.sft_cli:main", "supervised fine-tuning on token-exact trajectories: agentrl sft env=retool ..."),
     "eval": ("agentrl.evaluation.cli:main", "evaluate a model on an env: agentrl eval env=gsm8k model=..."),
     "view": ("agentrl.viewer.html:main", "write a static HTML trajectory viewer: agentrl view RUN_OR_JSONL"),
     "plot": ("agentrl.train.plots:main", "plot run metrics: agentrl plot RUN_DIR [RUN_DIR ...]"),

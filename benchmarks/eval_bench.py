@@ -26,7 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+from agentrl.data import dataset_path  # noqa: E402
+
+DATA = dataset_path("gsm8k")  # GSM8K test split shipped with agentrl
 STEP = re.compile(r"<<([^=<>]+)=([^<>]+)>>")
 TOOL_RESULT = re.compile(
     r"<\|start\|>functions\.python to=assistant<\|channel\|>commentary<\|message\|>(.*?)<\|end\|>", re.S

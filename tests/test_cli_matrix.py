@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 MATRIX: dict[str, tuple[list[str], str, list[str], str, list[str]]] = {
     "train": (["env=retool", "rollout.temperatur=0.5"], "rollout.temperature",
               ["env=retool", "rollout.temperature=hot"], "rollout.temperature", ["trian"]),
+    "sft": (["env=retool", "sft.stpes=3"], "sft.steps", ["env=retool", "sft.lr=fast"], "sft.lr", ["sfft"]),
     "eval": (["env=gsm8k", "model=http://127.0.0.1:9/v1", "temperatur=0.5"], "temperature",
              ["env=gsm8k", "model=http://127.0.0.1:9/v1", "temperature=hot"], "temperature", ["evl"]),
     "view": (["runs/x", "limt=3"], "limit", ["runs/x", "limit=many"], "limit", ["veiw"]),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from gymnasium.utils.env_checker import check_env
@@ -14,9 +13,6 @@ from agentrl.envs.rewards import extract_boxed, math_equal, numeric_equal
 from agentrl.envs.sandbox import SandboxError, make_backend
 from agentrl.harmony import default_format
 from agentrl.harmony.types import Message
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +38,8 @@ def test_math_verifiers():
     assert not math_equal(r"\boxed{3}", "4") and not math_equal(None, "4") and not math_equal("", "4")
 
 
-@needs_data
 def test_gsm8k_real_data_correct_wrong_and_malformed(fmt):
-    tasks = GSM8KEnv.tasks(path=str(DATA / "gsm8k" / "test.jsonl"), n=3)
+    tasks = GSM8KEnv.tasks(path="gsm8k", n=3)  # the GSM8K test split shipped in agentrl.data
     assert tasks[0]["answer"] == "18" and tasks[0]["prompt"].startswith("Janet")
     env = GSM8KEnv(tasks=tasks)
     for text, want in [(r"She makes \boxed{18} dollars.", 1.0), ("18", 1.0), (r"\boxed{20}", 0.0)]:
@@ -72,15 +67,17 @@ def test_retool_generator_answers_are_computed():
 
     rng = np.random.default_rng(7)
     for _ in range(12):
-        prompt, answer = make_problem(rng)
-        assert isinstance(answer, int) and prompt.endswith("?")
+        p = make_problem(rng, "compute")
+        assert isinstance(p.answer, int) and p.prompt.endswith("?") and p.key and p.code
     assert ReToolEnv.tasks(n=3, seed=1) == ReToolEnv.tasks(n=3, seed=1)
+    assert ReToolEnv.tasks(n=3, seed=1, tier="compute") != ReToolEnv.tasks(n=3, seed=1)
 
 
-@needs_data
-def test_retool_loads_aime():
-    tasks = ReToolEnv.tasks(path=str(DATA / "aime" / "aime_2024.jsonl"), n=30)
+def test_retool_loads_aime_and_math500():
+    tasks = ReToolEnv.tasks(path="aime2024", n=30)
     assert len(tasks) == 30 and tasks[0]["answer"] == "204" and "Aya" in tasks[0]["prompt"]
+    math500 = ReToolEnv.tasks(path="math500", n=1000)
+    assert len(math500) == 500 and all(t["prompt"] and t["answer"] for t in math500)
 
 
 @pytest.fixture
@@ -160,7 +157,7 @@ async def test_retool_generated_answers_match_independent_programs(fmt, sandbox)
 
     env = ReToolEnv(sandbox=sandbox, exec_timeout_s=20)
     seen = set()
-    for task in ReToolEnv.tasks(n=40, seed=11):
+    for task in ReToolEnv.tasks(n=40, seed=11, tier="compute"):
         key = next(k for k in SOLVERS if k in task["prompt"])
         if key in seen:
             continue

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
 
+from agentrl.data import dataset_path
 from agentrl.envs.builtin.verifyif import VerifyIFEnv, make_prompt
 from agentrl.envs.rewards.ifeval import CHECKERS, check, check_loose, follow_flags, split_sentences
 from agentrl.harmony import default_format
 from agentrl.harmony.types import Message
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-IFEVAL = DATA / "ifeval" / "input_data.jsonl"
-needs_data = pytest.mark.skipif(not IFEVAL.is_file(), reason=f"IFEval data not found at {IFEVAL}")
+IFEVAL = dataset_path("ifeval")  # the IFEval prompts shipped in agentrl.data
 
 
 def final(text: str) -> list[int]:
@@ -139,7 +137,6 @@ def test_checker_registry_covers_ifeval_and_loose_mode():
     ]
 
 
-@needs_data
 def test_every_real_ifeval_row_is_checkable():
     tasks = VerifyIFEnv.tasks(path=str(IFEVAL), n=1000)
     assert len(tasks) == 541
@@ -148,7 +145,6 @@ def test_every_real_ifeval_row_is_checkable():
         assert len(flags) == len(t["instruction_id_list"])
 
 
-@needs_data
 def test_verifyif_episodes_on_real_prompts():
     rows = {json.loads(line)["key"]: line for line in IFEVAL.read_text().splitlines()}
     assert 1001 in rows

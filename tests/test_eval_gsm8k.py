@@ -1,4 +1,4 @@
-"""``agentrl eval`` of gsm8k on shared GSM8K test items against a real OpenAI-compatible endpoint whose
+"""``agentrl eval`` of gsm8k on GSM8K test items (shipped in agentrl.data) against a real OpenAI-compatible endpoint whose
 model is scripted: item ``q`` is answered correctly by exactly its first ``c(q)`` samples, so pass@k,
 mean@k and maj@k are known in closed form."""
 
@@ -8,10 +8,10 @@ import hashlib
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 
+from agentrl.data import dataset_path
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.server import BackgroundServer, create_app
 from agentrl.envs.tasks import load_gsm8k
@@ -20,8 +20,7 @@ from agentrl.evaluation.cli import main as eval_main
 from agentrl.evaluation.scripted import ScriptedEngine
 from agentrl.harmony import HarmonyFormat, Message, Trajectory
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
-pytestmark = pytest.mark.skipif(not DATA.exists(), reason=f"{DATA} not present")
+DATA = dataset_path("gsm8k")
 
 N, LIMIT = 4, 10
 FMT = HarmonyFormat()

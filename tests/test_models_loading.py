@@ -67,6 +67,33 @@ def test_run_dir_serves_and_evaluates(run, tmp_path):
     assert metrics["run"]["episodes_run"] == 2 and metrics["run"]["episodes_failed"] == 0
 
 
+def test_run_dir_without_model_kwargs_loads(run, tmp_path, monkeypatch):
+    """A run started without model_kwargs (the embedded default) saves ``model_kwargs: {}``; loading it as a
+    model passes ``{}`` to the base model's loader (an empty DictConfig once broke this)."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    import agentrl.models.loading as loading
+
+    run_dir, trained = run
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    cfg = OmegaConf.load(copy / "config.yaml")
+    cfg.model_kwargs = {}
+    OmegaConf.save(cfg, copy / "config.yaml")
+    seen, real = [], loading.load_model
+
+    def base_loader(name, **kwargs):  # the real loader; only the layer count the fixture's run used is added
+        seen.append(kwargs["model_kwargs"])
+        return real(name, **{**kwargs, "model_kwargs": {"num_layers": 1}})
+
+    monkeypatch.setattr(loading, "load_model", base_loader)
+    loaded = real(str(copy))
+    assert seen == [{}]
+    assert all(torch.equal(v, trained[k]) for k, v in loaded.model.state_dict().items())
+
+
 def test_run_without_checkpoint_and_bad_directories_are_clear_errors(tmp_path):
     empty_run = tmp_path / "fresh"
     (empty_run / "checkpoints").mkdir(parents=True)

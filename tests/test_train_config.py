@@ -102,7 +102,8 @@ def test_gpu_and_verl_runs_do_not_inherit_the_cpu_defaults():
         cfg = build_config(["env=retool", *argv])
         for key, value in DEVICE_DEFAULTS[profile].items():
             assert OmegaConf.select(cfg, key) == value, key
-            assert value != OmegaConf.select(schema, key), f"{profile} should not share the CPU value of {key}"
+            if key != "rollout.temperature":  # the CPU run samples at 1.0 as well (GRPO needs varied groups)
+                assert value != OmegaConf.select(schema, key), f"{profile} should not share the CPU value of {key}"
     assert {"actor.lr", "trainer.total_steps", "rollout.temperature", "trainer.max_wall_s"} <= set(DEVICE_KEYS)
 
 

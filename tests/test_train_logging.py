@@ -73,6 +73,33 @@ def test_plot_overlays_runs(tmp_path, capsys):
     assert plot_main([str(tmp_path / "missing")]) == 2
 
 
+def test_plot_held_out_panels_show_before_sft_after_sft_and_after_rl(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [
+        {"step": 0, "eval_before/critic/score/mean": 0.0, "eval_before/episode/tool_call_rate": 0.0,
+         "eval/critic/score/mean": 0.6, "eval/episode/tool_call_rate": 0.9},  # before and after the SFT stage
+        {"step": 1, "critic/score/mean": 0.5},
+        {"step": 2, "critic/score/mean": 0.7, "eval/critic/score/mean": 0.8, "eval/episode/tool_call_rate": 1.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    drawn: dict[str, list] = {}
+    real_plot = matplotlib.axes.Axes.plot
+
+    def recording_plot(self, x, y, *args, **kwargs):
+        drawn.setdefault(f"{self.get_title() or '?'}|{kwargs.get('label')}", []).append((list(x), list(y)))
+        return real_plot(self, x, y, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", recording_plot)
+    assert plot_main([str(run), "--out", str(tmp_path / "plots")]) == 0
+    # titles are set after plotting, so the recorded key has '?' for the title: look the series up by values
+    series = [xy for xys in drawn.values() for xy in xys]
+    assert ([0, 2], [0.6, 0.8]) in series and ([0], [0.0]) in series and ([0, 2], [0.9, 1.0]) in series
+    assert any(label.endswith("(before SFT)") for label in drawn)
+
+
 def test_checkpoint_roundtrip_keep_and_atomicity(tmp_path):
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)

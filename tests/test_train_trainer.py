@@ -70,7 +70,7 @@ def test_on_policy_step_has_ratio_exactly_one(tmp_path):
     assert (run / "config.yaml").exists() and (run / "summary.json").exists()
     assert summary["eval_before"]["step"] == 0 and summary["eval_after"]["step"] == 1
     assert len((run / "trajectories" / "step_000001.jsonl").read_text().splitlines()) == 8
-    assert len(plot_runs([str(run)], str(tmp_path / "plots"))) == 8
+    assert len(plot_runs([str(run)], str(tmp_path / "plots"))) == 12  # 11 panels + the overview
 
 
 def test_off_policy_with_kl_rollout_correction_and_freeze(tmp_path):

@@ -286,7 +286,7 @@ def test_verl_run_takes_the_verl_profile_and_prints_it(tmp_path):
                         "rollout.batch_size=32", "rollout.n=8", "verl.n_train_tasks=4", "verl.n_val_tasks=2",
                         "trainer.n_gpus_per_node=8"])
     p = plan(cfg)
-    assert p.resolved.actor_rollout_ref.actor.optim.lr == 1e-6  # not the CPU run's 2e-5
+    assert p.resolved.actor_rollout_ref.actor.optim.lr == 1e-6  # not the CPU run's 1e-5
     assert p.resolved.actor_rollout_ref.rollout.temperature == 1.0
     assert p.resolved.trainer.total_training_steps == 200
     assert describe(p).startswith("backend=verl defaults: actor.lr=1e-06 ")

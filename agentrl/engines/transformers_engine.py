@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from agentrl.engines.base import Completion, EngineAborted, SamplingParams
+from agentrl.engines.kv_cache import growing_cache_for
 
 
 @dataclass
@@ -248,7 +249,8 @@ class TransformersEngine:
         alive = list(range(batch))  # original row index of each live row of the cache
         was_training = self.model.training
         self.model.eval()
-        cache = None
+        # in-place KV cache with room for every token still to come (no per-step concatenation)
+        cache = growing_cache_for(self.model, reserve=(width - shared if shared else 0) + sampling.max_new_tokens + 1)
         recorder = None
         if self.record_routing:
             from agentrl.models.routing import record_routing
@@ -259,7 +261,7 @@ class TransformersEngine:
             if shared:  # the common prefix once, its KV cache copied to every row
                 cache = self.model(
                     input_ids=input_ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
-                    logits_to_keep=1,
+                    logits_to_keep=1, past_key_values=cache,
                 ).past_key_values
                 cache.batch_repeat_interleave(batch)
                 step_ids, step_pos = input_ids[:, shared:], positions[:, shared:]

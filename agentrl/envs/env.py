@@ -112,6 +112,9 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
     default_limits: ClassVar[EnvLimits] = EnvLimits()
     #: Default reward; subclasses set a :class:`~agentrl.envs.rewards.Rubric` or override :meth:`reward`.
     rubric: Rubric | None = None
+    #: A dataset shipped with agentrl (:mod:`agentrl.data`) that ``agentrl eval`` uses for the ``test`` split
+    #: when no ``tasks=`` is given (``None``: the offline generator).
+    eval_dataset: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -193,17 +196,25 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
 
     @classmethod
     def tasks(
-        cls, split: str = "train", n: int = 100, seed: int = 0, path: str | None = None
+        cls, split: str = "train", n: int = 100, seed: int = 0, path: str | None = None, **generator_kwargs: Any
     ) -> list[dict[str, Any]]:
         """A task list for training/evaluation: the first ``n`` rows of ``path`` (a local file in the env's
         native format) if given, else ``n`` offline-generated tasks (deterministic in ``seed`` and
-        ``split``). Feed an item to ``reset(options={"task": task})``."""
+        ``split``; ``generator_kwargs`` go to :meth:`generate_task`, e.g. retool's ``tier``). Feed an item to
+        ``reset(options={"task": task})``."""
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         if path is not None:
             return cls.load_tasks(path)[:n]
         rng = np.random.default_rng([seed, 0 if split == "train" else 1])
-        return [cls.generate_task(rng, split) for _ in range(n)]
+        return [cls.generate_task(rng, split, **generator_kwargs) for _ in range(n)]
+
+    @classmethod
+    def generator_kwargs(cls, env_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The entries of ``env_kwargs`` (constructor arguments) that :meth:`generate_task` also takes, such
+        as retool's ``tier``: a task source built from an env config draws the tasks that env would."""
+        params = inspect.signature(cls.generate_task).parameters
+        return {k: v for k, v in env_kwargs.items() if k in params and k not in ("rng", "split")}
 
     def prompt_messages(self, task: dict[str, Any]) -> list[Message]:
         """The conversation shown to the model for ``task`` (default: one user message, ``task["prompt"]``)."""

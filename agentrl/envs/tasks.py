@@ -14,10 +14,15 @@ from typing import Any
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a ``.jsonl``/``.json`` (list of objects) or ``.parquet`` file."""
-    p = Path(path)
+    """Rows of a ``.jsonl``/``.json`` (list of objects) or ``.parquet`` file, or of a dataset shipped with
+    agentrl named instead of a path (``gsm8k``, ``ifeval``, ``aime2024``, ``math500``; :mod:`agentrl.data`)."""
+    from agentrl.data import DATASETS, resolve
+
+    p = resolve(path)
     if not p.exists():
-        raise FileNotFoundError(f"task file {str(p)!r} does not exist")
+        raise FileNotFoundError(
+            f"task file {str(p)!r} does not exist (shipped datasets, usable by name: {', '.join(DATASETS)})"
+        )
     if p.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq

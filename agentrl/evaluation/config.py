@@ -111,11 +111,15 @@ class EvalConfig:
 
 
 def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:
-    """``(item_id, task)`` for the first ``limit`` tasks of the env's evaluation split (or ``tasks`` file)."""
+    """``(item_id, task)`` for the first ``limit`` tasks of ``tasks`` (a file or a shipped dataset's name), else of
+    the env's shipped evaluation dataset for ``split=test`` (gsm8k: GSM8K test; verifyif: IFEval), else of its
+    offline generator's ``split`` (with the generator arguments among ``env_kwargs``, e.g. retool's ``tier``)."""
     from agentrl.envs.registry import env_class
 
     cls = env_class(config.env)
-    tasks = cls.tasks(split=config.split, n=config.limit, seed=config.seed, path=config.tasks)
+    path = config.tasks or (cls.eval_dataset if config.split == "test" else None)
+    extra = cls.generator_kwargs(config.env_kwargs) if path is None and hasattr(cls, "generator_kwargs") else {}
+    tasks = cls.tasks(split=config.split, n=config.limit, seed=config.seed, path=path, **extra)
     ids = [str(t.get("id", i)) for i, t in enumerate(tasks)]
     if len(set(ids)) != len(ids):
         ids = [str(i) for i in range(len(tasks))]

@@ -178,6 +178,34 @@ class ChatTemplateFormat(ChatFormat):
         closing = tail[len(tail) - 1 - tail[::-1].index(end) + 1 :]
         return ([end] if truncated else []) + closing + full[len(closed) :]
 
+    def completion_text(self, messages: Sequence[Message]) -> str:
+        """The text of one assistant turn holding ``messages`` (assistant messages), as the model writes it:
+        an ``analysis`` message as a leading ``<think>`` block, plain text as is, and each tool call
+        (``recipient`` set, ``content`` its JSON arguments, or free-text code with ``content_type="code"``
+        for a built-in python tool, sent as ``{"code": ...}``) as a Hermes ``<tool_call>`` block, joined by
+        newlines. :meth:`parse` of the rendered completion gives the messages back."""
+        parts: list[str] = []
+        for i, m in enumerate(messages):
+            if m.role != "assistant":
+                raise ValueError(f"completion_text takes assistant messages only, got role {m.role!r}")
+            if m.recipient:
+                if m.content_type == "code":
+                    m = Message("assistant", json.dumps({"code": m.content}, ensure_ascii=False), recipient=m.recipient)
+                parts.append(self._hf_messages([m])[0]["content"])
+            elif m.channel == "analysis":
+                if i:
+                    raise ValueError("an analysis message (<think> block) can only come first in a turn")
+                parts.append(f"<think>\n{m.content}\n</think>")
+            else:
+                parts.append(m.content)
+        return "\n".join(parts)
+
+    def render_completion(self, messages: Sequence[Message]) -> list[int]:
+        """The ids a model emits for ``messages`` after the generation prompt: :meth:`completion_text`
+        encoded as plain text (the tokenizer's own split; special-token text stays text), then the
+        end-of-turn token. The env's observation for it is then exactly what the template appends."""
+        return self.encode(self.completion_text(messages)) + [self.end_of_turn_id]
+
     def parse(self, completion_ids: Sequence[int], *, tools: Sequence[ToolSpec] | None = None) -> ParsedTurn:
         """Hermes parse; never raises. ``messages``: an ``analysis`` message for a leading ``<think>`` block,
         then one assistant message with the rest of the text, ``<tool_call>`` blocks included (channel

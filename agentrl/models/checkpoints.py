@@ -5,6 +5,7 @@ Layout (written by :mod:`agentrl.train.checkpoint`)::
     RUN_DIR/config.yaml                                   the run's resolved config
     RUN_DIR/checkpoints/step_000007/{model.pt, optimizer.pt, rng.pt, state.json}
     RUN_DIR/checkpoints/latest                            text: "step_000007"
+    RUN_DIR/checkpoints/sft_000004/...                    written during an SFT stage (before RL step 1)
 
 A checkpoint directory is complete once its ``state.json`` exists (directories are renamed into place
 atomically; temporary ones start with ``.tmp-``). ``model.pt`` is a full state dict under the HF
@@ -16,7 +17,14 @@ from __future__ import annotations
 import os
 import re
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"^(sft|step)_(\d+)$")
+
+
+def _order(name: str) -> tuple[int, int]:
+    """SFT-stage checkpoints (``sft_<k>``) come before RL ones (``step_<n>``), each in numeric order."""
+    m = _STEP_DIR.match(name)
+    assert m is not None
+    return (0 if m.group(1) == "sft" else 1, int(m.group(2)))
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -34,7 +42,7 @@ def list_checkpoints(run_dir: str) -> list[str]:
     if not os.path.isdir(root):
         return []
     names = [n for n in os.listdir(root) if _STEP_DIR.match(n) and os.path.exists(os.path.join(root, n, "state.json"))]
-    return sorted(names, key=lambda n: int(_STEP_DIR.match(n).group(1)))  # type: ignore[union-attr]
+    return sorted(names, key=_order)
 
 
 def latest_checkpoint(run_dir: str) -> str | None:

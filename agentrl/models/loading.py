@@ -157,6 +157,10 @@ def load_model(
     if attn_implementation and name in BUILTIN_MODELS:
         model.set_attn_implementation(attn_implementation)
     model.to(device)
+    if not attn_implementation:  # CPU + grouped-query attention: sdpa without per-head key/value copies
+        from agentrl.models.attention import use_gqa_sdpa
+
+        use_gqa_sdpa(model)
     model.train()
     attn = getattr(model.config, "_attn_implementation", None) or "eager"
     return LoadedModel(model=model, tokenizer=tokenizer, format_name=fmt, attn_implementation=attn)
@@ -180,7 +184,8 @@ def _load_run(
     base = str(cfg.get("model") or "")
     if not base:
         raise ValueError(f"{os.path.join(run_dir, 'config.yaml')} names no model; is it an agentrl run?")
-    kwargs = OmegaConf.to_container(cfg.get("model_kwargs") or {}, resolve=True)
+    raw_kwargs = cfg.get("model_kwargs")  # an empty DictConfig (the default) is falsy: no to_container on a dict
+    kwargs = OmegaConf.to_container(raw_kwargs, resolve=True) if raw_kwargs else {}
     if is_run_dir(base):
         loaded = _load_run(base, device=device, dtype=dtype, attn_implementation=attn_implementation, depth=depth + 1)
     else:

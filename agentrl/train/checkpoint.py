@@ -5,6 +5,9 @@ Layout (read by :mod:`agentrl.models.checkpoints`, which finds the latest one)::
     RUN_DIR/checkpoints/step_000007/{model.pt, optimizer.pt, rng.pt, state.json}
     RUN_DIR/checkpoints/latest          # text: "step_000007"
 
+Checkpoints written during an SFT stage (before RL step 1) are named ``sft_000004`` (SFT step 4); they
+order before every ``step_*`` checkpoint, and their ``optimizer.pt`` is the SFT optimizer's state.
+
 A checkpoint is written into ``.tmp-step_000007`` (each file fsynced), then renamed into place, then
 ``latest`` is replaced atomically (write + ``os.replace``). A crash at any point leaves the previous
 checkpoint intact and ``latest`` pointing at a complete directory, so a killed run loses at most the
@@ -69,11 +72,13 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any] | None = None,
     keep: int = 1,
+    sft_step: int | None = None,
 ) -> str:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep``; returns its directory."""
+    """Write checkpoint ``step`` (or, with ``sft_step``, SFT checkpoint ``sft_<sft_step>``) atomically and keep
+    only the newest ``keep``; returns its directory."""
     root = checkpoint_root(run_dir)
     os.makedirs(root, exist_ok=True)
-    name = f"step_{step:06d}"
+    name = f"step_{step:06d}" if sft_step is None else f"sft_{sft_step:06d}"
     final = os.path.join(root, name)
     tmp = os.path.join(root, f".tmp-{name}")
     shutil.rmtree(tmp, ignore_errors=True)

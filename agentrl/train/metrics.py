@@ -4,8 +4,10 @@ Names follow verl where the concept is the same: ``critic/score/mean`` (episode 
 ``response_length/mean``, ``actor/entropy``, ``actor/grad_norm``, ``actor/pg_clipfrac``,
 ``actor/ppo_kl``, ``actor/kl_loss``, ``rollout_corr/*``, ``timing_s/*``, ``perf/*``. Ours:
 ``reward/<component>/mean``, ``episode/turns_mean``, ``episode/tool_calls_mean``,
-``episode/tool_error_rate`` (failed tool calls / tool calls), ``episode/parse_error_rate`` (model turns
-with a parse error / model turns), ``episode/truncated_frac``, ``episode/rollout_errors``.
+``episode/tool_call_rate`` (episodes with at least one tool call / episodes), ``episode/tool_error_rate``
+(tool calls with an error kind / tool calls; a python exception inside sandboxed code is the code's result,
+not a tool error, as in ``agentrl eval``), ``episode/parse_error_rate`` (model turns with a parse error /
+model turns), ``episode/truncated_frac``, ``episode/rollout_errors``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict
         "prompt_length/mean": sum(len(t.prompt_ids) for t in trajs) / len(trajs),
         "episode/turns_mean": sum(turns) / len(trajs),
         "episode/tool_calls_mean": len(tool_records) / len(trajs),
+        "episode/tool_call_rate": sum(1 for t in trajs if any(turn.tools for turn in t.turns)) / len(trajs),
         "episode/tool_error_rate": (
             sum(1 for r in tool_records if r.error) / len(tool_records) if tool_records else 0.0
         ),
@@ -72,6 +75,22 @@ def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict
     for name, values in sorted(components.items()):
         out[f"reward/{name}/mean"] = sum(values) / len(values)
     return {f"{prefix}{k}": v for k, v in out.items()}
+
+
+def eval_summary(metrics: dict[str, float], prefix: str = "eval/") -> dict[str, Any]:
+    """The headline numbers of one evaluation (``metrics`` from :func:`episode_metrics` with ``prefix``):
+    ``mean`` and ``sem`` of the reward, ``tool_call_rate`` (share of episodes with at least one tool call),
+    ``tool_success_rate`` (share of tool calls without an error kind; ``None`` when no tool was called),
+    ``tool_calls_mean`` and ``turns_mean``."""
+    calls = metrics[f"{prefix}episode/tool_calls_mean"]
+    return {
+        "mean": metrics[f"{prefix}critic/score/mean"],
+        "sem": metrics[f"{prefix}critic/score/sem"],
+        "tool_call_rate": metrics[f"{prefix}episode/tool_call_rate"],
+        "tool_success_rate": (1.0 - metrics[f"{prefix}episode/tool_error_rate"]) if calls > 0 else None,
+        "tool_calls_mean": calls,
+        "turns_mean": metrics[f"{prefix}episode/turns_mean"],
+    }
 
 
 class NullSink:

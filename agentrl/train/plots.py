@@ -1,7 +1,8 @@
 """``agentrl plot RUN_DIR [RUN_DIR ...] [out=DIR]``: per-step curves of one or more runs, overlaid.
 
-Writes one PNG per panel (``reward.png``, ``eval_reward.png``, ``kl.png``, ``entropy.png``, ``grad_norm.png``,
-``clip_fraction.png``, ``rollout_train_gap.png``) plus ``overview.png`` with all panels, into ``out``
+Writes one PNG per panel (``reward.png``, ``eval_reward.png``, ``tool_calls.png``, ``tool_error_rate.png``,
+``turns.png``, ``eval_tool_call_rate.png``, ``kl.png``, ``entropy.png``, ``grad_norm.png``, ``clip_fraction.png``,
+``rollout_train_gap.png``) plus ``overview.png`` with all panels, into ``out``
 (default: the first run's ``plots/`` directory). A panel shows the first metric key of its list that a
 run logged; runs without any of them are skipped in that panel. Uses matplotlib's Agg backend (no display).
 """
@@ -19,11 +20,22 @@ from agentrl.train.metrics import read_metrics
 PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward": ("mean reward (train batch)", ("critic/score/mean",)),
     "eval_reward": ("held-out reward (eval)", ("eval/critic/score/mean",)),
+    "tool_calls": ("tool calls per episode (train batch)", ("episode/tool_calls_mean",)),
+    "tool_error_rate": ("tool error rate (failed calls / calls)", ("episode/tool_error_rate",)),
+    "turns": ("turns per episode (train batch)", ("episode/turns_mean",)),
+    "eval_tool_call_rate": ("held-out: share of episodes with a tool call", ("eval/episode/tool_call_rate",)),
     "kl": ("KL to reference (or PPO KL)", ("actor/kl_loss", "actor/ppo_kl")),
     "entropy": ("entropy (nats/token)", ("actor/entropy",)),
     "grad_norm": ("grad norm (before clipping)", ("actor/grad_norm",)),
     "clip_fraction": ("PPO clip fraction", ("actor/pg_clipfrac",)),
     "rollout_train_gap": ("rollout vs train log-prob, mean |Δ|", ("rollout_corr/logprob_abs_diff_mean",)),
+}
+
+#: held-out panels: the evaluation before the SFT stage (logged at step 0 beside the after-SFT one), drawn as
+#: its own point so a run with a cold start shows before -> after SFT -> after RL
+BEFORE_SFT: dict[str, str] = {
+    "eval_reward": "eval_before/critic/score/mean",
+    "eval_tool_call_rate": "eval_before/episode/tool_call_rate",
 }
 
 
@@ -46,7 +58,7 @@ def plot_runs(run_dirs: list[str], out_dir: str, *, dpi: int = 80) -> list[str]:
     runs = {os.path.basename(os.path.normpath(d)) or d: read_metrics(d) for d in run_dirs}
     os.makedirs(out_dir, exist_ok=True)
     written: list[str] = []
-    overview, axes = plt.subplots(2, 4, figsize=(20, 8))
+    overview, axes = plt.subplots(3, 4, figsize=(20, 12))
     for ax_unused in axes.flat[len(PANELS) :]:
         ax_unused.axis("off")
     for ax_all, (stem, (title, keys)) in zip(axes.flat[: len(PANELS)], PANELS.items(), strict=True):
@@ -58,6 +70,11 @@ def plot_runs(run_dirs: list[str], out_dir: str, *, dpi: int = 80) -> list[str]:
             key, steps, values = found
             for target in (ax, ax_all):
                 target.plot(steps, values, marker="o", markersize=3, label=f"{label} ({key})" if len(keys) > 1 else label)
+            before = _series(records, (BEFORE_SFT[stem],)) if stem in BEFORE_SFT else None
+            if before is not None:
+                for target in (ax, ax_all):
+                    target.plot(before[1], before[2], marker="x", markersize=7, linestyle="none",
+                                label=f"{label} (before SFT)")
         for target in (ax, ax_all):
             target.set_title(title)
             target.set_xlabel("step")

@@ -11,8 +11,10 @@
 
 Task ``i`` of the training stream is a pure function of ``(seed, i)``, so a resumed run continues the
 stream exactly. Held-out tasks use another seed stream (generators) or rows (files), and a generated
-training task whose prompt equals a held-out prompt is redrawn, so evaluation questions are never
-trained on (with ``arithmetic`` level 1, 81 possible questions, that matters).
+training task whose identity equals a held-out task's is redrawn, so evaluation questions are never
+trained on (with ``arithmetic`` level 1, 81 possible questions, that matters). A task's identity is its
+``key`` when the generator gives one (retool: the problem, whatever its phrasing, so a paraphrase of a
+held-out problem is redrawn too), else its prompt.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ TASK_SOURCES = ("env", "arithmetic")
 
 def arithmetic_task(rng: np.random.Generator, level: int = 1) -> dict[str, Any]:
     """One integer arithmetic question. Level 1: a+b with a, b in 1..9; level 2: +, - or * on 1..20;
-    level 3: a op b op c on 1..50."""
+    level 3: a op b op c on 1..50. ``code`` prints the answer (for the scripted retool teacher)."""
     r = lambda lo, hi: int(rng.integers(lo, hi + 1))  # noqa: E731
     if level == 1:
         a, b = r(1, 9), r(1, 9)
@@ -45,17 +47,26 @@ def arithmetic_task(rng: np.random.Generator, level: int = 1) -> dict[str, Any]:
         value = eval(expr)  # noqa: S307 - ints and operators only
     else:
         raise ValueError(f"data.level must be 1, 2 or 3, got {level}")
-    return {"id": f"arith{level}-{expr.replace(' ', '')}", "prompt": f"What is {expr}?", "answer": str(value)}
+    return {"id": f"arith{level}-{expr.replace(' ', '')}", "prompt": f"What is {expr}?", "answer": str(value),
+            "code": f"print({expr})"}
+
+
+def task_identity(task: dict[str, Any]) -> str:
+    """What makes two tasks the same problem: ``task["key"]`` if present (phrasing-independent), else the prompt."""
+    return str(task["key"]) if task.get("key") is not None else str(task.get("prompt"))
 
 
 class TaskSource:
-    """``train(i)`` -> task ``i`` of the training stream; ``held_out(n)`` -> the fixed evaluation tasks."""
+    """``train(i)`` -> task ``i`` of the training stream; ``held_out(n)`` -> the fixed evaluation tasks.
+    ``generator_kwargs`` go to the env's ``generate_task`` (e.g. ``{"tier": "tool"}`` for retool)."""
 
     def __init__(
-        self, env_cls: type, source: str, *, seed: int, level: int = 1, eval_seed: int = 1_000_000, num_held_out: int = 0
+        self, env_cls: type, source: str, *, seed: int, level: int = 1, eval_seed: int = 1_000_000, num_held_out: int = 0,
+        generator_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.env_cls, self.source, self.seed, self.level, self.eval_seed = env_cls, source, seed, level, eval_seed
         self.num_held_out = num_held_out
+        self.generator_kwargs = dict(generator_kwargs or {})
         self._rows: list[dict[str, Any]] | None = None
         if source not in TASK_SOURCES:
             try:
@@ -66,12 +77,12 @@ class TaskSource:
                 raise ValueError(f"data.tasks={source!r} holds no tasks")
         self._excluded: dict[int, set[str]] = {}
         if num_held_out and self._rows is None:  # fail early if there are not enough distinct tasks
-            self._excluded[num_held_out] = {str(t.get("prompt")) for t in self.held_out()}
+            self._excluded[num_held_out] = {task_identity(t) for t in self.held_out()}
 
     def _generate(self, rng: np.random.Generator, split: str) -> dict[str, Any]:
         if self.source == "arithmetic":
             return arithmetic_task(rng, self.level)
-        return self.env_cls.generate_task(rng, split)
+        return self.env_cls.generate_task(rng, split, **self.generator_kwargs)
 
     def train(self, index: int, num_held_out: int | None = None) -> dict[str, Any]:
         """Task ``index`` of the training stream, never one of the first ``num_held_out`` (default: the
@@ -81,11 +92,11 @@ class TaskSource:
             pool = self._rows[n:] or self._rows
             return dict(pool[index % len(pool)])
         if n not in self._excluded:
-            self._excluded[n] = {str(t.get("prompt")) for t in self.held_out(n)}
+            self._excluded[n] = {task_identity(t) for t in self.held_out(n)}
         rng = np.random.default_rng([self.seed, 0, index])
         for _ in range(10_000):
             task = self._generate(rng, "train")
-            if str(task.get("prompt")) not in self._excluded[n]:
+            if task_identity(task) not in self._excluded[n]:
                 return task
         raise ValueError(
             f"could not draw a training task outside the {n} held-out ones; lower eval.num_tasks or raise data.level"
@@ -104,8 +115,8 @@ class TaskSource:
             if len(tasks) == n:
                 break
             task = self._generate(rng, "test")
-            if str(task.get("prompt")) not in seen:
-                seen.add(str(task.get("prompt")))
+            if task_identity(task) not in seen:
+                seen.add(task_identity(task))
                 tasks.append(task)
         if len(tasks) < n:
             raise ValueError(f"only {len(tasks)} distinct held-out tasks exist here; lower eval.num_tasks to that")

@@ -7,14 +7,23 @@ does the policy update, logs metrics and saves an atomic checkpoint. The engine'
 re-seeded from ``(seed, step)`` at each step, so a resumed run samples exactly what the killed one would
 have. Held-out evaluation uses a fixed task set from a separate seed stream, at ``eval.temperature``.
 
+Before step 1: the held-out evaluation (``before``), then, when ``sft.steps > 0``, the cold-start SFT stage
+(:mod:`agentrl.train.sft`: teacher demonstrations through the env, or trajectories from ``sft.data``; its own
+AdamW, dropped afterwards) and a second evaluation (``after_sft``), then a checkpoint at step 0. The
+metrics record of step 0 holds the evaluation RL starts from as ``eval/*`` and, when SFT ran, the first
+one as ``eval_before/*`` plus ``sft/*``; SFT's own per-step records are in ``RUN_DIR/sft/metrics.jsonl``.
+
 Run directory::
 
     RUN_DIR/config.yaml          resolved config
     RUN_DIR/metrics.jsonl        one record per step (step 0: evaluation before training)
     RUN_DIR/tensorboard/         TensorBoard events
-    RUN_DIR/trajectories/        step_000001.jsonl ... and eval_step_000000.jsonl (every episode, failed ones too)
+    RUN_DIR/trajectories/        step_000001.jsonl ..., eval_step_000000.jsonl (before), eval_after_sft.jsonl,
+                                 eval_step_000020.jsonl (every episode, failed ones too)
+    RUN_DIR/sft/                 data.jsonl (the SFT trajectories), metrics.jsonl, tensorboard/ (SFT stage)
     RUN_DIR/checkpoints/         see agentrl.train.checkpoint
-    RUN_DIR/summary.json         eval before/after (mean ± standard error), wall time
+    RUN_DIR/summary.json         eval_before / eval_after_sft / eval_after: mean, sem, tool_call_rate,
+                                 tool_success_rate, turns_mean; wall time
 """
 
 from __future__ import annotations
@@ -41,15 +50,18 @@ from agentrl.models.loading import load_model
 from agentrl.train.batch import collate
 from agentrl.train.checkpoint import save_checkpoint
 from agentrl.train.config import describe_device_defaults
-from agentrl.train.metrics import MetricsSink, NullSink, episode_metrics
+from agentrl.train.metrics import MetricsSink, NullSink, episode_metrics, eval_summary
 from agentrl.train.parallel import SingleProcess
 from agentrl.train.rollout import rollout
 from agentrl.train.tasks import TaskSource, with_boxed_bonus
 from agentrl.train.update import update_policy
 
+_DEMO_OFFSET = 1_000_000_000  # SFT demonstrations use training tasks from this index on (RL starts at 0)
+
 
 def default_run_dir(cfg: DictConfig) -> str:
-    return os.path.join("runs", f"{cfg.env}-{time.strftime('%Y%m%d-%H%M%S')}")
+    kind = "-sft" if cfg.trainer.total_steps == 0 and cfg.sft.steps else ""
+    return os.path.join("runs", f"{cfg.env}{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 class Trainer:
@@ -82,8 +94,12 @@ class Trainer:
             close = difflib.get_close_matches(cfg.env, names, n=2)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
             raise ValueError(f"unknown env {cfg.env!r}.{hint} Registered envs: {', '.join(names)}") from None
+        generator_kwargs = getattr(self.env_cls, "generator_kwargs", lambda kw: {})(
+            OmegaConf.to_container(cfg.env_kwargs, resolve=True)
+        )
         self.tasks = TaskSource(self.env_cls, cfg.data.tasks, seed=cfg.seed, level=cfg.data.level,
-                                eval_seed=cfg.seed + cfg.eval.seed_offset, num_held_out=cfg.eval.num_tasks)
+                                eval_seed=cfg.seed + cfg.eval.seed_offset, num_held_out=cfg.eval.num_tasks,
+                                generator_kwargs=generator_kwargs)
         t0 = time.perf_counter()
         self.loaded = load_model(
             cfg.model,
@@ -97,7 +113,9 @@ class Trainer:
         self.model = self.loaded.model
         self.format = self.loaded.chat_format(cfg.format)
         self.ref_model = None
-        if cfg.actor.use_kl_loss:  # the initial weights, frozen (copied before any checkpoint is loaded)
+        # the KL reference: the initial weights, frozen (copied before any checkpoint is loaded); after an SFT
+        # stage, the SFT'd weights (kept in RUN_DIR/sft/reference.pt for resumed runs)
+        if cfg.actor.use_kl_loss:
             self.ref_model = copy.deepcopy(self.model).eval()
             self.ref_model.requires_grad_(False)
         if cfg.actor.freeze:
@@ -142,9 +160,13 @@ class Trainer:
             )
         for warning in self.sink.warnings:
             self.console.print(f"[yellow]warning:[/] {warning}")
-        self.eval_history: dict[int, tuple[float, float]] = {}
+        self.eval_history: dict[str, dict[str, Any]] = {}  # "before", "after_sft", "step_N" -> eval_summary
         self.eval_seconds = 0.0  # duration of the latest evaluation (to budget the final one)
         self.stopped_early = False
+        self.sft_done = False
+        self.sft_step = 0  # SFT optimizer steps done
+        self.sft_info: dict[str, Any] = {}
+        self._resumed_sft_optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ data
     def _make_env(self) -> Any:
@@ -190,27 +212,44 @@ class Trainer:
         ckpt = latest_checkpoint(self.run_dir)
         if ckpt is None:
             return
-        state = self.parallel.load_checkpoint(ckpt, self.model, self.optimizer)
+        with open(os.path.join(ckpt, "state.json"), encoding="utf-8") as f:
+            in_sft = not json.load(f).get("sft_done", True)
+        if in_sft:  # an SFT-stage checkpoint: its optimizer state is the SFT optimizer's
+            self._resumed_sft_optimizer = self._sft_optimizer()
+        state = self.parallel.load_checkpoint(ckpt, self.model, self._resumed_sft_optimizer or self.optimizer)
         self.step = int(state["step"])
         self.data_position = int(state["data_position"])
         self.update_generator.set_state(torch.tensor(state["update_generator"], dtype=torch.uint8))
-        self.eval_history = {int(k): tuple(v) for k, v in state.get("eval_history", {}).items()}
+        self.eval_history = dict(state.get("eval_history", {}))
+        self.sft_done = bool(state.get("sft_done", True))
+        self.sft_step = int(state.get("sft_step", 0))
+        self.sft_info = dict(state.get("sft_info", {}))
+        reference = os.path.join(self.run_dir, "sft", "reference.pt")
+        if self.ref_model is not None and self.sft_done and os.path.exists(reference):
+            self.ref_model.load_state_dict(torch.load(reference, map_location=self.model.device, weights_only=True))
         self.sink.truncate_after(self.step)
         self.console.print(f"resumed from {ckpt}: step {self.step}, data position {self.data_position}")
 
-    def save(self) -> None:
-        """Write an atomic checkpoint of the current step (rank 0 writes the gathered full states)."""
-        model, optimizer, extra = self.parallel.checkpoint_states(self.model, self.optimizer)
+    def save(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Write an atomic checkpoint of the current step (rank 0 writes the gathered full states);
+        ``optimizer``: the SFT optimizer when called inside the SFT stage (an ``sft_<k>`` checkpoint), else
+        the RL optimizer is saved."""
+        in_sft = optimizer is not None
+        model, optim, extra = self.parallel.checkpoint_states(self.model, optimizer or self.optimizer)
         if self.parallel.is_main:
             save_checkpoint(
                 self.run_dir,
                 step=self.step,
                 data_position=self.data_position,
                 model=model,
-                optimizer=optimizer,
+                optimizer=optim,
+                sft_step=self.sft_step if in_sft else None,
                 extra={
                     "update_generator": self.update_generator.get_state().tolist(),
-                    "eval_history": {str(k): list(v) for k, v in self.eval_history.items()},
+                    "eval_history": self.eval_history,
+                    "sft_done": not in_sft and self.sft_done,
+                    "sft_step": self.sft_step,
+                    "sft_info": self.sft_info,
                     **extra,
                 },
                 keep=self.cfg.trainer.keep_checkpoints,
@@ -218,8 +257,10 @@ class Trainer:
         self.parallel.barrier()
 
     # ------------------------------------------------------------------ steps
-    async def evaluate(self, pool: EnvPool) -> dict[str, float]:
-        """Greedy (``eval.temperature``) episodes on the held-out tasks; ``eval/*`` metrics over all ranks."""
+    async def evaluate(self, pool: EnvPool, label: str | None = None) -> dict[str, float]:
+        """Greedy (``eval.temperature``) episodes on the held-out tasks; ``eval/*`` metrics over all ranks.
+        ``label``: the key in ``eval_history`` (default ``step_N``, or ``before`` at step 0)."""
+        label = label or ("before" if self.step == 0 else f"step_{self.step}")
         par = self.parallel
         tasks = par.shard_list(self.eval_tasks())
         self.engine.reseed(self.cfg.seed + 999_983 + par.rank)
@@ -227,12 +268,82 @@ class Trainer:
             result = await rollout(pool, self.engine, self.sampling(self.cfg.eval.temperature), tasks, n=1,
                                    seed=self.cfg.seed + 7_777_777 + par.rank * len(tasks))
         episodes = par.gather(result.episodes)
-        self._save_trajectories(f"eval_step_{self.step:06d}", episodes)
+        self._save_trajectories("eval_after_sft" if label == "after_sft" else f"eval_step_{self.step:06d}", episodes)
         metrics = episode_metrics(episodes, prefix="eval/")
         metrics["eval/timing_s"] = par.max(result.wall_s)
         self.eval_seconds = metrics["eval/timing_s"]
-        self.eval_history[self.step] = (metrics["eval/critic/score/mean"], metrics["eval/critic/score/sem"])
+        self.eval_history[label] = {"step": self.step, **eval_summary(metrics)}
         return metrics
+
+    def _sft_optimizer(self) -> torch.optim.Optimizer:
+        sft = self.cfg.sft
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=sft.lr, betas=tuple(self.cfg.actor.betas), weight_decay=sft.weight_decay)
+
+    async def cold_start(self) -> dict[str, float]:
+        """The SFT stage (``sft.*``): data (kept in ``RUN_DIR/sft/data.jsonl``), then ``sft.steps`` optimizer
+        steps with a fresh AdamW, checkpointed every ``sft.save_every`` steps and dropped afterwards. Resumes
+        at ``self.sft_step``. Returns ``sft/*`` summary metrics ({} when there is no SFT stage)."""
+        from agentrl.train.sft import SFTStage, prepare_data
+        from agentrl.train.sft_data import describe, load_trajectories, save_trajectories
+
+        cfg, sft = self.cfg, self.cfg.sft
+        if sft.steps == 0:
+            return {}
+        t0 = time.perf_counter()
+        data_path = os.path.join(self.run_dir, "sft", "data.jsonl")
+        if self.sft_step > 0 and os.path.exists(data_path):  # resumed inside the stage: the same data
+            trajectories, _ = load_trajectories(data_path)
+            info = self.sft_info.get("data", {})
+        else:
+            trajectories, info = await prepare_data(
+                sft, env_name=cfg.env, make_env=self._make_env,
+                task=lambda i: self.train_task(_DEMO_OFFSET + i)[1], vocab_size=self.format.vocab_size,
+                seed=cfg.seed + 31_337, stop_token_ids=list(self.format.stop_token_ids),
+            )
+            self.sft_info = {"data": info}
+            if not trajectories:
+                if "none" in str(info.get("source")):
+                    self.console.print(f"no SFT stage: {info['source']}")
+                    return {}
+                raise ValueError(f"the SFT data is empty after filtering ({info}); check sft.data, sft.teacher and the filters")
+            save_trajectories(data_path, trajectories)
+            self.console.print(f"SFT data: {len(trajectories)} trajectories ({info})")
+        data_s = time.perf_counter() - t0
+        optimizer = self._resumed_sft_optimizer or self._sft_optimizer()
+        self._resumed_sft_optimizer = None
+        stage = SFTStage(
+            self.model, optimizer, trajectories, batch_size=sft.batch_size, micro_batch_size=sft.micro_batch_size,
+            pad_token_id=self.pad_token_id, seed=cfg.seed, grad_clip=sft.grad_clip,
+            chunk_size=cfg.actor.logprob_chunk_size, share_prefix=cfg.actor.share_prompt_prefix,
+        )
+        sink = MetricsSink(os.path.join(self.run_dir, "sft"), tensorboard=cfg.trainer.tensorboard, wandb=False,
+                           wandb_project=cfg.trainer.wandb_project, config={})
+        sink.truncate_after(self.sft_step)
+        losses: list[float] = []
+        try:
+            while self.sft_step < sft.steps:
+                m = stage.step(self.sft_step)
+                self.sft_step += 1
+                losses.append(m["sft/loss"])
+                sink.log(self.sft_step, m)
+                if sft.save_every and self.sft_step % sft.save_every == 0 and self.sft_step < sft.steps:
+                    self.save(optimizer=optimizer)  # before the line below: a printed step is a saved step
+                self.console.print(
+                    f"sft {self.sft_step}/{sft.steps}  loss {m['sft/loss']:.4g}  gnorm {m['sft/grad_norm']:.3g}  "
+                    f"s {m['timing_s/sft_step']:.3g}"
+                )
+                self.console.file.flush()
+        finally:
+            sink.close()
+        del optimizer, stage
+        self.sft_info.update(steps=sft.steps)
+        if losses:
+            self.sft_info.update(loss_last=losses[-1])
+        return {
+            **describe(trajectories), "sft/steps": float(sft.steps), "sft/loss_last": losses[-1] if losses else float("nan"),
+            "timing_s/sft_data": data_s, "timing_s/sft": time.perf_counter() - t0,
+        }
 
     async def train_step(self, pool: EnvPool) -> dict[str, float]:
         """Roll out this rank's share of the next ``rollout.batch_size`` tasks, update the policy, and
@@ -296,10 +407,8 @@ class Trainer:
         pool = EnvPool(self._make_env, min(cfg.rollout.concurrency, max(cfg.rollout.batch_size * cfg.rollout.n, cfg.eval.num_tasks)))
         t_start = time.perf_counter()
         try:
-            if self.step == 0 and cfg.eval.before and cfg.eval.num_tasks and 0 not in self.eval_history:
-                metrics = await self.evaluate(pool)
-                self.sink.log(0, metrics)
-                self._print_eval(metrics)
+            if self.step == 0 and not self.sft_done:
+                await self._before_rl(pool)
             with self._progress() as progress:
                 task = progress.add_task("training", total=cfg.trainer.total_steps, completed=self.step) if progress else None
                 slowest_step = 0.0
@@ -328,6 +437,31 @@ class Trainer:
             await pool.aclose()
             self.sink.close()
         return self._summary(time.perf_counter() - t_start)
+
+    async def _before_rl(self, pool: EnvPool) -> None:
+        """Step 0: evaluation before anything, the SFT stage with its evaluation, a checkpoint."""
+        cfg = self.cfg
+        evaluating = bool(cfg.eval.num_tasks)
+        record: dict[str, float] = {}
+        if evaluating and cfg.eval.before and "before" not in self.eval_history:
+            record = await self.evaluate(pool, "before")
+            self._print_eval(record, "before")
+        sft_metrics = await self.cold_start()
+        if sft_metrics:
+            record = {f"eval_before/{k[len('eval/'):]}": v for k, v in record.items()}
+            record.update(sft_metrics)
+            if evaluating:
+                after = await self.evaluate(pool, "after_sft")
+                self._print_eval(after, "after SFT")
+                record.update(after)
+        self.sft_done = True
+        if sft_metrics and self.ref_model is not None:  # RL's KL reference is the policy SFT produced
+            self.ref_model.load_state_dict(self.model.state_dict())
+            torch.save(self.model.state_dict(), os.path.join(self.run_dir, "sft", "reference.pt"))
+        if sft_metrics and cfg.trainer.save_every:
+            self.save()
+        if record:
+            self.sink.log(0, record)
 
     def _out_of_time(self, slowest_step: float) -> bool:
         """True if another step plus the final evaluation would overrun ``trainer.max_wall_s``."""
@@ -364,8 +498,8 @@ class Trainer:
     def _print_step(self, m: dict[str, float]) -> None:
         parts = [f"step {self.step}/{self.cfg.trainer.total_steps}"]
         for key, label in (
-            ("critic/score/mean", "reward"), ("response_length/mean", "len"), ("episode/tool_calls_mean", "tools"),
-            ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("actor/pg_clipfrac", "clip"),
+            ("critic/score/mean", "reward"), ("response_length/mean", "len"), ("episode/tool_calls_mean", "tools/ep"),
+            ("episode/tool_error_rate", "tool err"), ("episode/turns_mean", "turns"), ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("actor/pg_clipfrac", "clip"),
             ("rollout_corr/logprob_abs_diff_mean", "|Δlp|"), ("timing_s/step", "s"),
         ):
             if key in m:
@@ -375,10 +509,13 @@ class Trainer:
         if "eval/critic/score/mean" in m:
             self._print_eval(m)
 
-    def _print_eval(self, m: dict[str, float]) -> None:
+    def _print_eval(self, m: dict[str, float], label: str | None = None) -> None:
+        s = eval_summary(m)
+        success = "-" if s["tool_success_rate"] is None else f"{s['tool_success_rate']:.2f}"
         self.console.print(
-            f"eval @ step {self.step}: reward {m['eval/critic/score/mean']:.3f} ± {m['eval/critic/score/sem']:.3f} "
-            f"(n={self.cfg.eval.num_tasks})"
+            f"eval {label or f'@ step {self.step}'}: reward {s['mean']:.3f} ± {s['sem']:.3f} (n={self.cfg.eval.num_tasks})  "
+            f"tool calls {s['tool_call_rate']:.2f} of episodes, {s['tool_calls_mean']:.2f}/episode, success {success}  "
+            f"turns {s['turns_mean']:.2f}  {m.get('eval/timing_s', 0.0):.0f} s"
         )
         self.console.file.flush()
 
@@ -388,10 +525,18 @@ class Trainer:
             "wall_s_this_process": time.perf_counter() - self.t_created, "fit_s": wall_s,
             "model_load_s": self.load_s, "stopped_early_by_max_wall_s": self.stopped_early,
         }
-        if self.eval_history:
-            first, last = min(self.eval_history), max(self.eval_history)
-            summary["eval_before"] = {"step": first, "mean": self.eval_history[first][0], "sem": self.eval_history[first][1]}
-            summary["eval_after"] = {"step": last, "mean": self.eval_history[last][0], "sem": self.eval_history[last][1]}
+        if self.sft_info:
+            summary["sft"] = self.sft_info
+        history = self.eval_history
+        if history:
+            steps = sorted((v["step"], k) for k, v in history.items() if k not in ("before", "after_sft"))
+            first = "before" if "before" in history else ("after_sft" if "after_sft" in history else steps[0][1])
+            summary["eval_before"] = history[first]
+            if "after_sft" in history:
+                summary["eval_after_sft"] = history["after_sft"]
+            # no RL step evaluated (an SFT-only run, or total_steps=0): the latest evaluation is the last one
+            latest = "after_sft" if "after_sft" in history else first
+            summary["eval_after"] = history[steps[-1][1]] if steps else history[latest]
             summary["eval_tasks"] = self.cfg.eval.num_tasks
         if self.parallel.is_main:
             with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:

@@ -72,6 +72,7 @@ class GSM8KEnv(AgentEnv):
     """
 
     instructions = INSTRUCTIONS
+    eval_dataset = "gsm8k"
     single_turn = True
     default_limits = EnvLimits(max_turns=1, max_tool_calls=0)
     rubric = Rubric([NumericAnswer()])

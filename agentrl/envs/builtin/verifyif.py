@@ -183,6 +183,7 @@ class VerifyIFEnv(AgentEnv):
     """
 
     instructions = INSTRUCTIONS
+    eval_dataset = "ifeval"
     single_turn = True
     default_limits = EnvLimits(max_turns=1, max_tool_calls=0)
 
