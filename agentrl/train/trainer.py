@@ -53,6 +53,7 @@ from agentrl.train.config import describe_device_defaults
 from agentrl.train.metrics import MetricsSink, NullSink, episode_metrics, eval_summary
 from agentrl.train.parallel import SingleProcess
 from agentrl.train.rollout import rollout
+from agentrl.train.sft_data import save_trajectories
 from agentrl.train.tasks import TaskSource, with_boxed_bonus
 from agentrl.train.update import update_policy
 
@@ -197,13 +198,11 @@ class Trainer:
         """Write every episode of all ranks (``episodes`` is already gathered); rank 0 only."""
         if not self.cfg.trainer.save_trajectories or not self.parallel.is_main:
             return
-        path = os.path.join(self.run_dir, "trajectories", f"{name}.jsonl")
-        with open(path + ".tmp", "w", encoding="utf-8") as f:
-            for e in episodes:
-                e.trajectory.metadata.setdefault("task_id", e.task_id)
-                e.trajectory.metadata["group"] = e.group
-                f.write(e.trajectory.to_json() + "\n")
-        os.replace(path + ".tmp", path)
+        for e in episodes:
+            e.trajectory.metadata.setdefault("task_id", e.task_id)
+            e.trajectory.metadata["group"] = e.group
+        save_trajectories(os.path.join(self.run_dir, "trajectories", f"{name}.jsonl"),
+                          (e.trajectory for e in episodes))
 
     # ------------------------------------------------------------------ resume
     def maybe_resume(self) -> None:
@@ -285,7 +284,7 @@ class Trainer:
         steps with a fresh AdamW, checkpointed every ``sft.save_every`` steps and dropped afterwards. Resumes
         at ``self.sft_step``. Returns ``sft/*`` summary metrics ({} when there is no SFT stage)."""
         from agentrl.train.sft import SFTStage, prepare_data
-        from agentrl.train.sft_data import describe, load_trajectories, save_trajectories
+        from agentrl.train.sft_data import describe, load_trajectories
 
         cfg, sft = self.cfg, self.cfg.sft
         if sft.steps == 0:
