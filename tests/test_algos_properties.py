@@ -463,14 +463,17 @@ def _check_policy_loss(case, name, mode, clip, with_is, info):
         assert om[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
-@FAST
-@given(
+POLICY_LOSS_INPUTS = given(
     data=st.data(),
     name=st.sampled_from(sorted(A.POLICY_LOSSES)),
     mode=st.sampled_from(A.LOSS_AGG_MODES),
     clip=st.sampled_from(CLIPS),
     with_is=st.booleans(),
 )
+
+
+@FAST
+@POLICY_LOSS_INPUTS
 def test_policy_losses_match_verl(data, name, mode, clip, with_is):
     case = data.draw(logprob_cases(need_token=True))
     _check_policy_loss(case, name, mode, clip, with_is, data.draw(batch_info(case["mask"])))
@@ -478,13 +481,7 @@ def test_policy_losses_match_verl(data, name, mode, clip, with_is):
 
 @pytest.mark.slow
 @SLOW
-@given(
-    data=st.data(),
-    name=st.sampled_from(sorted(A.POLICY_LOSSES)),
-    mode=st.sampled_from(A.LOSS_AGG_MODES),
-    clip=st.sampled_from(CLIPS),
-    with_is=st.booleans(),
-)
+@POLICY_LOSS_INPUTS
 def test_policy_losses_match_verl_sweep(data, name, mode, clip, with_is):
     case = data.draw(logprob_cases(need_token=True))
     _check_policy_loss(case, name, mode, clip, with_is, data.draw(batch_info(case["mask"])))
