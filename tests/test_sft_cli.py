@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
+from _cli_process import finish_cli, start_cli
 
 from agentrl.cli import main as cli_main
 
@@ -41,29 +40,17 @@ def test_help_and_errors(capsys):
         assert message in err and "Traceback" not in err, (argv, err)
 
 
-def _sft(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "agentrl.cli", "sft", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    return out
-
-
 def test_sft_run_resume_and_load_as_model(tmp_path):
     torch = pytest.importorskip("torch")
     ref, killed = tmp_path / "ref", tmp_path / "killed"
-    out = _finish(_sft([*ARGS, f"run_dir={ref}"]))
+    out = finish_cli(start_cli("sft", [*ARGS, f"run_dir={ref}"]), timeout=900)
     summary = json.loads(ref.joinpath("summary.json").read_text())
     assert summary["sft"]["steps"] == 3 and summary["sft"]["data"]["kept"] == 4
     assert {"eval_before", "eval_after_sft", "eval_after"} <= set(summary)
     assert summary["eval_after"] == summary["eval_after_sft"]  # no RL step: the SFT'd model is the final one
     assert "sft 3/3" in out
 
-    proc = _sft([*ARGS, f"run_dir={killed}"])
+    proc = start_cli("sft", [*ARGS, f"run_dir={killed}"])
     seen = []
     for line in proc.stdout:  # an SFT step line is printed after its checkpoint is complete
         seen.append(line)
@@ -74,7 +61,7 @@ def test_sft_run_resume_and_load_as_model(tmp_path):
     assert proc.returncode == -signal.SIGKILL, "".join(seen)
     assert (killed / "checkpoints" / "latest").read_text() == "sft_000002"
 
-    out = _finish(_sft([f"resume={killed}"]))
+    out = finish_cli(start_cli("sft", [f"resume={killed}"]), timeout=900)
     assert "resumed from" in out and "sft 3/3" in out and "sft 1/3" not in out
     steps = [json.loads(line)["step"] for line in (killed / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]

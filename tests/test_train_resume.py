@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
+
+from _cli_process import finish_cli, start_cli
 
 ARGS = [
     "env=gsm8k", "model=tiny-gpt-oss", "rollout.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=6",
@@ -15,18 +15,6 @@ ARGS = [
     "trainer.progress=false", "trainer.tensorboard=false", "actor.freeze=[embeddings,lm_head]", "threads=1",
     "trainer.save_every=1",  # a checkpoint after every step (the CPU default writes one every 10)
 ]
-
-
-def _train(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "agentrl.cli", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    return out
 
 
 def _responses(run, step):
@@ -41,9 +29,9 @@ def _state(run):
 
 def test_killed_run_resumes_exactly(tmp_path):
     ref, killed = tmp_path / "ref", tmp_path / "killed"
-    _finish(_train([*ARGS, f"run_dir={ref}"]))
+    finish_cli(start_cli("train", [*ARGS, f"run_dir={ref}"]), timeout=600)
 
-    proc = _train([*ARGS, f"run_dir={killed}"])
+    proc = start_cli("train", [*ARGS, f"run_dir={killed}"])
     seen = []
     for line in proc.stdout:  # the step line is printed after that step's checkpoint is complete
         seen.append(line)
@@ -54,7 +42,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     assert proc.returncode == -signal.SIGKILL, "".join(seen)
     assert _state(killed)["step"] in (2, 3)  # at most the step in flight is lost
 
-    out = _finish(_train([f"resume={killed}"]))
+    out = finish_cli(start_cli("train", [f"resume={killed}"]), timeout=600)
     assert "resumed from" in out
     state = _state(killed)
     assert state["step"] == 4 and state["data_position"] == 4 * 2 == _state(ref)["data_position"]
