@@ -412,6 +412,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("rollout.temperature=0 gives identical samples per group (no GRPO signal); use > 0")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
+    if not cfg.algorithm.epsilon >= 0:
+        raise ConfigError(f"algorithm.epsilon must be >= 0 (added to GRPO's group std), got {cfg.algorithm.epsilon}")
     if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 (a group per task)")
     total = cfg.rollout.batch_size * cfg.rollout.n
