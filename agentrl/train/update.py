@@ -3,7 +3,9 @@
 The algorithms are the pure functions of :mod:`agentrl.train.algorithms`; this module only wires them
 to the model:
 
-- advantages from ``algorithm.adv_estimator`` over the task groups;
+- advantages from ``algorithm.adv_estimator`` over the task groups, on the whole batch: under torchrun
+  every rank's rows are gathered first (:func:`batch_advantages`), so whitened estimators (REINFORCE++,
+  REINFORCE++-baseline) normalise over all ranks' tokens as verl does, whatever the number of GPUs;
 - the step plan: rows without a model token are dropped (single process; under torchrun every rank keeps
   its rows so that the ranks' collectives stay in step, and mini-batches without a token on any rank
   are dropped), then ``actor.ppo_epochs`` x ``actor.num_mini_batches`` chunks are formed;
@@ -14,15 +16,26 @@ to the model:
 - rollout correction (``algorithm.rollout_correction.*``) against the engine's log-probs: on the separate
   pass's log-probs before the loop, or, on-policy, per micro-batch on the training forward's own log-probs
   (weights and rejection masks are row-local, so both give the same values). Its ``rollout_corr/*``
-  metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows);
+  metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows
+  that hold a model token);
 - optional KL loss to a frozen reference model, optional entropy bonus, gradient accumulation over
-  micro-batches.
+  micro-batches;
+- the policy loss's metrics over each step's tokens (:class:`_LossMetrics`): token-weighted means,
+  ``*_max`` / ``*_min`` as the extremes, over all ranks; a micro-batch that rejection emptied adds nothing
+  (no ``±inf``, no zeros pulling a mean down), and a batch without a trained token reports none.
 
-Loss normalisation: every micro-batch loss is aggregated with the step's totals before rollout
-correction (tokens, or rows, over all ranks), which are known before the first forward; after the last
-backward the gradients are multiplied by ``before / after`` once the post-rejection totals are known.
-Both paths do exactly this, so the on-policy path with rejection gives the gradient of the separate-pass
-path bit for bit, and both equal the gradient of verl's loss with the post-rejection totals.
+Loss normalisation is verl's trainer's (``agg_loss`` with ``global_batch_info``): every micro-batch loss
+is divided by totals of the whole optimizer step over all ranks, so gradient accumulation and FSDP's
+averaging give the gradient of the step's loss. ``token-mean`` divides by the tokens left after rejection
+sampling (verl's ``batch_num_tokens``, the sum of the rejected loss mask); the ``seq-mean-*`` modes divide
+by every row of the mini-batch (verl's ``global_batch_size = ppo_mini_batch_size * rollout.n``), also a row
+that rejection emptied, which adds 0 to the sum; ``token-sum`` divides by nothing. The rows of a
+mini-batch are those of the step plan, i.e. rows that hold a model token before rejection (under
+torchrun a rank's rows without one, kept for FSDP's sake, count for nothing). The token total after
+rejection is not known before the on-policy path's forwards, so every micro-batch is aggregated with
+the total before rejection and the gradients are multiplied by ``before / after`` after the last
+backward. Both paths do exactly this, so the on-policy path with rejection gives the gradient of the
+separate-pass path bit for bit, and both equal the gradient of verl's loss on the mini-batch.
 """
 
 from __future__ import annotations
@@ -132,11 +145,76 @@ def _mean_metrics(collected: dict[str, list[float]]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in collected.items() if v}
 
 
+class _LossMetrics:
+    """The policy loss's metrics over an update: a key ending in ``_max`` (``_min``) is the largest
+    (smallest) value of any micro-batch, every other key the mean weighted by the micro-batch's trained
+    tokens, i.e. the value over all the update's tokens whatever the micro-batch size. Micro-batches
+    without a token are not added; under torchrun :meth:`result` combines all ranks (same values on each)."""
+
+    def __init__(self) -> None:
+        self.weighted: dict[str, float] = defaultdict(float)
+        self.tokens: dict[str, float] = defaultdict(float)
+        self.extremes: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], tokens: float) -> None:
+        if tokens <= 0:
+            return
+        for k, v in metrics.items():
+            if k.endswith(("_max", "_min")):
+                pick = max if k.endswith("_max") else min
+                self.extremes[k] = pick(self.extremes.get(k, v), v)
+            else:
+                self.weighted[k] += v * tokens
+                self.tokens[k] += tokens
+
+    def result(self) -> dict[str, float]:
+        parts = distributed.gather_objects([(dict(self.weighted), dict(self.tokens), self.extremes)])
+        weighted: dict[str, float] = defaultdict(float)
+        tokens: dict[str, float] = defaultdict(float)
+        extremes: dict[str, float] = {}
+        for w, n, e in parts:
+            for k in w:
+                weighted[k] += w[k]
+                tokens[k] += n[k]
+            for k, v in e.items():
+                extremes[k] = (max if k.endswith("_max") else min)(extremes.get(k, v), v)
+        return {**{k: weighted[k] / tokens[k] for k in sorted(weighted)}, **extremes}
+
+
+def batch_advantages(batch: Batch, algo: Any) -> torch.Tensor:
+    """``[B, R]`` advantages of ``batch``'s rows from ``algo.adv_estimator`` (``algo``: the config's
+    ``algorithm`` section). Under torchrun the estimator runs on all ranks' rows, gathered in rank order
+    (a group is keyed by its rank and its id), and each rank keeps its own rows: the result equals the
+    single-process one on the concatenated batch, for the whitened estimators too."""
+    rewards, mask, index = batch.token_level_rewards, batch.response_mask, batch.index
+    start = 0
+    if distributed.is_distributed():
+        parts = distributed.gather_objects([(rewards.cpu(), mask.cpu(), index.cpu())])
+        start = sum(len(p[2]) for p in parts[: distributed.rank()])
+        width = max(p[0].shape[1] for p in parts)
+        rewards, mask = (
+            torch.cat([torch.nn.functional.pad(p[i], (0, width - p[i].shape[1])) for p in parts]) for i in range(2)
+        )
+        index = [(r, i) for r, p in enumerate(parts) for i in p[2].tolist()]
+    advantages, _ = compute_advantages(
+        algo.adv_estimator,
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=index,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        epsilon=algo.epsilon,
+    )
+    local = advantages[start : start + len(batch), : batch.response_mask.shape[1]]
+    return local.to(batch.response_mask.device)
+
+
 def _global_rollout_metrics(
     old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, options: dict[str, Any]
 ) -> dict[str, float]:
-    """``rollout_corr/*`` metrics over the whole batch; under torchrun over all ranks' rows (every rank
-    gets the same values, so averaging them over ranks changes nothing)."""
+    """``rollout_corr/*`` metrics over the whole batch's rows that hold a model token; under torchrun over
+    all ranks' rows (every rank gets the same values, so averaging them over ranks changes nothing)."""
     if distributed.is_distributed():
         parts = distributed.gather_objects([(old.cpu(), rollout.cpu(), mask.cpu())])
         width = max(p[0].shape[1] for p in parts)
@@ -144,9 +222,11 @@ def _global_rollout_metrics(
             torch.cat([torch.nn.functional.pad(p[i], (0, width - p[i].shape[1])) for p in parts])
             for i in range(3)
         )
-    if not mask.any():
+    rows = mask.sum(-1) > 0  # an empty row (a failed episode kept for FSDP) is not a sample of the gap
+    if not rows.any():
         return {}
-    _, _, metrics = rollout_correction(old_log_prob=old, rollout_log_prob=rollout, response_mask=mask, **options)
+    _, _, metrics = rollout_correction(old_log_prob=old[rows], rollout_log_prob=rollout[rows],
+                                       response_mask=mask[rows], **options)
     return metrics
 
 
@@ -166,13 +246,6 @@ def _plan_steps(batch: Batch, cfg_actor: Any, generator: torch.Generator | None)
     tokens = torch.stack([mask[s.to(mask.device)].sum() for s in steps])
     tokens = distributed.global_share(tokens)
     return [s for s, n in zip(steps, tokens.tolist(), strict=True) if n > 0]
-
-
-def _denominator(mode: str, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-    """What ``agg_loss`` divides by in ``mode`` (None: nothing, ``token-sum``)."""
-    if mode == "token-mean":
-        return tokens
-    return None if mode == "token-sum" else rows
 
 
 def update_policy(
@@ -196,16 +269,7 @@ def update_policy(
     metrics: dict[str, float] = {}
     timing: dict[str, float] = defaultdict(float)
     mask = batch.response_mask
-    advantages, _ = compute_advantages(
-        algo.adv_estimator,
-        token_level_rewards=batch.token_level_rewards,
-        response_mask=mask,
-        index=batch.index,
-        gamma=algo.gamma,
-        lam=algo.lam,
-        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-        epsilon=algo.epsilon,
-    )
+    advantages = batch_advantages(batch, algo)
     steps = _plan_steps(batch, actor, generator)
     on_policy = bool(actor.onpolicy_fix) and is_on_policy(optimizer_steps=len(steps))
     metrics["actor/on_policy"] = float(on_policy)
@@ -237,6 +301,7 @@ def update_policy(
 
     params = [p for p in model.parameters() if p.requires_grad]
     collected: dict[str, list[float]] = defaultdict(list)
+    loss_metrics = _LossMetrics()
     fixed_old = torch.zeros_like(batch.rollout_log_probs) if on_policy else None
     totals = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
     counts = {"optimizer_steps": 0, "zero_grad_steps_skipped": 0, "nonfinite_grad_steps_skipped": 0}
@@ -250,7 +315,6 @@ def update_policy(
         rows_before = distributed.global_share((pre.sum(-1) > 0).sum()).clamp(min=1)
         agg = {"batch_num_tokens": tokens_before, "global_batch_size": rows_before}
         tokens_after = torch.zeros((), dtype=torch.float64, device=mask.device)
-        rows_after = torch.zeros((), dtype=torch.float64, device=mask.device)
         partial = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
         for mb in _micro_batches(step_rows, micro):
             rows = mb.to(mask.device)
@@ -271,8 +335,8 @@ def update_policy(
                     )
             else:
                 sub_old = old_log_prob[rows]
-            tokens_after += sub_mask.sum()
-            rows_after += (sub_mask.sum(-1) > 0).sum()
+            sub_tokens = sub_mask.sum()
+            tokens_after += sub_tokens
             pg_loss, pg_metrics = policy_loss(
                 actor.policy_loss,
                 old_log_prob=sub_old,
@@ -300,12 +364,13 @@ def update_policy(
             trained_tokens += int(sub.attention_mask.sum())
             partial["pg_loss"] += pg_loss.item()
             partial["entropy"] += entropy_loss.item()
-            for k, v in pg_metrics.items():
-                collected[k].append(v)
-        # re-normalise from the totals before rollout correction to the totals after it
-        before = _denominator(mode, tokens_before, rows_before)
-        after = _denominator(mode, distributed.global_share(tokens_after), distributed.global_share(rows_after))
-        factor = 1.0 if before is None or float(after) == 0.0 else float(before) / float(after)
+            loss_metrics.add(pg_metrics, float(sub_tokens))
+        # token-mean: re-normalise from the tokens before rejection to the tokens after it (the seq-mean
+        # modes keep every row of the mini-batch, token-sum has no denominator)
+        factor = 1.0
+        if mode == "token-mean":
+            after = float(distributed.global_share(tokens_after))
+            factor = float(tokens_before) / after if after > 0 else 1.0
         if factor != 1.0:
             for p in params:
                 if p.grad is not None:
@@ -328,6 +393,7 @@ def update_policy(
     if steps:
         old_for_metrics = fixed_old if on_policy else old_log_prob
         metrics.update(_global_rollout_metrics(old_for_metrics, batch.rollout_log_probs, mask, rc_options))
+    metrics.update(loss_metrics.result())
     metrics.update(_mean_metrics(collected))
     n_steps = max(len(steps), 1)
     metrics["actor/pg_loss"] = totals["pg_loss"] / n_steps
