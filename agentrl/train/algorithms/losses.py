@@ -66,7 +66,7 @@ def agg_loss(
         A 0-d float tensor (differentiable through ``loss_mat``).
 
     Raises:
-        ValueError: an unknown mode, or ``dp_size > 1`` without the global totals.
+        ValueError: an unknown mode, ``dp_size > 1`` without the global totals, ``loss_scale_factor <= 0``.
 
     Modes:
       ``token-mean``: sum over unmasked tokens / ``batch_num_tokens`` (default: unmasked tokens here).
@@ -85,6 +85,8 @@ def agg_loss(
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+    if loss_scale_factor is not None and not loss_scale_factor > 0:
+        raise ValueError(f"loss_scale_factor must be > 0 (seq-mean-token-sum-norm divides by it), got {loss_scale_factor}")
     loss_mat, loss_mask = promote(loss_mat, loss_mask)
     loss_mat = masked(loss_mat, loss_mask)
     if loss_agg_mode == "token-mean":
