@@ -55,7 +55,7 @@ def step_episodes(run_dir: str, step: int = 1):
 
 
 def verl_metrics(run_dir: str, step: int = 1) -> dict:
-    from agentrl.train.metrics import read_metrics
+    from agentrl.rundir import read_metrics
 
     for record in read_metrics(run_dir):
         if record["step"] == step:

@@ -4,7 +4,6 @@
   run directory, which resolves to its latest checkpoint and chat format).
 - :mod:`agentrl.models.tiny`: random-init tiny GPT-OSS models for tests and benchmarks.
 - :mod:`agentrl.models.routing`: MoE routing record (at sampling) and replay (in the training forward).
-- :mod:`agentrl.models.checkpoints`: where a run keeps its checkpoints (no torch needed).
 
-Nothing is imported here, so ``agentrl.models.checkpoints`` stays torch-free.
+Where a run keeps its checkpoints is :mod:`agentrl.rundir` (torch-free). Nothing is imported here.
 """
