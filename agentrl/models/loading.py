@@ -11,7 +11,8 @@ Names (``model=`` in the train config):
 - a training run directory (``runs/<run>``, written by ``agentrl train``): the run's base model (its
   ``config.yaml``: ``model``, ``model_kwargs``, ``seed``) with the weights of its latest checkpoint, and
   the run's chat format. So ``agentrl serve model model=runs/<run>`` and ``agentrl eval model=runs/<run>``
-  serve and evaluate what the run trained.
+  serve and evaluate what the run trained. A LoRA run's checkpoint holds the adapter only
+  (``adapter/``, PEFT's format): it is loaded onto the base model and merged into its weights.
 - ``org/name``: a Hugging Face hub id (needs network or a warm HF cache).
 
 :func:`load_model` returns the model on ``device`` in ``dtype`` plus a tokenizer (``None`` for
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from agentrl.models.checkpoints import is_run_dir, latest_checkpoint
+from agentrl.models.checkpoints import ADAPTER_DIR, is_run_dir, latest_checkpoint
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -193,8 +194,15 @@ def _load_run(
             base, device=device, dtype=dtype, attn_implementation=attn_implementation,
             seed=int(cfg.get("seed") or 0), model_kwargs=kwargs,  # type: ignore[arg-type]
         )
-    state = torch.load(os.path.join(ckpt, "model.pt"), map_location=loaded.model.device, weights_only=True)
-    loaded.model.load_state_dict(state)
+    adapter = os.path.join(ckpt, ADAPTER_DIR)
+    if os.path.isdir(adapter):  # a LoRA run: its adapter on the base model, merged for serving
+        from agentrl.models.lora import load_adapter, merge_lora
+
+        load_adapter(loaded.model, adapter)
+        merge_lora(loaded.model)
+    else:
+        state = torch.load(os.path.join(ckpt, "model.pt"), map_location=loaded.model.device, weights_only=True)
+        loaded.model.load_state_dict(state)
     fmt = str(cfg.get("format") or "auto")
     if fmt != "auto":
         loaded.format_name = fmt

@@ -15,7 +15,8 @@ to the model:
   pass's log-probs before the loop, or, on-policy, per micro-batch on the training forward's own log-probs
   (weights and rejection masks are row-local, so both give the same values). Its ``rollout_corr/*``
   metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows);
-- optional KL loss to a frozen reference model, optional entropy bonus, gradient accumulation over
+- optional KL loss to a frozen reference model (for a LoRA policy, the policy itself with its adapters
+  disabled: the base model without a second copy), optional entropy bonus, gradient accumulation over
   micro-batches.
 
 Loss normalisation: every micro-batch loss is aggregated with the step's totals before rollout
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from agentrl.models.lora import adapters_disabled, has_lora
 from agentrl.models.routing import align_to_mask, replay_routing
 from agentrl.train import distributed
 from agentrl.train.algorithms import (
@@ -187,11 +189,16 @@ def update_policy(
     routing: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Run the planned optimizer steps (see the module docstring) on ``batch`` (already on the model's
-    device). ``cfg`` is the full train config. ``routing``: per-row rollout MoE routing to replay in every
-    policy forward (routing replay), or None. Returns step metrics (verl names) plus
+    device). ``cfg`` is the full train config. ``ref_model``: the KL reference (with ``actor.use_kl_loss``):
+    a frozen model, or ``model`` itself when it carries a LoRA adapter (its base model: adapters disabled
+    for the reference pass). ``routing``: per-row rollout MoE routing to replay in every policy forward
+    (routing replay), or None. Returns step metrics (verl names) plus
     ``actor/optimizer_steps`` (steps taken), ``actor/zero_grad_steps_skipped`` and
     ``actor/nonfinite_grad_steps_skipped`` (steps whose gradient was all zero or not finite: no update)."""
     actor, algo = cfg.actor, cfg.algorithm
+    if ref_model is model and not has_lora(model):
+        raise ValueError("ref_model is the policy itself but it carries no LoRA adapter: the KL would be 0; "
+                         "pass a frozen copy as the reference")
     rc = algo.rollout_correction
     metrics: dict[str, float] = {}
     timing: dict[str, float] = defaultdict(float)
@@ -231,8 +238,9 @@ def update_policy(
     ref_log_prob = None
     if ref_model is not None and steps:
         t0 = time.perf_counter()
-        ref_log_prob = batched_logprobs(ref_model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
-                                        share_prefix=share)
+        with adapters_disabled(model) if ref_model is model else nullcontext():
+            ref_log_prob = batched_logprobs(ref_model, batch, micro_batch_size=micro, chunk_size=chunk,
+                                            temperature=temperature, share_prefix=share)
         timing["timing_s/ref"] = time.perf_counter() - t0
 
     params = [p for p in model.parameters() if p.requires_grad]
