@@ -158,6 +158,24 @@ def test_lora_chunked_logprobs_equal_unchunked():
     assert any(float(g.abs().max()) > 0 for n, g in plain_grads.items() if "experts" in n)
 
 
+def test_lora_gradient_checkpointing_gives_the_same_gradients():
+    """Frozen embeddings feed checkpointed layers: the adapter's gradients must still arrive (transformers
+    makes the embeddings' output require grad), equal to those without checkpointing."""
+    _, model = _lora_gpt_oss()
+    ids = torch.randint(0, V, (2, 11), generator=torch.Generator().manual_seed(8))
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.zero_grad()
+        lp, _ = backbone_token_logprobs(model, ids)
+        lp.sum().backward()
+        grads.append({n: p.grad for n, p in lora.adapter_parameters(model)})
+    assert all(g is not None and float(g.abs().max()) > 0 for n, g in grads[1].items() if "lora_B" in n)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5)
+
+
 def test_lora_routing_replay_reaches_routers_through_the_adapter():
     _, model = _lora_gpt_oss()
     assert len(find_routers(model)) == 2  # the routers sit beside the wrapped experts, untouched
@@ -183,6 +201,33 @@ def test_lora_routing_replay_reaches_routers_through_the_adapter():
     assert torch.equal(forced, recorded)
     assert all(p.grad is not None and float(p.grad.abs().max()) > 0 for n, p in lora.adapter_parameters(model)
                if "experts" in n and "lora_B" in n)
+
+
+def test_lora_routing_replay_survives_gradient_checkpointing_in_the_update():
+    """The update replays the rollout's experts in the forward and keeps replaying while checkpointed layers are
+    recomputed in the backward: the gradients equal those without checkpointing."""
+    from agentrl.models.routing import split_by_mask
+    from agentrl.train.update import _trimmed, forward_logprobs
+
+    _, model = _lora_gpt_oss()
+    batch = _batch(model)
+    attn = _trimmed(batch)[1]
+    with torch.no_grad(), record_routing(model) as rec:
+        forward_logprobs(model, batch, chunk_size=1024, temperature=1.0, compute_entropy=False)
+    routing = split_by_mask(rec.routing(), attn)
+    _perturb(model, scale=3.0, seed=5)  # natural routing now differs from the recorded one
+    grads = []
+    for checkpointing in (False, True):
+        trained = copy.deepcopy(model)
+        if checkpointing:
+            trained.gradient_checkpointing_enable()
+        params = [p for p in trained.parameters() if p.requires_grad]
+        update_policy(model=trained, optimizer=torch.optim.SGD(params, lr=0.0), batch=batch,
+                      cfg=_cfg("actor.micro_batch_size=3"), temperature=1.0, routing=routing)
+        grads.append({n: p.grad for n, p in lora.adapter_parameters(trained)})
+    assert any(float(g.abs().max()) > 0 for g in grads[0].values())
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5)
 
 
 def test_lora_sink_attention_matches_eager():

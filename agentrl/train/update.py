@@ -71,6 +71,16 @@ def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
     )
 
 
+def replayed(model: Any, batch: Batch, routing: list[torch.Tensor] | None) -> Any:
+    """Routing replay of ``routing`` (per row ``[L, n_i, k]``) for forwards over ``batch`` as
+    :func:`forward_logprobs` lays it out; a no-op context for None. A training forward keeps it open until its
+    backward is done: gradient checkpointing recomputes the layers, routers included, during the backward, and
+    the recompute must route as the forward did (outside the context it would route naturally)."""
+    if routing is None:
+        return nullcontext()
+    return replay_routing(model, align_to_mask(routing, _trimmed(batch)[1]))
+
+
 def forward_logprobs(
     model: Any, batch: Batch, *, chunk_size: int, temperature: float, compute_entropy: bool,
     routing: list[torch.Tensor] | None = None, share_prefix: bool = False,
@@ -87,10 +97,7 @@ def forward_logprobs(
         if shared is not None:
             return shared
     ids, attn, pos, start, width_r = _trimmed(batch)
-    replay = nullcontext()
-    if routing is not None:
-        replay = replay_routing(model, align_to_mask(routing, attn))
-    with replay:
+    with replayed(model, batch, routing):
         lp, ent = model_token_logprobs(
             model,
             ids,
@@ -266,45 +273,47 @@ def update_policy(
             sub_mask = train_mask[rows]
             if not mask[rows].any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
                 continue
-            log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
-                                                 compute_entropy=True, routing=_rows(routing, mb), share_prefix=share)
-            sub_weights = None if is_weights is None else is_weights[rows]
-            if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
-                sub_old = log_prob.detach()
-                fixed_old[rows] = sub_old
-                if sub_mask.any():
-                    sub_weights, sub_mask, _ = rollout_correction(
-                        old_log_prob=sub_old, rollout_log_prob=sub.rollout_log_probs, response_mask=sub_mask,
-                        with_metrics=False, **rc_options,
-                    )
-            else:
-                sub_old = old_log_prob[rows]
-            tokens_after += sub_mask.sum()
-            rows_after += (sub_mask.sum(-1) > 0).sum()
-            pg_loss, pg_metrics = policy_loss(
-                actor.policy_loss,
-                old_log_prob=sub_old,
-                log_prob=log_prob,
-                advantages=advantages[rows],
-                response_mask=sub_mask,
-                loss_agg_mode=mode,
-                clip_ratio=actor.clip_ratio,
-                clip_ratio_low=actor.clip_ratio_low,
-                clip_ratio_high=actor.clip_ratio_high,
-                clip_ratio_c=actor.clip_ratio_c,
-                rollout_is_weights=sub_weights,
-                **agg,
-            )
-            loss = pg_loss
-            entropy_loss = agg_loss(entropy, sub_mask, mode, **agg)
-            if actor.entropy_coeff:
-                loss = loss - actor.entropy_coeff * entropy_loss
-            if ref_log_prob is not None:
-                kl = kl_penalty(log_prob, ref_log_prob[rows], actor.kl_loss_type)
-                kl_loss = agg_loss(kl, sub_mask, mode, **agg)
-                loss = loss + actor.kl_loss_coef * kl_loss
-                partial["kl_loss"] += kl_loss.item()
-            loss.backward()
+            # routing replay stays on through the backward: gradient checkpointing re-runs the routers there
+            with replayed(model, sub, _rows(routing, mb)):
+                log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
+                                                     compute_entropy=True, share_prefix=share and routing is None)
+                sub_weights = None if is_weights is None else is_weights[rows]
+                if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
+                    sub_old = log_prob.detach()
+                    fixed_old[rows] = sub_old
+                    if sub_mask.any():
+                        sub_weights, sub_mask, _ = rollout_correction(
+                            old_log_prob=sub_old, rollout_log_prob=sub.rollout_log_probs, response_mask=sub_mask,
+                            with_metrics=False, **rc_options,
+                        )
+                else:
+                    sub_old = old_log_prob[rows]
+                tokens_after += sub_mask.sum()
+                rows_after += (sub_mask.sum(-1) > 0).sum()
+                pg_loss, pg_metrics = policy_loss(
+                    actor.policy_loss,
+                    old_log_prob=sub_old,
+                    log_prob=log_prob,
+                    advantages=advantages[rows],
+                    response_mask=sub_mask,
+                    loss_agg_mode=mode,
+                    clip_ratio=actor.clip_ratio,
+                    clip_ratio_low=actor.clip_ratio_low,
+                    clip_ratio_high=actor.clip_ratio_high,
+                    clip_ratio_c=actor.clip_ratio_c,
+                    rollout_is_weights=sub_weights,
+                    **agg,
+                )
+                loss = pg_loss
+                entropy_loss = agg_loss(entropy, sub_mask, mode, **agg)
+                if actor.entropy_coeff:
+                    loss = loss - actor.entropy_coeff * entropy_loss
+                if ref_log_prob is not None:
+                    kl = kl_penalty(log_prob, ref_log_prob[rows], actor.kl_loss_type)
+                    kl_loss = agg_loss(kl, sub_mask, mode, **agg)
+                    loss = loss + actor.kl_loss_coef * kl_loss
+                    partial["kl_loss"] += kl_loss.item()
+                loss.backward()
             trained_tokens += int(sub.attention_mask.sum())
             partial["pg_loss"] += pg_loss.item()
             partial["entropy"] += entropy_loss.item()
