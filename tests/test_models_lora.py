@@ -320,6 +320,26 @@ def test_lora_run_directory_loads_base_plus_adapter_merged(tmp_path):
         assert torch.equal(peft_model(ids).logits, model(ids).logits)
 
 
+def test_lora_adapter_attaches_from_a_peft_config_dict_as_a_weight_sync_sends_it():
+    """What a rollout engine does with verl's LoRA weight sync (``peft_config`` dict + adapter tensors under PEFT's
+    names): the same adapter on its own copy of the base model, computing exactly what the trainer computes."""
+    base, model = _lora_gpt_oss()
+    config = model.peft_config[lora.ADAPTER_NAME].to_dict()
+    state = lora.adapter_state_dict(model)
+    assert all(k.startswith("base_model.model.model.layers.") for k in state)
+    rollout_side = copy.deepcopy(base)
+    lora.attach_adapter(rollout_side, config, state)
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(rollout_side(ids).logits, model(ids).logits)
+    _perturb(model, seed=11)  # the next sync: same settings, new tensors, no re-injection
+    lora.attach_adapter(rollout_side, config, lora.adapter_state_dict(model))
+    with torch.no_grad():
+        assert torch.equal(rollout_side(ids).logits, model(ids).logits)
+    with pytest.raises(ValueError, match="do not fit this model's adapter"):
+        lora.attach_adapter(rollout_side, config, dict(list(state.items())[1:]))
+
+
 # ---------------------------------------------------------------------------- FSDP2, 2 CPU processes
 def test_lora_fsdp2_on_two_cpu_processes(tmp_path):
     out = tmp_path / "result.json"

@@ -19,8 +19,9 @@ on-policy ratio run on a LoRA model exactly as on a full one.
   (``base_model.model.<module>.lora_A.weight``), copied exactly; :func:`save_adapter` / :func:`read_adapter`
   write and read PEFT's directory format (``adapter_config.json`` + ``adapter_model.safetensors``), which
   ``peft.PeftModel.from_pretrained`` and vLLM load too.
-- :func:`load_adapter` (inject + load from a directory) and :func:`merge_lora` (fold ``W + s B A`` into the
-  base weights and drop the LoRA layers) serve a trained run as a plain model.
+- :func:`attach_adapter` (inject from a config + load tensors: e.g. a LoRA weight sync), :func:`load_adapter` (the
+  same from a directory) and :func:`merge_lora` (fold ``W + s B A`` into the base weights and drop the LoRA
+  layers, to serve a trained run as a plain model).
 
 Adapters take the dtype of the weights they adapt (as verl's FSDP workers do: FSDP2 shards uniform dtypes).
 """
@@ -371,26 +372,33 @@ def spec_of(config: Any) -> dict[str, Any]:
     }
 
 
-def load_adapter(model: nn.Module, directory: str, *, seed: int = 0) -> None:
-    """Inject the adapter saved in ``directory`` into ``model`` (unless it already has one with the same
-    settings) and load its tensors exactly. Raises ValueError when the settings or tensors differ."""
-    from peft import inject_adapter_in_model
+def attach_adapter(model: nn.Module, config: Any, state: dict[str, torch.Tensor], *, source: str = "adapter") -> None:
+    """Give ``model`` the adapter ``config`` (a ``peft.LoraConfig`` or its ``to_dict()``, e.g. the ``peft_config``
+    verl sends with a LoRA weight sync) unless it already has one with the same settings, and load ``state``
+    (PEFT's names) into it exactly. Raises ValueError when the settings or tensors differ."""
+    from peft import LoraConfig, inject_adapter_in_model
 
-    device = next(model.parameters()).device
-    config, state = read_adapter(directory, device)
+    if isinstance(config, dict):
+        known = set(LoraConfig.__dataclass_fields__)
+        config = LoraConfig(**{k: v for k, v in config.items() if k in known})
     if has_lora(model):
         mine = spec_of(model.peft_config[ADAPTER_NAME])
         if mine != spec_of(config):
             raise ValueError(
-                f"{directory}: adapter settings {json.dumps(spec_of(config))} differ from this model's "
-                f"{json.dumps(mine)}; resume with the actor.lora settings the run was trained with"
+                f"{source}: adapter settings {json.dumps(spec_of(config))} differ from this model's "
+                f"{json.dumps(mine)}; use the actor.lora settings the adapter was trained with"
             )
     else:
         config.inference_mode = False
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[]):  # the init is overwritten by ``state``; leave the RNG alone
             inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
-    load_adapter_state(model, state, source=directory)
+    load_adapter_state(model, state, source=source)
+
+
+def load_adapter(model: nn.Module, directory: str) -> None:
+    """:func:`attach_adapter` of the adapter saved in ``directory`` (by :func:`save_adapter` or by PEFT)."""
+    config, state = read_adapter(directory, next(model.parameters()).device)
+    attach_adapter(model, config, state, source=directory)
 
 
 @torch.no_grad()
