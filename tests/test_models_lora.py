@@ -176,6 +176,34 @@ def test_lora_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][name], g, atol=1e-6, rtol=1e-5)
 
 
+def test_lora_shared_prefix_forward_equals_the_plain_forward():
+    """A dense model's training forward runs the rows' common prompt prefix once (prefix sharing, on by default):
+    with LoRA adapters it still gives the plain forward's log-probs and adapter gradients."""
+    from agentrl.harmony.trajectory import Trajectory
+    from agentrl.train.batch import collate
+    from agentrl.train.update import forward_logprobs
+
+    model = tiny_llama()
+    lora.apply_lora(model, lora.LoraSpec(rank=4))
+    _perturb(model)
+    prefix = list(range(10, 50))  # longer than prefix sharing's 32-token minimum
+    batch = collate([Trajectory(prompt_ids=prefix + [5 + i], response_ids=[60 + i, 70, 80 - i][: 1 + i],
+                                response_mask=[1] * (1 + i), rollout_logprobs=[0.0] * (1 + i)) for i in range(3)],
+                    [0, 0, 1])
+    from agentrl.train.prefix_sharing import shared_prefix_logprobs
+
+    assert shared_prefix_logprobs(model, batch, chunk_size=5, temperature=1.0, compute_entropy=False) is not None
+    results = []
+    for share in (True, False):
+        model.zero_grad()
+        lp, _ = forward_logprobs(model, batch, chunk_size=5, temperature=1.0, compute_entropy=False, share_prefix=share)
+        (lp * batch.response_mask).sum().backward()
+        results.append((lp.detach(), {n: p.grad.clone() for n, p in lora.adapter_parameters(model)}))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    for name, g in results[1][1].items():
+        torch.testing.assert_close(results[0][1][name], g, atol=1e-5, rtol=1e-4)
+
+
 def test_lora_routing_replay_reaches_routers_through_the_adapter():
     _, model = _lora_gpt_oss()
     assert len(find_routers(model)) == 2  # the routers sit beside the wrapped experts, untouched
