@@ -66,10 +66,6 @@ class LoraSpec:
     target_modules: list[str] = field(default_factory=list)
 
     @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    @property
     def scale_alpha(self) -> float:
         return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
 
