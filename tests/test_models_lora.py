@@ -116,6 +116,7 @@ def test_lora_reference_with_adapters_off_is_the_base_model_exactly():
     m_copy = update_policy(model=model, optimizer=torch.optim.SGD(list(model.parameters()), lr=0.0), batch=batch,
                            cfg=cfg, temperature=1.0, ref_model=base)
     assert m_self["actor/kl_loss"] > 0 and m_self["actor/kl_loss"] == m_copy["actor/kl_loss"]
+    assert m_self["actor/grad_norm"] == m_copy["actor/grad_norm"] > 0  # the adapter trains again after the pass
     with pytest.raises(ValueError, match="carries no LoRA adapter"):
         update_policy(model=base, optimizer=torch.optim.SGD(base.parameters(), lr=0.0), batch=batch, cfg=cfg,
                       temperature=1.0, ref_model=base)
