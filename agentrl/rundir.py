@@ -32,7 +32,9 @@ what to do, which every command prints as ``agentrl <command>: ...`` with exit s
 Checkpoints: a checkpoint directory is complete once its ``state.json`` exists (directories are renamed into
 place atomically; temporary ones start with ``.tmp-``); SFT-stage ones (``sft_<k>``) order before RL ones
 (``step_<n>``). ``model.pt`` is a full state dict under the HF parameter names, whatever the number of GPUs
-that wrote it. Nothing here needs torch.
+that wrote it. A LoRA run's checkpoint has ``adapter/`` (PEFT's ``adapter_config.json`` +
+``adapter_model.safetensors``) instead of ``model.pt``: the adapter only, the base model being the run's
+``model``. Nothing here needs torch.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ EVAL_ERRORS = "errors.jsonl"
 EVAL_CONFIG = "config.json"
 EVAL_METRICS = "metrics.json"
 EVAL_FILES = (EVAL_TRAJECTORIES, EVAL_ERRORS, EVAL_CONFIG, EVAL_METRICS, "trajectories.html")
+
+ADAPTER_DIR = "adapter"
+"""The folder of a checkpoint that holds a LoRA adapter (instead of ``model.pt``)."""
 
 _CHECKPOINT = re.compile(r"^(sft|step)_(\d+)$")
 

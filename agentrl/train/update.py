@@ -15,7 +15,8 @@ to the model:
   pass's log-probs before the loop, or, on-policy, per micro-batch on the training forward's own log-probs
   (weights and rejection masks are row-local, so both give the same values). Its ``rollout_corr/*``
   metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows);
-- optional KL loss to a frozen reference model, optional entropy bonus, gradient accumulation over
+- optional KL loss to a frozen reference model (for a LoRA policy, the policy itself with its adapters
+  disabled: the base model without a second copy), optional entropy bonus, gradient accumulation over
   micro-batches.
 
 Loss normalisation: every micro-batch loss is aggregated with the step's totals before rollout
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from agentrl.models.lora import adapters_disabled, has_lora
 from agentrl.models.routing import align_to_mask, replay_routing
 from agentrl.train import distributed
 from agentrl.train.algorithms import (
@@ -71,6 +73,16 @@ def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
     )
 
 
+def replayed(model: Any, batch: Batch, routing: list[torch.Tensor] | None) -> Any:
+    """Routing replay of ``routing`` (per row ``[L, n_i, k]``) for forwards over ``batch`` as
+    :func:`forward_logprobs` lays it out; a no-op context for None. A training forward keeps it open until its
+    backward is done: gradient checkpointing recomputes the layers, routers included, during the backward, and
+    the recompute must route as the forward did (outside the context it would route naturally)."""
+    if routing is None:
+        return nullcontext()
+    return replay_routing(model, align_to_mask(routing, _trimmed(batch)[1]))
+
+
 def forward_logprobs(
     model: Any, batch: Batch, *, chunk_size: int, temperature: float, compute_entropy: bool,
     routing: list[torch.Tensor] | None = None, share_prefix: bool = False,
@@ -87,10 +99,7 @@ def forward_logprobs(
         if shared is not None:
             return shared
     ids, attn, pos, start, width_r = _trimmed(batch)
-    replay = nullcontext()
-    if routing is not None:
-        replay = replay_routing(model, align_to_mask(routing, attn))
-    with replay:
+    with replayed(model, batch, routing):
         lp, ent = model_token_logprobs(
             model,
             ids,
@@ -239,8 +248,13 @@ def run_update(
 ) -> Update:
     """One policy update (:func:`update_policy`) in small steps: advantages, the step plan and the on-policy
     decision, the separate old-policy and reference passes when needed, each planned optimizer step, the
-    metrics. ``cfg`` is the full train config; ``routing``: per-row rollout MoE routing to replay in every
-    policy forward (routing replay), or None."""
+    metrics. ``cfg`` is the full train config. ``ref_model``: the KL reference (with ``actor.use_kl_loss``): a
+    frozen model, or ``model`` itself when it carries a LoRA adapter (its base model: adapters disabled for the
+    reference pass). ``routing``: per-row rollout MoE routing to replay in every policy forward (routing
+    replay), or None."""
+    if ref_model is model and not has_lora(model):
+        raise ValueError("ref_model is the policy itself but it carries no LoRA adapter: the KL would be 0; "
+                         "pass a frozen copy as the reference")
     actor, algo = cfg.actor, cfg.algorithm
     rc = algo.rollout_correction
     steps = _plan_steps(batch, actor, generator)
@@ -298,7 +312,8 @@ def _old_policy_pass(run: _Run) -> None:
 def _reference_pass(run: _Run, ref_model: Any | None) -> None:
     """The frozen reference's log-probs for the KL loss (when there is one)."""
     if ref_model is not None:
-        run.ref_log_prob = _no_grad_pass(run, ref_model, "ref", None)
+        with adapters_disabled(run.model) if ref_model is run.model else nullcontext():
+            run.ref_log_prob = _no_grad_pass(run, ref_model, "ref", None)
 
 
 def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
@@ -343,16 +358,24 @@ def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
 
 def _micro_batch(run: _Run, mb: torch.Tensor, agg: dict[str, Any], after: dict[str, torch.Tensor],
                  partial: dict[str, float]) -> None:
-    """Forward, loss and backward of one micro-batch of a step (adds to ``after`` and ``partial``)."""
-    actor, batch, mask = run.actor, run.batch, run.batch.response_mask
-    rows = mb.to(mask.device)
-    sub = batch.select(mb)
-    sub_mask = run.train_mask[rows]
-    if not mask[rows].any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
+    """Forward, loss and backward of one micro-batch of a step (adds to ``after`` and ``partial``). Routing
+    replay stays on through the backward: gradient checkpointing re-runs the routers there."""
+    mask = run.batch.response_mask
+    if not mask[mb.to(mask.device)].any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
         return
+    sub = run.batch.select(mb)
+    with replayed(run.model, sub, _rows(run.routing, mb)):
+        _micro_batch_loss(run, mb, sub, agg, after, partial)
+
+
+def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, Any], after: dict[str, torch.Tensor],
+                      partial: dict[str, float]) -> None:
+    actor, mask = run.actor, run.batch.response_mask
+    rows = mb.to(mask.device)
+    sub_mask = run.train_mask[rows]
     log_prob, entropy = forward_logprobs(run.model, sub, chunk_size=actor.logprob_chunk_size,
                                          temperature=run.temperature, compute_entropy=True,
-                                         routing=_rows(run.routing, mb), share_prefix=actor.share_prompt_prefix)
+                                         share_prefix=actor.share_prompt_prefix and run.routing is None)
     sub_weights = None if run.is_weights is None else run.is_weights[rows]
     if run.on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
         sub_old = onpolicy_old_log_prob(log_prob, optimizer_steps=1)
