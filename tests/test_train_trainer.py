@@ -145,8 +145,13 @@ def test_agentrl_eval_on_the_run_reproduces_eval_after(retool_run, tmp_path):
         assert ours[t.task_id].rollout_logprobs == t.rollout_logprobs
 
 
-def test_viewer_shows_the_gap_heat_map_of_real_training_output(retool_run):
+def test_viewer_shows_the_gap_heat_map_of_real_training_output(retool_run, tmp_path):
+    from agentrl.cli import main
     from agentrl.viewer.html import build_payload, load_trajectories
+
+    assert main(["view", str(retool_run), f"out={tmp_path / 'view.html'}"]) == 0  # `agentrl view runs/<run>`
+    page = (tmp_path / "view.html").read_text()
+    assert page.count('"has_gap":true') == 4 and page.count('"has_gap":false') == 6  # trained vs held-out
 
     items, problems = load_trajectories(retool_run)
     assert not problems
