@@ -225,7 +225,7 @@ def read_jsonl(path: str | os.PathLike, parse: Any = None, *, label: str | None 
 
 def _describe(exc: Exception) -> str:
     if isinstance(exc, KeyError):
-        return f"not a trajectory (no {exc.args[0]!r} field)"
+        return f"not a record of this file (no {exc.args[0]!r} field)"
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -1,6 +1,7 @@
-"""Run ``agentrl <command>`` in a child process, as a user would: one command per process (own session, so a
-test can kill it with its whole process group) for tests of crash-and-resume, or many commands in one child
-(:func:`run_many`) for tests of what each prints and returns."""
+"""Run ``agentrl <command>`` as a user would: in a child process of its own (own session, so a test can kill it
+with its whole process group) for tests of crash-and-resume, many commands in one child (:func:`run_many`) for
+tests of what each prints and returns, or in this process (:func:`run_here`) where no process boundary is tested
+(the imports are already paid)."""
 
 from __future__ import annotations
 
@@ -59,8 +60,21 @@ def start_cli(command: str, args: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
 
-def finish_cli(proc: subprocess.Popen, timeout: float) -> str:
-    """Wait up to ``timeout`` seconds for ``proc``; assert it exited 0; return its output."""
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
-    return out
+def run_here(command: str, args: list[str]) -> str:
+    """``agentrl COMMAND ARGS...`` through ``agentrl.cli.main`` in this process; asserts it returned 0 and
+    returns what it printed. torch's thread count (``threads=`` sets it) is restored afterwards."""
+    import contextlib
+    import io
+
+    import torch
+
+    from agentrl.cli import main
+
+    threads, out = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = main([*command.split(), *args])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, out.getvalue()[-3000:]
+    return out.getvalue()
