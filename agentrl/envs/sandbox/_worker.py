@@ -1622,10 +1622,10 @@ def _drain_stale(fd):
 
 
 def _stdin_fd(text):
-    """A readable fd holding ``text`` (then EOF); the caller closes it."""
+    """A readable fd holding ``text`` as UTF-8 (then EOF; a lone surrogate becomes U+FFFD); the caller closes it."""
     if not text:
         return os.open("/dev/null", os.O_RDONLY)
-    data = text.encode("utf-8")
+    data = text.encode("utf-8", "replace")
     fd = os.memfd_create("stdin", 0)
     while data:
         data = data[os.write(fd, data) :]
