@@ -273,7 +273,7 @@ def test_idle_sessions_parking_memory_cannot_starve_an_active_one(sb):
     active = session_on(sb, 0)
     try:
         for i, sid in enumerate(parkers):
-            r = sb.run(PARK.format(mb=120 - i), session=sid, timeout_s=10)  # 4 x ~118 MiB of the worker's 512
+            r = sb.run(PARK.format(mb=112 - i), session=sid, timeout_s=10)  # 4 x ~115 MiB of the worker's 512
             assert r.stdout == "parked\n", r
         r = sb.run(
             "x = bytearray(100 << 20)\nx[::4096] = b'1' * len(x[::4096])\nlen(x) >> 20", session=active

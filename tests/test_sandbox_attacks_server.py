@@ -201,3 +201,25 @@ def test_a_session_longer_than_the_servers_time_limit_keeps_working(server):
                 assert r.status == "ok" and r.display == str(i), (i, r)
 
     asyncio.run(scenario())
+
+
+def test_more_concurrent_jupyter_requests_than_the_pool_admits_sessions_wait_their_turn(server):
+    """The pool guarantees memory to at most so many live sessions; /run_jupyter requests beyond that queue for
+    one instead of failing."""
+
+    async def one(i: int) -> httpx.Response:
+        transport = httpx.AsyncHTTPTransport(
+            local_address=f"127.0.3.{i + 1}"
+        )  # a client each (see the fixture)
+        async with httpx.AsyncClient(transport=transport, timeout=60) as client:
+            body = {"cells": ["import time\ntime.sleep(0.2)", "6 * 7"]}
+            return await client.post(f"{server}/{TOKEN}/run_jupyter", json=body)
+
+    async def scenario():
+        replies = await asyncio.gather(*(one(i) for i in range(20)))
+        assert all(
+            r.status_code == 200 and r.json()["cells"][1]["display"] == [{"text/plain": "42"}]
+            for r in replies
+        )
+
+    asyncio.run(scenario())

@@ -515,7 +515,7 @@ class Cgroups:
         self.run_limit_fd = os.open("run/" + self.limit_file, os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
         self.run_limit = None
         self.run_stat = os.open("run/memory.stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
-        self.failcnt_file = "memory.failcnt" if self.version == 1 else "memory.events.local"
+        self.usage_file = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
         #: memory.stat lines (each after a newline) that count anonymous and shared memory.
         self.held_keys = (
             (b"\ntotal_rss ", b"\ntotal_shmem ") if self.version == 1 else (b"\nanon ", b"\nshmem ")
@@ -583,6 +583,20 @@ class Cgroups:
                 end = text.find(b"\n", at + len(key))
                 total += int(text[at + len(key) : end if end >= 0 else len(text)])
         return total
+
+    def held_all(self, name):
+        """Bytes charged to ``name`` that reclaim cannot take back: everything but its file cache (so also kernel
+        memory such as pipe and socket buffers, which :meth:`held` does not count)."""
+        usage = self._read(f"{name}/{self.usage_file}")
+        stat = self._read(f"{name}/memory.stat")
+        if usage is None or stat is None:
+            return 0
+        fields = dict(line.split(b" ", 1) for line in stat.splitlines() if b" " in line)
+        if self.version == 1:
+            cache = int(fields.get(b"total_active_file", 0)) + int(fields.get(b"total_inactive_file", 0))
+        else:
+            cache = int(fields.get(b"file", 0)) - int(fields.get(b"shmem", 0))
+        return max(0, int(usage) - cache)
 
     def _read(self, path):
         try:
@@ -1022,7 +1036,7 @@ class Worker:
             # print into later calls, outside any time limit.
             _signal(kernel.pid, signal.SIGSTOP)
             if self.cgroups is not None:
-                kernel.held = self.cgroups.held(kernel.cgroup)
+                kernel.held = self.cgroups.held_all(kernel.cgroup)
         reply = self.finish(col, start, req["timeout"], self.cfg["limits"]["as_bytes"], limit, session=True)
         if evicted is not None:
             reply["evicted"] = {"held_mb": evicted, "reserved_mb": self.reserved >> 20}
@@ -1689,6 +1703,9 @@ _DENIED = (
     "io_getevents",
     "io_pgetevents",
     "io_cancel",
+    # sysinfo reports host-wide counts (every thread of the host, free memory): an exact counter any execution
+    # can move and any other read. (glibc's sysconf(_SC_PHYS_PAGES) uses it and then fails.)
+    "sysinfo",
 )
 #: What the worker itself needs (per-run namespaces and tmpfs mounts); its children are denied these too, by a
 #: second filter of their own.
@@ -1697,7 +1714,7 @@ _WORKER_NEEDS = ("mount", "unshare", "setns")
 #: execution and by the host, so they are no-ops (success, no lock taken; queries report nothing).
 _LOCK_COMMANDS = (5, 6, 7, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
 F_NOTIFY, RWF_NOWAIT = 1026, 0x8
-POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE, MADV_COLD, MADV_PAGEOUT = 4, 5, 20, 21
+POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE, MADV_MERGEABLE, MADV_COLD, MADV_PAGEOUT = 4, 5, 12, 20, 21
 # CLONE_NEWUSER, NEWPID, NEWNET, NEWIPC, NEWUTS, NEWNS, NEWCGROUP
 _CLONE_NS_FLAGS = (0x10000000, 0x20000000, 0x40000000, 0x08000000, 0x04000000, 0x00020000, 0x02000000)
 
@@ -1739,8 +1756,8 @@ def _build_filter(worker):
 def _add_channel_rules(flt, seccomp):
     """Calls that would let one execution signal another through kernel state they share, made no-ops (success,
     nothing done) or refused: file locks (flock, fcntl record locks), directory change notification (dnotify),
-    dropping pages of shared files from the page cache (fadvise DONTNEED/NOREUSE, madvise COLD/PAGEOUT), and
-    reads that fail instead of waiting when a page is not cached (RWF_NOWAIT)."""
+    dropping pages of shared files from the page cache (fadvise DONTNEED/NOREUSE, madvise COLD/PAGEOUT), page
+    merging (madvise MERGEABLE), and reads that fail instead of waiting when a page is not cached (RWF_NOWAIT)."""
     noop = seccomp.ERRNO(0)
     flt.add_rule(noop, "flock")
     for cmd in _LOCK_COMMANDS:
@@ -1748,7 +1765,7 @@ def _add_channel_rules(flt, seccomp):
     flt.add_rule(seccomp.ERRNO(errno.EPERM), "fcntl", seccomp.Arg(1, seccomp.EQ, F_NOTIFY))
     for advice in (POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE):
         flt.add_rule(noop, "fadvise64", seccomp.Arg(3, seccomp.EQ, advice))
-    for advice in (MADV_COLD, MADV_PAGEOUT):
+    for advice in (MADV_MERGEABLE, MADV_COLD, MADV_PAGEOUT):  # (merging: a timing channel where KSM runs)
         flt.add_rule(noop, "madvise", seccomp.Arg(2, seccomp.EQ, advice))
     for name in ("preadv2", "pwritev2"):
         flt.add_rule(

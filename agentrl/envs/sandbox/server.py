@@ -41,7 +41,13 @@ from fastapi.responses import JSONResponse
 
 from agentrl.cli_args import CommandSpec, parse, run, to_object
 from agentrl.envs.sandbox import fusion_api as api
-from agentrl.envs.sandbox.base import SandboxBackend, SandboxMessages, SandboxUnavailable, make_backend
+from agentrl.envs.sandbox.base import (
+    SandboxBackend,
+    SandboxError,
+    SandboxMessages,
+    SandboxUnavailable,
+    make_backend,
+)
 from agentrl.envs.sandbox.http_guard import ConnectionLimits, guarded_protocol
 
 log = logging.getLogger(__name__)
@@ -225,6 +231,8 @@ def create_app(backend: SandboxBackend, config: SandboxServerConfig | None = Non
     on shutdown. Serve it with :func:`uvicorn_config` to get the connection limits too."""
     config = config or SandboxServerConfig()
     slots = asyncio.Semaphore(config.max_concurrency)
+    # /run_jupyter requests beyond the sessions the pool admits wait here rather than fail
+    session_slots = asyncio.Semaphore(max(1, getattr(backend, "max_sessions", config.max_concurrency)))
     waiting = 0
 
     @asynccontextmanager
@@ -320,8 +328,11 @@ def create_app(backend: SandboxBackend, config: SandboxServerConfig | None = Non
         files, error = _decode_files(req.files)
         if error:
             return api.RunJupyterResponse(status="SandboxError", message=error)
-        async with execution_slot():
-            session = await backend.create_session()
+        async with execution_slot(), session_slots:
+            try:
+                session = await backend.create_session()
+            except SandboxError as exc:
+                raise HTTPException(503, f"no sandbox session available: {exc}") from None
             try:
                 return await _run_cells(backend, session, req, files, total, config.max_response_bytes)
             finally:
