@@ -85,7 +85,7 @@ CLONE_NEWPID = 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
 PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 4, 24, 47, 4
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER, PR_SET_NO_NEW_PRIVS = 22, 2, 38
-PR_SET_KEEPCAPS, CAP_SYS_ADMIN = 8, 21
+PR_SET_KEEPCAPS, CAP_SYS_ADMIN, MNT_DETACH = 8, 21, 2
 #: Result kinds the code's process may report; everything else about a result is decided by the worker.
 _RESULT_KINDS = ("ok", "error", "oom")
 #: How long the worker sleeps on a stateless run's exit alone before it also reads the run's pipes, seconds.
@@ -676,6 +676,10 @@ class Worker:
         self.run_net_fd = self.run_unix_fd = None
         if isolated:
             self.new_run_netns()
+        # The status channel of stateless runs (one at a time): each child reports its setup on it, then closes its
+        # copy; the worker reads what is there once the child is gone.
+        self.run_status_r, self.run_status_w = _status_pipe()
+        os.set_blocking(self.run_status_r, False)
 
     # -- namespaces of executions
     def fork_execution(self):
@@ -851,7 +855,7 @@ class Worker:
         fetch = req.get("fetch_files", ())
         as_limit = memory if memory != self.cfg["limits"]["as_bytes"] else None
         plan = self.plan(uid, cpu_s, as_limit, False, "run")
-        (out_r, out_w), (err_r, err_w), (res_r, res_w), (st_r, st_w) = pipes = _pipes(3)
+        (out_r, out_w), (err_r, err_w), (res_r, res_w) = pipes = [os.pipe() for _ in range(3)]
         stdin_fd = _stdin_fd(req["stdin"])
         try:
             pid = self.fork_execution()
@@ -860,8 +864,8 @@ class Worker:
                 _close(fd)
             raise
         if pid == 0:
-            self._stateless_child(req, plan, (stdin_fd, out_w, err_w, res_w), st_w, compiled)
-        for fd in (out_w, err_w, res_w, stdin_fd, st_w):
+            self._stateless_child(req, plan, (stdin_fd, out_w, err_w, res_w), self.run_status_w, compiled)
+        for fd in (out_w, err_w, res_w, stdin_fd):
             os.close(fd)
         pidfd = os.pidfd_open(pid)
         # Sleep until the child exits; read its pipes only then, unless it runs longer (e.g. blocked on a full
@@ -876,9 +880,9 @@ class Worker:
                 lambda c, _exited: self.stop_run(pid, c),
                 exited=exited,
             )
-            col["setup"] = _read_rest(st_r)
+            col["setup"] = _read_rest(self.run_status_r)
         finally:
-            for fd in (out_r, err_r, res_r, pidfd, st_r):
+            for fd in (out_r, err_r, res_r, pidfd):
                 _close(fd)
         col["cpu_limit_s"] = cpu_s
         run_cgroup = self.cgroups.run_name if self.cgroups is not None else None
@@ -1146,7 +1150,9 @@ class Worker:
         finished = one_shot or exited or col["timed_out"] or col["bad_frame"]
         if finished:
             col["wait_status"] = stop(col, exited)
-        self.strays_left = self.kill_strays()
+        # A stateless run's processes all live in its own pid namespace, which the kernel has emptied by the time
+        # stop() reaped its pid 1: only a session's call can leave processes behind.
+        self.strays_left = [] if one_shot and self.pidns_fd is not None else self.kill_strays()
         # Every writer is dead now; for a live kernel, all it wrote before answering is already in the pipe.
         drain_deadline = time.monotonic() + 2.0
         for fd in (out_r, err_r):
@@ -1523,11 +1529,6 @@ def _reap(pid):
         return None
 
 
-def _pipes(n):
-    """``n`` pipes and a status pipe (see :func:`_status_pipe`), as (read, write) pairs."""
-    return [os.pipe() for _ in range(n)] + [_status_pipe()]
-
-
 def _status_pipe():
     """A pipe for the sandbox's own reports about one execution; its write end sits above every fd number a child
     moves its pipes to (so that moving them cannot overwrite it)."""
@@ -1730,6 +1731,10 @@ def _build_filter(worker):
     import seccomp  # libseccomp's Python binding (Debian: python3-seccomp)
 
     flt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    try:  # a binary search over syscall numbers instead of a linear scan: every call of every process pays it
+        flt.set_attr(seccomp.Attr.CTL_OPTIMIZE, 2)
+    except (AttributeError, RuntimeError, ValueError, OSError):
+        pass  # an older libseccomp
     eperm = seccomp.ERRNO(errno.EPERM)
     if not worker:
         for name in _WORKER_NEEDS:
@@ -1942,7 +1947,10 @@ def setup_worker(cfg):
             _check(_libc.umount2(path.encode(), 0), f"umount {path}")
     if mode == "root":
         # A plain /proc of this namespace, fully visible (no mounts inside it): the kernel lets a user namespace
-        # mount a /proc of its own only if one is. No code ever sees it (every execution mounts its own).
+        # mount a /proc of its own only if one is. No code ever sees it (every execution mounts its own). It
+        # replaces bubblewrap's (with its read-only covers): every mount here is copied into, and torn down
+        # with, every execution's mount namespace.
+        _check(_libc.umount2(b"/proc", MNT_DETACH), "umount /proc")
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         shares = _partition_quotas(cfg)
         _enter_own_user_namespace(
