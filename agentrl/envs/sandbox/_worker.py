@@ -672,7 +672,8 @@ class Worker:
         isolated = self.mode != "none"
         self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) if isolated else None
         self.own_net_fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC) if isolated else None
-        self.leftovers = Leftovers() if isolated else None  # opened in the worker's own network namespace
+        # opened in the worker's own network namespace
+        self.leftovers = Leftovers(cfg.get("sysvipc_fds") or {}) if isolated else None
         self.run_net_fd = self.run_unix_fd = None
         if isolated:
             self.new_run_netns()
@@ -1150,9 +1151,7 @@ class Worker:
         finished = one_shot or exited or col["timed_out"] or col["bad_frame"]
         if finished:
             col["wait_status"] = stop(col, exited)
-        # A stateless run's processes all live in its own pid namespace, which the kernel has emptied by the time
-        # stop() reaped its pid 1: only a session's call can leave processes behind.
-        self.strays_left = [] if one_shot and self.pidns_fd is not None else self.kill_strays()
+        self.strays_left = self.kill_strays()
         # Every writer is dead now; for a live kernel, all it wrote before answering is already in the pipe.
         drain_deadline = time.monotonic() + 2.0
         for fd in (out_r, err_r):
@@ -1412,13 +1411,8 @@ class Leftovers:
 
     _DIRS = ("/tmp", "/dev/shm", "/dev/mqueue")
 
-    def __init__(self):
-        self.tables = {}
-        for table in ("shm", "msg", "sem"):
-            try:
-                self.tables[table] = os.open("/proc/sysvipc/" + table, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                pass
+    def __init__(self, tables):
+        self.tables = tables  # SysV table name -> an fd of its /proc/sysvipc file (see _open_sysvipc)
         try:
             self.unix = os.open("/proc/self/net/unix", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -1444,6 +1438,17 @@ class Leftovers:
         if sockets > 0:
             found.append(f"{sockets} unix sockets in the sandbox's network namespace")
         return found
+
+
+def _open_sysvipc():
+    """Fds of /proc/sysvipc/{shm,msg,sem} (each shows the IPC namespace of its opener), by table name."""
+    tables = {}
+    for table in ("shm", "msg", "sem"):
+        try:
+            tables[table] = os.open("/proc/sysvipc/" + table, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass
+    return tables
 
 
 def _lines(fd):
@@ -1960,7 +1965,10 @@ def setup_worker(cfg):
         _drop_bounding_set()
         _become_pid_one()
         _unshare(CLONE_NEWNS | CLONE_NEWNET)
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        # The worker's /proc: its own pid namespace, pids only (its stray sweep lists it after every request).
+        # The SysV tables of its IPC namespace, which the health check reads, are opened before it hides them.
+        cfg["sysvipc_fds"] = _open_sysvipc()
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "subset=pid")
     if mode == "root":  # from now on, the quotas of one execution (each runs as a uid of its own)
         for res, value in shares:
             resource.setrlimit(res, (value, value))
