@@ -157,18 +157,23 @@ def test_zombie_leader_with_live_thread_dies_with_its_run(sb, action):
 
 
 def test_zombie_leader_in_a_session_dies_after_the_call_and_cannot_forge_later_answers(sb):
-    """The thread keeps reading the session's request channel (fd 3) and writing forged answers to its result
-    channel (fd 4); it is killed when its call ends, so later calls get their own true answers."""
-    forger = (
-        "import struct\n"
-        "        try:\n"
-        "            os.read(3, 1 << 16)\n"
-        "        except OSError:\n"
-        "            pass\n"
-        "        body = b'S0 ok'\n"
-        "        os.write(4, struct.pack('>I', len(body)) + body)\n"
-        "        time.sleep(0.001)"
-    )
+    """The thread keeps reading the session's request channel (fd 3) and answering on its result channel (fd 4)
+    with a forged "all passed", echoing each request's nonce; it is killed when its call ends, so later calls
+    get their own true answers."""
+    forger = textwrap.indent(
+        textwrap.dedent(
+            """
+            try:
+                data = os.read(3, 1 << 16)
+                nonce = __import__("json").loads(data[4:])["nonce"]
+                body = ("S0 ok " + nonce).encode()
+                os.write(4, __import__("struct").pack(">I", len(body)) + body)
+            except Exception:
+                time.sleep(0.001)
+            """
+        ),
+        " " * 12,
+    ).strip()
     sid = session_on(sb, 0)
     try:
         r = sb.run(textwrap.dedent(ZOMBIE_LEADER.format(action=forger)), session=sid, timeout_s=5)
@@ -212,14 +217,18 @@ def test_session_code_runs_under_a_cpu_limit(sb):
 
 SOCKET_CYCLE = """
 import array, os, socket
-# Unix sockets that hold each other (and 16 MiB of a memfd) in flight, with every fd closed: only the
-# kernel's garbage collector frees them.
+# A ring of unix socket pairs, each holding the next pair (and 16 MiB of a memfd) in flight, with every fd
+# closed: only the kernel's garbage collector frees them, in its own time (seconds on a busy machine).
 fd = os.memfd_create("held")
 os.write(fd, b"x" * (16 << 20))
-for _ in range(20):
-    a, b = socket.socketpair()
-    a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [a.fileno(), b.fileno(), fd]))])
+pairs = [socket.socketpair() for _ in range(40)]
+for i, (a, b) in enumerate(pairs):
+    nxt = pairs[(i + 1) % len(pairs)]
+    fds = [nxt[0].fileno(), nxt[1].fileno(), a.fileno(), b.fileno(), fd]
+    a.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+for a, b in pairs:
     a.close(); b.close()
+os.close(fd)
 print("left")
 """
 
@@ -476,7 +485,7 @@ def test_the_code_cannot_fake_a_sandbox_failure(sb, code, exit_code):
 
 
 def test_a_request_fetching_many_paths_is_not_a_corrupted_channel(sb):
-    paths = [f"some/long/directory/name/file-{i:05d}.txt" for i in range(20000)]
+    paths = [f"some/long/directory/name/file-{i:05d}.txt" for i in range(60000)]  # the audit's 60k
     r = sb.run("open('some_file', 'w').write('x')", fetch_files=paths + ["some_file"], timeout_s=20)
     assert r.ok and r.files["some_file"] == "eA==" and r.files[paths[0]] is None, r.message
 
