@@ -11,7 +11,7 @@ Requests (``op``):
 - ``run`` {code, stdin, timeout, session, files, fetch_files, memory_bytes}: ``session`` None is stateless (a
   fresh child per run; ``memory_bytes`` may lower its memory limits); otherwise the key of a stateful kernel (a
   long-lived child keeping globals, started on first use). Answer: {stdout, stderr, exit_code, status,
-  duration_s, truncated, display, event, error, files, reset}.
+  duration_s, truncated, display, event, error, files, reset, evicted}.
 - ``close`` {session}: end that session's kernel. Answer: {ok}.
 
 Every answer is followed by a health frame {health: bool, problems: [str], cleanup_s}: after answering, the
@@ -21,28 +21,37 @@ sessions, so that the host can replace it without losing them.
 
 Isolation of one execution from every other (``mode`` "root" or "userns"):
 
+- its own pid namespace (a stateless run is its pid 1, so the kernel ends every process of the run with it; a
+  session's kernel is pid 2 under an init, the worker's child, that reaps orphans and reports the kernel's exit)
+  and a ``/proc`` of it that lists its own processes only (``subset=pid``: no system-wide files);
 - its own mount namespace with a private, size- and inode-capped tmpfs ``/tmp`` (the working directory) and
   ``/dev/shm``, and its own IPC namespace (SysV objects, POSIX message queues and semaphores); a session's
-  kernel also gets its own network namespace (abstract unix sockets). Everything dies with the execution's
-  last process, so nothing is left to clean up or to leak into a later run;
+  kernel also gets its own network namespace, and stateless runs share one apart from the worker's (replaced
+  when a run leaves unix sockets in flight). Everything dies with the execution's last process;
 - its own memory cgroup (one for the stateless runs of this worker, one per session), so that memory, shared
-  memory and tmpfs files count against the execution's limit and an OOM kill stays inside it;
-- in "root" mode, its own uid: stateless runs take uids round-robin from the worker's block and a uid goes back
-  only after the check verified that none of its processes remain; ``/proc`` is mounted with
-  ``hidepid=invisible``, so code sees only its own processes (never a session's command line or the worker);
+  memory and tmpfs files count against the execution's limit and an OOM kill stays inside it; the worker's
+  capacity is shared out so that every live session and the stateless runs keep a reserved share
+  (:meth:`Worker.memory_for`);
+- in "root" mode, its own uid, with its own part of the per-uid kernel quotas (POSIX queues, queued signals,
+  locked memory): stateless runs take uids round-robin from the worker's block and a uid goes back only after
+  the check verified that no task of it remains;
 - no capabilities at all (effective, permitted, inheritable, ambient and bounding sets are empty), a seccomp
-  filter (no sockets but AF_UNIX, no ptrace, namespaces, mounts, keyrings, kernel-module or BPF calls), rlimits
-  on address space, processes, file size, open files and CPU time;
-- a wall-clock deadline: then the whole process group and every other process of the call is SIGKILLed; after
-  every call any process left (double-forked, setsid'd) is killed and zombies are reaped; a session's kernel
-  is SIGSTOPped between calls;
-- stdout/stderr are capped per stream; the result frame the code's process writes is untrusted and validated.
+  filter (no sockets but AF_UNIX, no ptrace, namespaces, mounts, keyrings, kernel-module or BPF calls, and
+  nothing that turns state the kernel shares between executions into a channel, see ``_add_channel_rules``),
+  rlimits on address space, processes, file size, open files and CPU time (a session's kernel: per call);
+- a wall-clock deadline: then every process of the call is SIGKILLed; after every call any process left
+  (double-forked, setsid'd, or a process whose main thread exited while others run) is killed; a session's
+  kernel is SIGSTOPped between calls;
+- stdout/stderr are capped per stream; the result frame the code's process writes is untrusted and validated
+  (a session's carries the nonce of its request); the sandbox's own failures before any code runs travel on a
+  status channel the code never holds.
 
-"root" mode: the worker starts as root with CAP_SETUID/SETGID/SYS_ADMIN inside bubblewrap, mounts ``/proc``,
-then moves into a user namespace of its own in which it is root but maps to an unprivileged host uid
-(``uid_base``), with the code's uids mapped one-to-one; from then on it holds no capability on the host.
-"userns" mode (the pool runs as an ordinary user): bubblewrap's user namespace maps one uid, so code runs as
-the worker's uid. "none": no isolation at all (trusted code only).
+"root" mode: the worker starts as root with CAP_SETUID/SETGID/SYS_ADMIN(/SYS_RESOURCE) inside bubblewrap, mounts
+a plain ``/proc``, sizes the per-uid quotas, then moves into a user namespace of its own, owned by and mapped to an
+unprivileged host uid (``uid_base``), with the code's uids mapped one-to-one; it continues as pid 1 of a pid
+namespace that user namespace owns (so that it can give every execution one of its own) and from then on holds
+no capability on the host. "userns" mode (the pool runs as an ordinary user): bubblewrap's user namespace maps
+one uid, so code runs as the worker's uid. "none": no isolation at all (trusted code only).
 """
 
 import ast

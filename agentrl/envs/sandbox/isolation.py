@@ -4,10 +4,11 @@ failures.
 Two isolated modes, chosen from the host user (see ``_worker.py`` for what happens inside):
 
 - **root** (CI, servers): bubblewrap runs privileged without a user namespace and grants the worker only
-  CAP_SETUID/SETGID/SYS_ADMIN, which it needs once at startup: to mount a ``/proc`` that hides other uids'
-  processes and to move into a user namespace of its own, where it is root but maps to the unprivileged host
-  uid ``uid_base`` and the code's uids (``uid_base + 1 ...``) map to themselves. Every run and session gets its
-  own uid, mount, IPC (and for sessions network) namespace, tmpfs and memory cgroup.
+  CAP_SETUID/SETGID/SYS_ADMIN (and SYS_RESOURCE where the host has it), which it needs once at startup: to mount
+  a ``/proc`` of its own, size the per-uid quotas and move into a user namespace of its own, owned by and mapped
+  to the unprivileged host uid ``uid_base``, where the code's uids (``uid_base + 1 ...``) map to themselves.
+  Every run and session gets its own uid, pid, mount, IPC (and for sessions network) namespace, tmpfs and memory
+  cgroup.
 - **userns** (the pool runs as an ordinary user; needs unprivileged user namespaces): bubblewrap's user
   namespace maps one uid, so the code shares the worker's uid; the per-run namespaces and tmpfs still apply.
 

@@ -6,10 +6,13 @@ own namespaces, tmpfs, memory cgroup and (as root) uid, so nothing of one run or
 Stateless runs go to the least busy worker; a session is pinned to the worker that holds its kernel.
 
 After every request the worker cleans up and checks itself against a fresh sandbox, outside any run's time
-budget. A worker whose check fails is retired: it takes no new work, keeps serving its live sessions until they
-are released, and a fresh worker takes its place. A worker that dies or stops answering is killed with
-everything inside it and restarted on its next use; sessions it held restart from a fresh state and say so in
-``ExecResult.message``.
+budget. A worker whose check fails is retired: it leaves rotation at once, keeps serving its live sessions until
+they are released, and a fresh worker takes its place (the pool holds enough uid blocks for that, whatever
+sequence of requests came before). A worker that dies or stops answering is killed with everything inside it and
+restarted on its next use; sessions it held restart from a fresh state and say so in ``ExecResult.message``.
+
+Sessions are admitted up to what the workers' memory can guarantee (``reserved_mb`` each); beyond that
+``create_session`` raises :class:`SandboxError`.
 """
 
 from __future__ import annotations
