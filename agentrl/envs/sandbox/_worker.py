@@ -846,13 +846,13 @@ class Worker:
         return self.free_uids.popleft() if self.mode == "root" else self.free_uids[0]
 
     def run_stateless(self, req):
-        start = time.monotonic()
         memory = self.cfg["limits"]["as_bytes"]
         if req.get("memory_bytes"):  # a per-run limit may only lower the pool's
             memory = min(int(req["memory_bytes"]), memory)
         limit = self.memory_for(None, memory)
         if limit is None:
             return {"refused": "the memory of finished executions is not freed"}
+        start = time.monotonic()  # making room above is the worker's business, not charged to the run
         uid = self.take_uid()
         self.ran_stateless = True
         if self.cgroups is not None:
@@ -999,10 +999,10 @@ class Worker:
         self.pending.append((kernel.uid, kernel.cgroup, "s" + key))
 
     def run_in_kernel(self, req):
-        start = time.monotonic()
         key = req["session"]
         evicted = self.evicted.pop(key, None)
         limit = self.memory_for(key, self.cfg["limits"]["as_bytes"])
+        start = time.monotonic()  # making room above is the worker's business, not charged to the call
         kernel = self.kernels.get(key)
         if kernel is None:
             kernel = self.start_kernel(key)
@@ -1228,12 +1228,12 @@ class Worker:
         exit_code = result.get("exit_code")
         event = None
         ws = col["wait_status"]
-        if not col["setup"].startswith(SETUP_DONE):  # the sandbox failed before any code ran
-            detail = col["setup"][1:].decode(errors="replace") or "the execution's process died during setup"
-            status, exit_code, event = "sandbox_error", None, {"kind": "internal", "detail": detail}
-        elif col["timed_out"]:
+        if col["timed_out"]:  # (a time limit too short for even the setup is still the run's)
             status, exit_code = "timeout", None
             event = {"kind": "timeout", "timeout_s": timeout}
+        elif not col["setup"].startswith(SETUP_DONE):  # the sandbox failed before any code ran
+            detail = col["setup"][1:].decode(errors="replace") or "the execution's process died during setup"
+            status, exit_code, event = "sandbox_error", None, {"kind": "internal", "detail": detail}
         elif col["bad_frame"]:
             status, exit_code = "error", None
             event = {"kind": "corrupted"}
