@@ -59,12 +59,18 @@ MAX_TIMEOUT_S = 3600.0
 #: idle under full load and the pool ran 999 exec/s; with 3, 4% and 1,075 exec/s; with 4, 3% and 1,090 exec/s.
 #: A worker costs about 7 MB of memory.
 WORKERS_PER_CORE = 3
+#: How long a retired worker's uid block may take to be free of its processes before it is given back, seconds.
+_BLOCK_RETURN_S = 60.0
 #: Memory a worker's cgroup may hold beyond its executions' capacity: bubblewrap, the worker, session inits and
 #: kernel memory, bytes.
 _SYSTEM_MARGIN = 64 << 20
 #: Per-uid kernel quotas of one execution (Linux's defaults for a user); a worker's user namespace holds room
 #: for all of its executions at once.
 QUOTAS = {"msgqueue_bytes": 819200, "sigpending": 4096, "memlock_bytes": 8 << 20}
+
+
+class BlockBusy(SandboxUnavailable):
+    """A worker cannot (re)start: processes of its uid block, from its previous sandbox, are still exiting."""
 
 
 @dataclass
@@ -145,7 +151,7 @@ class _Worker:
                 await asyncio.sleep(0.01)
                 leftover = uid_processes(self.code_uids)
             if leftover:
-                raise SandboxUnavailable(
+                raise BlockBusy(
                     f"processes {leftover[:5]} still run as uids of sandbox block {self.uid_base}; refusing to reuse it"
                 )
         self.generation += 1
@@ -589,6 +595,17 @@ class LocalSandbox:
             async def stop(w: _Worker = worker) -> None:
                 async with w.lock:
                     await w.kill()
+                # the block goes back only once nothing of it runs any more (a sandbox dies in the background)
+                deadline = time.monotonic() + _BLOCK_RETURN_S
+                while (busy := uid_processes(w.code_uids)) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                if busy:
+                    log.error(
+                        "processes %s of retired sandbox block %d survive; not reusing it",
+                        busy[:5],
+                        w.uid_base,
+                    )
+                    return
                 self._free_blocks.append(w.uid_base)
                 if not self._closed:
                     self._refill()
@@ -660,6 +677,8 @@ class LocalSandbox:
             try:
                 lost = sess is not None and sess.generation != worker.generation and worker.alive
                 resp = await worker.call(payload, timeout_s)
+            except BlockBusy as exc:  # its uids are still in use: replace it by a worker with a free block
+                resp = {"refused": str(exc)}
             except (ConnectionError, SandboxUnavailable) as exc:  # the worker died, hung or cannot restart
                 log.warning("sandbox run failed: %s", exc)
                 return self._internal_error(str(exc), time.monotonic() - start)
