@@ -123,14 +123,8 @@ class TokenRunner(EpisodeRunner):
 
     def policy(self, job: EpisodeJob) -> Policy:
         cfg = self.cfg
-        sampling = SamplingParams(
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            stop_token_ids=self.stop_ids,
-            seed=cfg.seed + job.sample,
-        )
+        given = {name: getattr(cfg, name) for name in ("max_new_tokens", "temperature", "top_p", "top_k")}
+        sampling = SamplingParams(**given, stop_token_ids=self.stop_ids, seed=cfg.seed + job.sample)
         return TokenPolicy(self.backend, sampling)
 
 

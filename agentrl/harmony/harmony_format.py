@@ -132,11 +132,7 @@ class HarmonyFormat(ChatFormat):
         return oh.Message.from_role_and_content(oh.Role.DEVELOPER, content)
 
     def to_harmony_messages(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[ToolSpec] = (),
-        *,
-        instructions: str | None = None,
+        self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), *, instructions: str | None = None,
         reasoning_effort: str | None = None,
     ) -> list[oh.Message]:
         """The full Harmony message list: system, developer (if any), then the conversation."""
