@@ -167,3 +167,20 @@ def test_each_command_refuses_another_commands_run_directory(tmp_path, capsys):
         assert message in err and "\n" not in err and "Traceback" not in err, (argv, err)
     assert sorted(p.name for p in train_run.iterdir()) == ["checkpoints", "config.yaml"]  # nothing written
     assert (eval_run / "config.json").read_text() == "{}"
+
+
+def test_env_records_an_empty_action_through_the_builder():
+    """AgentEnv builds its trajectory with TrajectoryBuilder (episode mode): an empty completion is a model turn
+    with an empty span and a parse error, never an exception."""
+    import agentrl
+
+    env = agentrl.make("retool", format=FMT, max_turns=2)
+    try:
+        env.reset(options={"task": {"prompt": "1 + 1?", "answer": "2"}})
+        obs, reward, terminated, truncated, info = env.step([])
+        traj = env.trajectory
+        assert not (terminated or truncated) and len(obs["tokens"]) and info["errors"]
+        assert traj.turns[0].model_span == (0, 0) and traj.response_mask == [0] * len(obs["tokens"])
+        assert traj.logprobs_missing and traj.env == "retool"
+    finally:
+        env.close()
