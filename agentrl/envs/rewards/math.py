@@ -7,8 +7,10 @@ works in the main thread; elsewhere it runs without a timeout on input cut to ``
 
 from __future__ import annotations
 
+import math
 import re
 import threading
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -53,6 +55,19 @@ def last_number(text: str) -> Fraction | None:
     """The last number written in ``text`` (GSM8K-style answer extraction)."""
     found = _NUMBER.findall(text)
     return to_number(found[-1]) if found else None
+
+
+def answer_closeness(text: str | None, gold: str, decades: float = 10.0) -> float:
+    """How close the last number of ``text``'s answer (its last ``\\boxed{}`` if any, else the whole text) is to
+    the number ``gold``, in orders of magnitude: ``1 - |log10(1 + |p|) - log10(1 + |g|)| / decades``, clipped to
+    [0, 1]. 1.0 for the same magnitude, 0.0 without a number, with the other sign, or ``decades`` or more
+    orders away (or when ``gold`` is not a number)."""
+    g = to_number(gold)
+    p = last_number(final_answer_text(text)) if text else None
+    if g is None or p is None or (p < 0) != (g < 0):
+        return 0.0
+    gap = abs(math.log10(1 + abs(float(p))) - math.log10(1 + abs(float(g))))
+    return max(0.0, 1.0 - gap / decades)
 
 
 def numeric_equal(prediction: str, gold: str) -> bool:
@@ -111,3 +126,16 @@ class NumericAnswer:
 
     def __call__(self, ctx: Any) -> float:
         return float(bool(ctx.final) and numeric_equal(ctx.final, str(ctx.task[self.key])))
+
+
+def with_boxed_bonus(rubric: Callable[[Any], tuple[float, dict[str, float]]] | None, weight: float) -> Callable:
+    """Wrap an env rubric: adds component ``boxed`` (1.0 if the final answer contains a ``\\boxed{...}``)
+    with ``weight`` to the total (``data.format_reward`` of ``agentrl train``). ``rubric`` returns
+    ``(total, components)``; None counts as 0."""
+
+    def reward(ctx: Any) -> tuple[float, dict[str, float]]:
+        total, components = rubric(ctx) if rubric is not None else (0.0, {})
+        boxed = float(bool(ctx.final) and extract_boxed(ctx.final) is not None)
+        return total + weight * boxed, {**components, "boxed": boxed}
+
+    return reward
