@@ -102,11 +102,35 @@ def test_routing_replay_run(tmp_path):
 
 
 
-def test_wall_time_budget_stops_after_a_step_with_final_eval(tmp_path):
-    _, _, summary, records = _fit(tmp_path, "budget", ["trainer.total_steps=5", "trainer.max_wall_s=0.001"])
-    assert summary["steps"] == 1 and summary["stopped_early_by_max_wall_s"]
+def test_a_wall_time_stop_is_the_summarys_headline_and_the_last_line(tmp_path, capsys):
+    from agentrl.train.cli import run_trainer
+
+    run = tmp_path / "budget"
+    cfg = build_config([*BASE, f"run_dir={run}", "trainer.total_steps=5", "trainer.max_wall_s=0.001"])
+    assert run_trainer(cfg, "agentrl train") == 0
+    summary = json.loads((run / "summary.json").read_text())
+    # the headline: the first keys, next to the evaluation figures
+    assert list(summary)[:4] == ["complete", "stopped_by", "steps", "total_steps"]
+    assert summary["complete"] is False and summary["stopped_by"] == "max_wall_s"
+    assert summary["steps"] == 1 and summary["total_steps"] == 5 and summary["max_wall_s"] == 0.001
     assert summary["eval_after"]["step"] == 1
-    assert (tmp_path / "budget" / "checkpoints" / "step_000001" / "state.json").exists()
+    assert (run / "checkpoints" / "step_000001" / "state.json").exists()
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("agentrl train: INCOMPLETE: stopped by trainer.max_wall_s=0.001 after 1/5 steps")
+    after = summary["eval_after"]
+    assert f"{after['mean']:.3f} ± {after['sem']:.3f} after step 1 (4 tasks)" in last and last.endswith(str(run))
+
+
+def test_a_run_bounded_by_steps_is_complete(tmp_path, capsys):
+    from agentrl.train.cli import run_trainer
+
+    run = tmp_path / "steps"
+    assert run_trainer(build_config([*BASE, f"run_dir={run}", "trainer.total_steps=1"]), "agentrl train") == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["complete"] is True and summary["stopped_by"] is None and summary["steps"] == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("agentrl train: complete (1/1 steps); held-out reward ")
+    assert " before, " in last and " after step 1 (4 tasks)" in last
 
 
 # ---------------------------------------------------------------------------- one real `agentrl train` run
