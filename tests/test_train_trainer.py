@@ -114,6 +114,7 @@ def test_a_wall_time_stop_is_the_summarys_headline_and_the_last_line(tmp_path, c
     assert summary["complete"] is False and summary["stopped_by"] == "max_wall_s"
     assert summary["steps"] == 1 and summary["total_steps"] == 5 and summary["max_wall_s"] == 0.001
     assert summary["eval_after"]["step"] == 1
+    assert 0 < summary["peak_rss_gb"] < 64 and summary["peak_rss_children_gb"] >= 0  # GiB, recorded by every run
     assert (run / "checkpoints" / "step_000001" / "state.json").exists()
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("agentrl train: INCOMPLETE: stopped by trainer.max_wall_s=0.001 after 1/5 steps")

@@ -7,7 +7,8 @@ sinks (``RUN_DIR/metrics.jsonl``, TensorBoard, W&B; :mod:`agentrl.train.metrics`
 ``eval_after_sft`` (after the SFT stage, when it ran), ``eval_after`` (the last one; :func:`agentrl.evaluation.
 metrics.headline`: ``mean``, ``sem``, ``tool_call_rate``, ``tool_success_rate``, ``tool_calls_mean``,
 ``turns_mean``, ``pass@k``, ``episodes``, ``errors``, and the ``step`` it was taken at), ``eval_tasks``, the SFT
-stage's ``sft`` info, data position and wall times. :func:`headline` is the same headline as the console's last
+stage's ``sft`` info, data position, wall times and memory: ``peak_rss_gb``, the trainer process's resident-set
+high-water mark, and ``peak_rss_children_gb``, the largest of its ended child processes' (GiB, ``getrusage``). :func:`headline` is the same headline as the console's last
 line.
 """
 
@@ -105,6 +106,7 @@ class Reporter:
         summary.update({
             "run_dir": str(self.run.root), "data_position": state.data_position,
             "wall_s_this_process": time.perf_counter() - t_created, "fit_s": wall_s, "model_load_s": load_s,
+            **peak_rss_gb(),
         })
         if state.sft_info:
             summary["sft"] = state.sft_info
@@ -114,6 +116,18 @@ class Reporter:
 
     def close(self) -> None:
         self.sink.close()
+
+
+def peak_rss_gb() -> dict[str, float]:
+    """``peak_rss_gb`` (this process's resident-set high-water mark) and ``peak_rss_children_gb`` (the largest
+    of its ended and waited-for child processes'), in GiB."""
+    import resource
+
+    kib = 1024 * 1024  # ru_maxrss is in KiB on Linux
+    return {
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib,
+        "peak_rss_children_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / kib,
+    }
 
 
 def headline(summary: dict[str, Any], prog: str = "agentrl train") -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
-from agentrl.episodes import EnvPool, EpisodeResult, TokenPolicy, collect, grouped_jobs
+from agentrl.episodes import EnvPool, EpisodeResult, LockstepSampler, TokenPolicy, collect, grouped_jobs
 
 
 @dataclass
@@ -36,10 +36,13 @@ async def rollout(
     seed: int,
 ) -> RolloutResult:
     """Run ``n`` episodes per ``(task_id, task)`` with ``engine`` (which keeps ``stats["generate_s"]`` and
-    ``stats["generated_tokens"]``); sample ``k`` of task ``g`` gets env seed ``seed + g*n + k``."""
+    ``stats["generated_tokens"]``); sample ``k`` of task ``g`` gets env seed ``seed + g*n + k``. The engine calls
+    are batched in lockstep (:class:`~agentrl.episodes.LockstepSampler`): what is sampled does not depend on
+    timing."""
     t0 = time.perf_counter()
     gen0, tok0 = engine.stats["generate_s"], engine.stats["generated_tokens"]
-    episodes = await collect(pool, TokenPolicy(engine, sampling), grouped_jobs(tasks, n, seed))
+    sampler = LockstepSampler(engine)
+    episodes = await collect(pool, TokenPolicy(sampler, sampling), grouped_jobs(tasks, n, seed), lockstep=sampler)
     return RolloutResult(
         episodes=episodes,
         wall_s=time.perf_counter() - t0,
