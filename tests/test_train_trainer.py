@@ -51,6 +51,7 @@ def _fit(tmp_path, name, extra):
 
 def test_on_policy_step_has_ratio_exactly_one(tmp_path):
     trainer, before, summary, records = _fit(tmp_path, "onpolicy", ["trainer.total_steps=1"])
+    assert trainer.ref_model is None  # no loss uses a KL reference: no copy of the model is built
     assert [r["step"] for r in records] == [0, 1]
     step = records[1]
     assert step["actor/on_policy"] == 1.0

@@ -9,10 +9,15 @@ on when each episode's tool call returned: two runs of one seed differ.
 lockstep=sampler)`` with policies that call the sampler, e.g. ``TokenPolicy(sampler, sampling)``). An
 episode's call waits until every episode of the collection that is running or about to start has made its
 call or finished (episodes running tools are waited for); then the waiting calls go to the engine together,
-ordered by job index, one engine call per sampling setting in the order of their first job. Which episodes
+ordered by job index, one engine call per sampling setting in the order of their first job (when that call
+raises, each job's call is made alone, in order: a request the engine refuses fails its own episode). Which episodes
 are running at that point is fixed too: ``pool.size`` episodes run at once and jobs take free envs in job
 order, so once ``f`` jobs have finished, jobs ``0 .. f + pool.size - 1`` have started or are about to. The
 batches, their rows' order and the engine's draws are a function of the jobs and the engine's seed alone.
+
+What lockstep cannot make independent of the machine's speed: an episode wall-time limit (``EpisodeLimits.time_s``,
+none by default; waiting for the batch counts), and a tool's own wall-clock limit for code that runs close to it
+(e.g. retool's ``exec_timeout_s``).
 
 A call made outside a lockstep collection (no job of an open collection in its task's context) goes to the
 engine directly. Imports no torch.
@@ -107,15 +112,27 @@ class LockstepSampler:
         self._release()
 
     async def _sample_group(self, sampling: Any, group: list[tuple[list[list[int]], Any, asyncio.Future]]) -> None:
+        """One engine call for the group; if it raises, each call of the group alone, in order, so that a
+        request the engine refuses fails its own episode only."""
         try:
             completions = await self.engine.generate([p for prompts, _, _ in group for p in prompts], sampling)
-        except Exception as exc:  # noqa: BLE001 - delivered to every episode of the batch
-            for _, _, future in group:
-                if not future.done():
-                    future.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - retried call by call below, or delivered to its episode
+            if len(group) == 1:
+                _deliver(group[0][2], error=exc)
+                return
+            for call in group:
+                await self._sample_group(sampling, [call])
             return
         offset = 0
         for prompts, _, future in group:
-            if not future.done():
-                future.set_result(list(completions[offset : offset + len(prompts)]))
+            _deliver(future, result=list(completions[offset : offset + len(prompts)]))
             offset += len(prompts)
+
+
+def _deliver(future: asyncio.Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
