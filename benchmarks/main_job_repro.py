@@ -32,13 +32,19 @@ def run_main_job(run_dir: Path, seed: int, extra: list[str]) -> None:
     subprocess.run(command, cwd=ROOT, check=True)
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The script's arguments, and the ``key=value`` overrides after ``--`` (added to every run)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return parser.parse_args(argv[:cut]), argv[cut + 1 :]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="*", help="two run directories to compare (instead of --out)")
     parser.add_argument("--out", type=Path, help="run the main job twice into OUT/a and OUT/b")
     parser.add_argument("--seed", type=int, default=0)
-    args, extra = parser.parse_known_args(argv)
-    extra = [e for e in extra if e != "--"]
+    args, extra = parse(parser, argv)
     if args.out is not None:
         runs = [args.out / "a", args.out / "b"]
         for run in runs:

@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from main_job_repro import run_main_job
+from main_job_repro import parse, run_main_job
 
 GOALS = {"gain_over_sem": 2.0, "mean_gain": 0.10, "peak_rss_gb": 8.0, "wall_s": 1200.0}
 
@@ -45,8 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="*", type=Path, help="run directories to read (instead of --out)")
     parser.add_argument("--out", type=Path, help="run the main job once per seed into OUT/seed<S>")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    args, extra = parser.parse_known_args(argv)
-    extra = [e for e in extra if e != "--"]
+    args, extra = parse(parser, argv)
     if args.out is not None:
         runs = [args.out / f"seed{s}" for s in args.seeds]
         for seed, run in zip(args.seeds, runs, strict=True):

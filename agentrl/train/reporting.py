@@ -142,9 +142,7 @@ def headline(summary: dict[str, Any], prog: str = "agentrl train") -> str:
                  "(trainer.max_wall_s=0, the default, runs every step)")
     else:
         state = f"INCOMPLETE ({steps})"
-    labelled = [("eval_after_sft", "after SFT")]
-    if summary.get("eval_before") != summary.get("eval_after_sft"):  # without eval.before: the same evaluation
-        labelled.insert(0, ("eval_before", "before"))
+    labelled = [("eval_before", "before"), ("eval_after_sft", "after SFT")]
     if summary.get("eval_after", {}).get("step", 0) > 0:  # an RL step was evaluated (else: one of the above)
         labelled.append(("eval_after", f"after step {summary['eval_after']['step']}"))
     figures = [f"{summary[k]['mean']:.3f} ± {summary[k]['sem']:.3f} {label}" for k, label in labelled if k in summary]
