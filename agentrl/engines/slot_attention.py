@@ -1,0 +1,128 @@
+"""Attention of new tokens against a :class:`~agentrl.engines.slot_cache.SlotCache`, two implementations.
+
+Rows are sequences living in cache slots. A row has ``n_q`` new query tokens (already written to its
+slot) and sees the first ``n_keys`` positions of its slot, its queries being the last ``n_q`` of them
+(bottom-right causal alignment), limited to the last ``window`` keys on sliding-window layers. Queries
+are packed ``[total_q, Hq, D]`` in row order.
+
+* :class:`KernelAttention` calls :func:`agentrl.kernels.sink_attention` (``backend="auto"``: our Triton
+  kernels, the decode path for one query per row) on the cache's packed ``token`` layout, with sinks for
+  GPT-OSS and without them for plain attention. The slots of a batch are not adjacent in the packed
+  keys, so the rows are described as ``2R`` variable-length sequences: before each row a "gap" sequence
+  with no query that covers the keys between the previous row's end and this row's slot, then the row
+  itself. Rows must be in increasing slot order. Everything is built with tensor ops from device
+  tensors, so it runs inside a CUDA graph.
+* :class:`TorchAttention` computes the same function with torch ops on the ``head`` layout (float32 math
+  for the softmax): batched for decoding (one query per row), one row at a time for prefill. It is the
+  CPU path and the exact path for float32 models on a GPU (the Triton kernels run float32 dots as TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentrl.engines.slot_cache import SlotCache
+
+
+class KernelAttention:
+    """Sink attention kernel over the packed slot cache (see the module docstring)."""
+
+    layout = "token"
+
+    def __init__(self, cache: SlotCache) -> None:
+        self.cache = cache
+
+    @staticmethod
+    def bounds(slots: torch.Tensor, n_q: torch.Tensor, n_keys: torch.Tensor, length: int,
+               out_q: torch.Tensor | None = None, out_k: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cu_q, cu_k)`` int32 ``[2R + 1]`` for rows in increasing slot order (gap, row, gap, row, ...).
+
+        ``out_q``/``out_k``: preallocated buffers to fill (inside a captured graph), else new ones."""
+        r = slots.shape[0]
+        starts = slots.to(torch.int64) * length
+        cu_k = out_k if out_k is not None else torch.zeros(2 * r + 1, dtype=torch.int32, device=slots.device)
+        cu_q = out_q if out_q is not None else torch.zeros(2 * r + 1, dtype=torch.int32, device=slots.device)
+        cu_k[1::2] = starts.to(torch.int32)
+        cu_k[2::2] = (starts + n_keys).to(torch.int32)
+        ends = torch.cumsum(n_q.to(torch.int64), 0)
+        cu_q[1::2] = (ends - n_q).to(torch.int32)
+        cu_q[2::2] = ends.to(torch.int32)
+        return cu_q, cu_k
+
+    def __call__(self, layer: int, q: torch.Tensor, cu: tuple[torch.Tensor, torch.Tensor], max_q: int, *,
+                 sinks: torch.Tensor | None, window: int | None, scale: float) -> torch.Tensor:
+        """``q``: ``[total_q, Hq, D]``; ``cu``: :meth:`bounds`; returns ``[total_q, Hq, D]``."""
+        from agentrl.kernels import sink_attention
+
+        keys, values = self.cache.packed(layer)
+        cu_q, cu_k = cu
+        return sink_attention(q, keys, values, sinks, causal=True, window=window, cu_seqlens=cu_q,
+                              cu_seqlens_k=cu_k, max_seqlen=max_q, max_seqlen_k=self.cache.length,
+                              softmax_scale=scale)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, groups: tuple[int, int]) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores`` ``[..., Hkv, G, Nq, Nk]``; with ``sinks`` (``[Hq]``)
+    an extra logit per query head joins the normaliser and carries no value."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    hkv, g = groups
+    sink = sinks.float().view(hkv, g, 1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
+class TorchAttention:
+    """Torch-op attention over the ``head`` layout (see the module docstring)."""
+
+    layout = "head"
+
+    def __init__(self, cache: SlotCache) -> None:
+        self.cache = cache
+
+    def _visible(self, n_keys: torch.Tensor, key_len: int, n_q: int, window: int | None) -> torch.Tensor:
+        """``[R, n_q, key_len]`` bool: query ``i`` of a row (position ``n_keys - n_q + i``) sees key ``j``."""
+        j = torch.arange(key_len, device=n_keys.device)
+        pos = n_keys[:, None] - n_q + torch.arange(n_q, device=n_keys.device)[None, :]
+        ok = j[None, None, :] <= pos[:, :, None]
+        if window is not None:
+            ok = ok & (j[None, None, :] > pos[:, :, None] - window)
+        return ok
+
+    def decode(self, layer: int, q: torch.Tensor, slots_hi: int, n_keys: torch.Tensor, key_len: int, *,
+               sinks: torch.Tensor | None, window: int | None, scale: float) -> torch.Tensor:
+        """One query per row for the rows ``0 .. slots_hi - 1`` (row ``i`` = slot ``i``); ``q``
+        ``[slots_hi, Hq, D]``; keys read up to ``key_len`` (>= every row's ``n_keys``)."""
+        hkv, d = self.cache.kv_heads, self.cache.head_dim
+        g = q.shape[1] // hkv
+        keys = self.cache.keys(layer)[:slots_hi, :, :key_len]
+        values = self.cache.values(layer)[:slots_hi, :, :key_len]
+        qg = q.view(slots_hi, hkv, g, d)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [R, Hkv, G, key_len]
+        visible = self._visible(n_keys, key_len, 1, window)  # [R, 1, key_len]
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        probs = _softmax_with_sinks(scores[..., None, :], sinks, (hkv, g))[..., 0, :]
+        out = torch.matmul(probs.to(values.dtype), values)  # [R, Hkv, G, D]
+        return out.reshape(slots_hi, hkv * g, d)
+
+    def prefill(self, layer: int, q: torch.Tensor, slots: list[int], n_q: list[int], n_keys: list[int], *,
+                sinks: torch.Tensor | None, window: int | None, scale: float) -> torch.Tensor:
+        """Rows one at a time: ``q`` ``[sum(n_q), Hq, D]`` packed in row order."""
+        hkv, d = self.cache.kv_heads, self.cache.head_dim
+        g = q.shape[1] // hkv
+        out = torch.empty_like(q)
+        start = 0
+        for slot, nq, nk in zip(slots, n_q, n_keys, strict=True):
+            keys = self.cache.keys(layer)[slot, :, :nk]  # [Hkv, nk, D]
+            values = self.cache.values(layer)[slot, :, :nk]
+            qg = q[start : start + nq].view(nq, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, nq, D]
+            scores = torch.matmul(qg, keys[:, None].transpose(-1, -2)).float() * scale  # [Hkv, G, nq, nk]
+            visible = self._visible(torch.tensor([nk], device=q.device), nk, nq, window)[0]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = _softmax_with_sinks(scores, sinks, (hkv, g))
+            o = torch.matmul(probs.to(values.dtype), values[:, None])  # [Hkv, G, nq, D]
+            out[start : start + nq] = o.permute(2, 0, 1, 3).reshape(nq, hkv * g, d)
+            start += nq
+        return out
