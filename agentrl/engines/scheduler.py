@@ -218,17 +218,17 @@ class Scheduler:
                 job.prompt, held=lambda s: [] if pending.get(s) == 2 else self.slots[s].tokens,
                 prefer=lambda s: (-self.slots[s].used,))
         reuse = min(shared, len(job.prompt) - 1)
-        adopt = (donor is not None and donor not in pending and self.slots[donor].job is None
-                 and shared == len(self.slots[donor].tokens))
-        if adopt:
-            slot, copy_from = donor, None
-        else:
+        idle_donor = donor is not None and donor not in pending and self.slots[donor].job is None
+        slot = None
+        if not (idle_donor and shared == len(self.slots[donor].tokens)):  # else: the episode's next turn
             slot = self._free_slot(exclude=set(pending) | ({donor} if donor is not None else set()))
-            if slot is None:
-                return None
-            copy_from = donor if donor is not None and reuse >= BLOCK else None
-            if copy_from is None:
-                reuse = 0
+        if slot is None and idle_donor:  # take the donor over (what it held past the shared prefix is dropped)
+            slot = donor
+        if slot is None:
+            return None
+        copy_from = donor if donor is not None and donor != slot and reuse >= BLOCK else None
+        if slot != donor and copy_from is None:
+            reuse = 0
         phase = 2 if copy_from is not None and pending.get(copy_from) == 1 else 1
         state = self.slots[slot]
         state.tokens, state.job, state.used = list(job.prompt), job, self._tick()
