@@ -141,7 +141,10 @@ class DecodeEngine:
             chunk_steps=self.runner.chunk_steps, share_prefix=share_prefix, canonical_order=deterministic,
             min_length=(1024 if cuda else 0) if min_length is None else min_length)
         self.seed = int(seed)
-        self.stats: dict[str, float] = {"generate_s": 0.0, "generated_tokens": 0, "batches": 0}
+        #: ``generate_s``: seconds spent in scheduler steps (prefill, decode, host reads: the engine busy);
+        #: ``generated_tokens``: tokens of finished requests; ``batches``: steps that admitted requests
+        #: (prefill batches); ``decode_chunks``: decode chunks of up to ``chunk_steps`` steps.
+        self.stats: dict[str, float] = {"generate_s": 0.0, "generated_tokens": 0, "batches": 0, "decode_chunks": 0}
         self._occurrences: dict[int, int] = {}
         self._clients: set[EngineClient] = set()
         self._changed: asyncio.Event | None = None
@@ -216,9 +219,12 @@ class DecodeEngine:
             if self.runner.aborted.is_set():
                 raise EngineAborted("generation aborted: the engine is shutting down")
             t0 = time.perf_counter()
-            advanced, finished = self.scheduler.step()
+            sched = self.scheduler
+            admissions, chunks = sched.admissions, sched.chunks
+            advanced, finished = sched.step()
             self.stats["generate_s"] += time.perf_counter() - t0
-            self.stats["batches"] += 1
+            self.stats["batches"] += sched.admissions - admissions
+            self.stats["decode_chunks"] += sched.chunks - chunks
             self.stats["generated_tokens"] += sum(len(j.tokens) for j in finished)
             return advanced, finished
 

@@ -117,6 +117,8 @@ class Scheduler:
         self.index = PrefixIndex()
         self.clock = 0
         self._deactivate: list[int] = []
+        self.admissions = 0  # steps that admitted (prefilled) at least one job
+        self.chunks = 0  # decode chunks run
 
     # ------------------------------------------------------------------ submission
     def submit(self, job: Job) -> None:
@@ -143,8 +145,10 @@ class Scheduler:
         finished: list[Job] = []
         advanced = [p.job for p in plans]
         if plans:
+            self.admissions += 1
             finished += self._prefill(plans)
         if self.running:
+            self.chunks += 1
             advanced += [job for job in self.running.values() if job not in advanced]
             finished += self._decode()
         return advanced, finished

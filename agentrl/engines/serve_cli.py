@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.cli_args import CommandSpec, UsageError, run
+from agentrl.engines.factory import KINDS as ENGINE_KINDS
 
 FORMATS = ("auto", "harmony", "chat_template")
 DEVICES = ("cpu", "cuda")
@@ -49,6 +50,8 @@ class ServeModelConfig:
     """Seed of the sampler (requests may pass their own seed)."""
     max_batch_size: int = 64
     """Most sequences sampled in one batch."""
+    engine: str = "auto"
+    """Local engine: auto (the decode engine where it supports the model), decode, transformers."""
     timeout_graceful_shutdown_s: float = 2.0
     """Seconds open connections get to finish after SIGTERM."""
 
@@ -57,7 +60,7 @@ SPEC = CommandSpec(
     prog="agentrl serve model",
     schema=ServeModelConfig,
     usage="agentrl serve model model=NAME_OR_DIR [port=8000] [key=value ...]",
-    choices={"format": FORMATS, "device": DEVICES, "dtype": DTYPES},
+    choices={"format": FORMATS, "device": DEVICES, "dtype": DTYPES, "engine": ENGINE_KINDS},
     examples={"model": "model=smollm2-135m"},
     notes=(
         "Serves /v1/completions (token ids in, token ids + log-probs out), /v1/chat/completions (tools,\n"
@@ -118,7 +121,7 @@ def _serve(cfg: Any) -> int:
     try:
         engine, fmt, name = load_local_engine(
             cfg.model, format=cfg.format, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
-            max_batch_size=cfg.max_batch_size,
+            max_batch_size=cfg.max_batch_size, engine=cfg.engine,
         )
     except (ValueError, FileNotFoundError, OSError, RuntimeError, KeyError) as exc:
         sock.close()

@@ -34,6 +34,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from agentrl.cli_args import CommandSpec, UsageError, normalise, parse, schema_keys
 from agentrl.cli_args import help_text as spec_help_text
 from agentrl.cli_args import suggest as _suggest
+from agentrl.engines.factory import KINDS as ENGINE_KINDS
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
 
@@ -57,7 +58,10 @@ class ConfigError(UsageError):
 @dataclass
 class RolloutConfig:
     """How episodes are sampled. ``batch_size`` tasks per step, ``n`` samples per task (GRPO group);
-    ``max_new_tokens`` bounds one assistant action; ``max_turns`` bounds one episode (``None`` = env default)."""
+    ``max_new_tokens`` bounds one assistant action; ``max_turns`` bounds one episode (``None`` = env default).
+    ``engine``: the local engine (``agentrl.engines.factory``: auto | decode | transformers);
+    ``deterministic``: reproducible batch formation in the decode engine (waits for every episode between
+    steps; see ``agentrl.engines.decode_engine``)."""
 
     batch_size: int = 8
     n: int = 4
@@ -68,6 +72,8 @@ class RolloutConfig:
     max_turns: int | None = 2
     max_batch_size: int = 64
     concurrency: int = 64
+    engine: str = "auto"
+    deterministic: bool = False
 
 
 @dataclass
@@ -267,6 +273,7 @@ class TrainConfig:
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
+    "rollout.engine": ENGINE_KINDS,
     "algorithm.adv_estimator": ADV_ESTIMATORS,
     "actor.policy_loss": tuple(sorted(POLICY_LOSSES)),
     "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),

@@ -43,7 +43,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from agentrl.engines.base import SamplingParams
-from agentrl.engines.transformers_engine import TransformersEngine
+from agentrl.engines.factory import make_engine
 from agentrl.episodes import EnvPool, EpisodeResult
 from agentrl.models.checkpoints import latest_checkpoint
 from agentrl.models.loading import load_model
@@ -140,9 +140,10 @@ class Trainer:
             from agentrl.models.routing import find_routers
 
             find_routers(self.model)  # raises a clear error for dense models
-        self.engine = TransformersEngine(
-            self.model, pad_token_id=self.pad_token_id, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed,
-            record_routing=cfg.actor.routing_replay,
+        self.engine = make_engine(
+            self.model, kind=cfg.rollout.engine, pad_token_id=self.pad_token_id,
+            max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed, record_routing=cfg.actor.routing_replay,
+            deterministic=cfg.rollout.deterministic,
         )
         self.step = 0
         self.data_position = 0
