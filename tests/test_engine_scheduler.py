@@ -54,13 +54,15 @@ class ContextModel:
         self.prefilled_tokens = 0
         self.copies: list[tuple[int, int, int]] = []
         self.released = 0
+        self.weights_changed = False
 
     @property
     def slots(self) -> int:
         return len(self.cache)
 
-    def check_weights(self) -> None:
-        pass
+    def check_weights(self) -> bool:
+        changed, self.weights_changed = self.weights_changed, False
+        return changed
 
     def reserve(self, slots: int, length: int, stops: int = 1) -> None:
         self.length = max(self.length, length)
@@ -225,6 +227,32 @@ def test_a_lone_idle_slot_sharing_a_prefix_is_taken_over():
     _drive(scheduler, {0: [a], 3: [b]}, lambda j: None)
     assert a.slot == b.slot == 0 and b.tokens == solo(b.prompt, greedy)
     assert model.prefilled_tokens == len(a.prompt) + 1  # b reused the 32 shared tokens in place
+
+
+def test_finished_owners_slots_are_reused_before_the_cache_grows():
+    model = ContextModel(2)
+    scheduler = Scheduler(model, max_rows=2, max_slots=4, chunk_steps=2)
+    greedy = RowSampling(2, 0.0, 0, 1.0, 0, ())
+    a, b = Job(list(range(20)), greedy, owner="a"), Job(list(range(100, 120)), greedy, owner="b")
+    _drive(scheduler, {0: [a, b]}, lambda j: None)
+    scheduler.owner_done("a")
+    c = Job(list(range(200, 220)), greedy, owner="c")
+    _drive(scheduler, {0: [c]}, lambda j: None)
+    assert c.slot == a.slot and model.slots == 2  # a's slot, not a new one
+    assert scheduler.slots[b.slot].tokens == b.fed  # b may still continue
+
+
+def test_changed_weights_drop_the_cached_sequences():
+    model = ContextModel(2)
+    scheduler = Scheduler(model, max_rows=2, max_slots=2, chunk_steps=2)
+    greedy = RowSampling(3, 0.0, 0, 1.0, 0, ())
+    first = Job(list(range(30)), greedy)
+    _drive(scheduler, {0: [first]}, lambda j: None)
+    model.weights_changed = True
+    before = model.prefilled_tokens
+    again = Job(first.prompt + first.tokens, greedy)
+    _drive(scheduler, {0: [again]}, lambda j: None)
+    assert model.prefilled_tokens - before == len(again.prompt)  # nothing reused
 
 
 def test_release_forgets_cached_sequences():

@@ -90,15 +90,17 @@ class EngineClient:
 
 
 def _default_attention(model: torch.nn.Module, device: torch.device) -> str:
-    """``kernel`` (the sink-attention kernel) on a GPU for GPT-OSS and for half-precision models; the exact
-    torch path elsewhere (the kernel's float32 dots are TF32)."""
+    """On a GPU: ``kernel`` (the sink-attention kernel) for GPT-OSS and half-precision models, ``exact`` (the
+    IEEE float32 decode kernel; the sink kernel's float32 dots are TF32) for float32 dense models. ``torch``
+    on the CPU and for head sizes the kernels do not take."""
     config = getattr(model, "config", None)
     dtype = next(model.parameters()).dtype
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kernel_ok = head_dim in (16, 32, 64, 128, 256)
-    if device.type == "cuda" and kernel_ok and (getattr(config, "model_type", None) == "gpt_oss" or dtype != torch.float32):
+    if device.type != "cuda" or head_dim not in (16, 32, 64, 128, 256):
+        return "torch"
+    if getattr(config, "model_type", None) == "gpt_oss" or dtype != torch.float32:
         return "kernel"
-    return "torch"
+    return "exact"
 
 
 class DecodeEngine:
@@ -176,6 +178,7 @@ class DecodeEngine:
     def _close_client(self, client: EngineClient) -> None:
         client.open = False
         self._clients.discard(client)
+        self.scheduler.owner_done(client)
         self._notify()
 
     def _notify(self) -> None:
@@ -206,7 +209,7 @@ class DecodeEngine:
             key = self._key(prompt, sampling, client, i)
             row = RowSampling(int(sampling.max_new_tokens), float(sampling.temperature), int(sampling.top_k or 0),
                               float(sampling.top_p), key, tuple(sorted({int(s) for s in sampling.stop_token_ids})))
-            jobs.append(Job(prompt, row, order=(key, i)))
+            jobs.append(Job(prompt, row, order=(key, i), owner=client))
         return jobs
 
     @staticmethod

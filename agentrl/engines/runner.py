@@ -27,7 +27,7 @@ import torch
 from agentrl.engines.base import EngineAborted
 from agentrl.engines.decoder import SlotDecoder
 from agentrl.engines.sampling import sample_tokens
-from agentrl.engines.slot_attention import KernelAttention, TorchAttention
+from agentrl.engines.slot_attention import KernelAttention, PrefillPlan, TorchAttention
 from agentrl.engines.slot_cache import SlotCache
 
 #: Decode batch sizes a graph is captured for; a step runs at the smallest bucket covering its slots.
@@ -107,7 +107,9 @@ class ModelRunner:
     - ``model``: a model :class:`~agentrl.engines.decoder.SlotDecoder` supports, on its device.
     - ``chunk_steps``: the most decode steps between two host copies.
     - ``cuda_graphs``: capture decode steps (CUDA only).
-    - ``attention``: ``"kernel"`` (:class:`~agentrl.engines.slot_attention.KernelAttention`) or ``"torch"``.
+    - ``attention``: ``"kernel"`` (:class:`~agentrl.engines.slot_attention.KernelAttention`), ``"torch"``
+      (:class:`~agentrl.engines.slot_attention.TorchAttention`) or ``"exact"`` (torch prefill, decoding with
+      the IEEE float32 kernel of :mod:`agentrl.engines.decode_attention`).
     - ``fused``: the Triton element-wise kernels (:mod:`agentrl.engines.fused_ops`).
     - ``record_routing``: keep each cached token's MoE experts (GPT-OSS).
     """
@@ -116,17 +118,19 @@ class ModelRunner:
                  record_routing: bool = False, prefill_tokens: int = 8192) -> None:
         self.decoder = SlotDecoder(model, fused=fused)
         self.device = self.decoder.device
-        if attention not in ("kernel", "torch"):
-            raise ValueError(f"attention must be 'kernel' or 'torch', got {attention!r}")
-        if attention == "kernel" and self.decoder.head_dim not in (16, 32, 64, 128, 256):
-            raise ValueError(f"attention='kernel' needs head_dim in 16..256 (a power of two), got {self.decoder.head_dim}")
+        if attention not in ("kernel", "torch", "exact"):
+            raise ValueError(f"attention must be 'kernel', 'torch' or 'exact', got {attention!r}")
+        if attention != "torch" and self.decoder.head_dim not in (16, 32, 64, 128, 256):
+            raise ValueError(f"attention={attention!r} needs head_dim in 16..256 (a power of two), "
+                             f"got {self.decoder.head_dim}")
         if record_routing and not self.decoder.moe_layers:
             raise ValueError("record_routing needs an MoE model (GPT-OSS); this model has no router")
         d = self.decoder
         self.cache = SlotCache(layers=d.n_layers, kv_heads=d.hkv, head_dim=d.head_dim, dtype=d.dtype,
                                device=self.device, layout="token" if attention == "kernel" else "head",
                                moe_layers=d.moe_layers if record_routing else 0, top_k=d.top_k)
-        self.attention = KernelAttention(self.cache) if attention == "kernel" else TorchAttention(self.cache)
+        self.attention = (KernelAttention(self.cache) if attention == "kernel"
+                          else TorchAttention(self.cache, exact_kernel=attention == "exact"))
         self.chunk_steps = max(1, int(chunk_steps))
         self.cuda_graphs = bool(cuda_graphs) and self.device.type == "cuda"
         self.prefill_tokens = max(1, int(prefill_tokens))
@@ -168,15 +172,17 @@ class ModelRunner:
         if grown:
             self._drop_graphs()
 
-    def check_weights(self) -> None:
+    def check_weights(self) -> bool:
         """Call before work: refreshes the fused weight copies when the model's parameters were updated in
-        place, and drops the captured graphs (and rebuilds the copies) when one moved to new storage."""
+        place, and drops the captured graphs (and rebuilds the copies) when one moved to new storage.
+        Returns True when the weights changed since the last call (cached keys are then stale)."""
         moved, updated = self.decoder.weights_changed()
         if moved or not self.decoder.weights_ready:
             self._drop_graphs()
             self.decoder.sync_weights(rebuild=True)
         elif updated:
             self.decoder.sync_weights()
+        return moved or updated
 
     def release(self) -> None:
         """Free the cache, the decode state and the captured graphs."""
@@ -216,10 +222,12 @@ class ModelRunner:
         for i, row in enumerate(rows):
             for off in range(0, len(row.tokens), self.prefill_tokens):
                 part = row.tokens[off : off + self.prefill_tokens]
-                if len(part) > budget or any(j == i for j, _, _ in pieces[-1]):
+                piece = (i, row.start + off, part)
+                if (len(part) > budget or any(j == i for j, _, _ in pieces[-1])
+                        or not self._fits_padded(pieces[-1] + [piece])):
                     pieces.append([])
                     budget = self.prefill_tokens
-                pieces[-1].append((i, row.start + off, part))
+                pieces[-1].append(piece)
                 budget -= len(part)
         last_logits: dict[int, torch.Tensor] = {}
         for group in pieces:
@@ -237,6 +245,15 @@ class ModelRunner:
         ids, lp = sample_tokens(logits, tensors["temp"], tensors["key"], torch.zeros_like(tensors["key"]),
                                 top_k=top_k, top_p=top_p, k_cap=max(r.sampling.top_k for r in rows))
         return ids.tolist(), lp.tolist()
+
+    def _fits_padded(self, group: list[tuple[int, int, list[int]]]) -> bool:
+        """Whether batched torch prefill attention over ``group`` keeps its float32 scores under 2**27
+        elements (always true for the kernel path, which does not pad)."""
+        if isinstance(self.attention, KernelAttention) or not group:
+            return True
+        max_q = max(len(toks) for _, _, toks in group)
+        max_keys = max(start + len(toks) for _, start, toks in group)
+        return len(group) * max_q * max_keys * self.decoder.hq <= 2**27 or len(group) == 1
 
     def _prefill_forward(self, pieces: list[tuple[int, int, list[int]]]) -> torch.Tensor:
         """One forward over ``(slot, start, tokens)`` pieces (increasing slots); logits of each piece's last token."""
@@ -256,10 +273,10 @@ class ModelRunner:
             def attend(layer, q, sinks, window, scale):
                 return self.attention(layer, q, cu, max(n_q), sinks=sinks, window=window, scale=scale)
         else:
+            plan = PrefillPlan.build(slot_list, n_q, n_keys, dev)
 
             def attend(layer, q, sinks, window, scale):
-                return self.attention.prefill(layer, q, slot_list, n_q, n_keys, sinks=sinks, window=window,
-                                              scale=scale)
+                return self.attention.prefill(layer, q, plan, sinks=sinks, window=window, scale=scale)
 
         return self.decoder.forward(ids, positions, positions, slots, self.cache, attend, dense_moe=False, rows=last)
 

@@ -112,10 +112,34 @@ def sample_tokens(
         probs = logp_all.exp()
     else:
         probs = torch.softmax(truncate(scaled, top_k, top_p, k_cap), dim=-1)
-    cdf = torch.cumsum(probs, dim=-1)
-    target = uniforms(key, counter)[:, None] * cdf[:, -1:]
-    drawn = torch.searchsorted(cdf, target, right=True).clamp_(max=logits.shape[-1] - 1)
-    # float rounding at the top of the CDF can land on a trailing zero-probability id: take the mode then
-    drawn = torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True)).squeeze(1)
+    drawn = invert_cdf(probs, uniforms(key, counter))
     ids = torch.where(greedy, logits.argmax(-1), drawn)
     return ids, logp_all.gather(1, ids[:, None]).squeeze(1)
+
+
+BLOCK = 1024
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of ``probs`` (``[N, V]``, non-negative), the first id whose cumulative mass exceeds
+    ``u * total`` (``u`` ``[N]`` in ``[0, 1)``): a draw from the row's distribution.
+
+    Two levels, so that no scan runs over the whole vocabulary (a long innermost-dimension ``cumsum`` is
+    slow on GPUs): the block of :data:`BLOCK` ids holding the target is found from the cumulative block
+    sums, then the id inside it from that block's own cumulative sum. Float rounding can put the target
+    past the last id with mass; the row's most likely id is taken then."""
+    n, v = probs.shape
+    blocks = -(-v // BLOCK)
+    if blocks * BLOCK != v:
+        probs = torch.nn.functional.pad(probs, (0, blocks * BLOCK - v))
+    tiles = probs.view(n, blocks, BLOCK)
+    block_sum = tiles.sum(-1)  # [N, blocks]
+    block_cdf = torch.cumsum(block_sum, dim=-1)
+    target = u[:, None] * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=blocks - 1)  # [N, 1]
+    before = block_cdf.gather(1, block) - block_sum.gather(1, block)
+    inner = tiles.gather(1, block[:, :, None].expand(n, 1, BLOCK)).squeeze(1)  # [N, BLOCK]
+    inner_cdf = torch.cumsum(inner, dim=-1) + before
+    offset = torch.searchsorted(inner_cdf, target, right=True).clamp_(max=BLOCK - 1)
+    drawn = (block * BLOCK + offset).clamp_(max=v - 1)
+    return torch.where(probs.gather(1, drawn) > 0, drawn, probs[:, :v].argmax(-1, keepdim=True)).squeeze(1)

@@ -56,6 +56,7 @@ class Job:
     error: BaseException | None = None
     slot: int | None = None
     emitted: int = 0
+    owner: Any = None
 
     @property
     def position(self) -> int:
@@ -73,6 +74,8 @@ class _Slot:
     tokens: list[int] = field(default_factory=list)
     job: Job | None = None
     used: int = -1
+    owner: Any = None
+    done: bool = False  # its owner said it will not continue: the first idle slot to evict
 
 
 @dataclass
@@ -111,6 +114,7 @@ class Scheduler:
         self.canonical_order = canonical_order
         self.min_length = min_length
         self.incoming: deque[Job] = deque()
+        self.finished_owners: deque[Any] = deque()
         self.queue: list[Job] = []
         self.running: dict[int, Job] = {}
         self.slots: list[_Slot] = []
@@ -128,7 +132,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.incoming or self.queue or self.running)
 
+    def owner_done(self, owner: Any) -> None:
+        """Jobs of ``owner`` (e.g. an episode) will not continue: their idle slots are evicted first (their
+        tokens still serve as shared prefixes until then). Safe from another thread."""
+        self.finished_owners.append(owner)
+
     def _drain(self) -> None:
+        done = set()
+        while self.finished_owners:
+            done.add(self.finished_owners.popleft())
+        if done:
+            for slot in self.slots:
+                if slot.job is None and slot.owner in done:
+                    slot.done = True
         while self.incoming:
             self.queue.append(self.incoming.popleft())
         if self.canonical_order:
@@ -140,7 +156,11 @@ class Scheduler:
         self._drain()
         if not self.queue and not self.running:
             return [], []
-        self.runner.check_weights()
+        if self.runner.check_weights():  # cached keys came from other weights: forget the idle sequences
+            for i, slot in enumerate(self.slots):
+                if slot.job is None:
+                    self.index.remove(i)
+                    slot.tokens, slot.done = [], False
         plans = self._admit()
         finished: list[Job] = []
         advanced = [p.job for p in plans]
@@ -235,7 +255,7 @@ class Scheduler:
             reuse = 0
         phase = 2 if copy_from is not None and pending.get(copy_from) == 1 else 1
         state = self.slots[slot]
-        state.tokens, state.job, state.used = list(job.prompt), job, self._tick()
+        state.tokens, state.job, state.used, state.owner, state.done = list(job.prompt), job, self._tick(), job.owner, False
         self.index.register(slot, job.prompt)
         job.slot = slot
         return _Plan(job, slot, reuse, copy_from, phase)
@@ -245,10 +265,14 @@ class Scheduler:
         return self.clock
 
     def _free_slot(self, exclude: set[int]) -> int | None:
-        """A slot for a new sequence: an empty one, else a new one (growing the cache), else the least
-        recently used idle one (evicted), else None."""
+        """A slot for a new sequence, the lowest index first (decode batches cover slots ``0 .. highest``):
+        an empty one, else an idle one whose owner is done (evicted), else a new one (growing the cache),
+        else the least recently used idle one (evicted), else None."""
         for i, s in enumerate(self.slots):
-            if s.job is None and not s.tokens and i not in exclude:
+            if s.job is None and (not s.tokens or s.done) and i not in exclude:
+                if s.tokens:
+                    self.index.remove(i)
+                    s.tokens = []
                 return i
         if len(self.slots) < self.max_slots:
             grown = min(self.max_slots, max(len(self.slots) * 2, 1))

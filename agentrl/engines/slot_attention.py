@@ -19,6 +19,8 @@ are packed ``[total_q, Hq, D]`` in row order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from agentrl.engines.slot_cache import SlotCache
@@ -74,18 +76,41 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, groups
     return torch.softmax(combined, dim=-1)[..., :-1]
 
 
+@dataclass
+class PrefillPlan:
+    """Rows of one prefill, padded for batched torch attention: row ``r`` has ``n_q[r]`` new queries (packed
+    in row order) after ``n_keys[r] - n_q[r]`` cached positions of slot ``slots[r]``."""
+
+    slots: torch.Tensor  # [R] int64
+    n_q: torch.Tensor  # [R]
+    n_keys: torch.Tensor  # [R]
+    pad_index: torch.Tensor  # [total_q]: where each packed query sits in the padded [R * max_q] layout
+    max_q: int
+    max_keys: int
+
+    @staticmethod
+    def build(slots: list[int], n_q: list[int], n_keys: list[int], device: torch.device) -> PrefillPlan:
+        max_q = max(n_q)
+        pad = [r * max_q + i for r, n in enumerate(n_q) for i in range(n)]
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        return PrefillPlan(as_tensor(slots), as_tensor(n_q), as_tensor(n_keys), as_tensor(pad), max_q, max(n_keys))
+
+
 class TorchAttention:
-    """Torch-op attention over the ``head`` layout (see the module docstring)."""
+    """Torch-op attention over the ``head`` layout (see the module docstring). ``exact_kernel``: decode with
+    :func:`agentrl.engines.decode_attention.decode_attention` (IEEE float32 Triton) instead of torch ops."""
 
     layout = "head"
 
-    def __init__(self, cache: SlotCache) -> None:
+    def __init__(self, cache: SlotCache, *, exact_kernel: bool = False) -> None:
         self.cache = cache
+        self.exact_kernel = exact_kernel
 
-    def _visible(self, n_keys: torch.Tensor, key_len: int, n_q: int, window: int | None) -> torch.Tensor:
-        """``[R, n_q, key_len]`` bool: query ``i`` of a row (position ``n_keys - n_q + i``) sees key ``j``."""
+    @staticmethod
+    def _visible(n_keys: torch.Tensor, n_q: torch.Tensor, max_q: int, key_len: int, window: int | None) -> torch.Tensor:
+        """``[R, max_q, key_len]`` bool: query ``i`` of a row (position ``n_keys - n_q + i``) sees key ``j``."""
         j = torch.arange(key_len, device=n_keys.device)
-        pos = n_keys[:, None] - n_q + torch.arange(n_q, device=n_keys.device)[None, :]
+        pos = (n_keys - n_q)[:, None] + torch.arange(max_q, device=n_keys.device)[None, :]
         ok = j[None, None, :] <= pos[:, :, None]
         if window is not None:
             ok = ok & (j[None, None, :] > pos[:, :, None] - window)
@@ -95,34 +120,37 @@ class TorchAttention:
                sinks: torch.Tensor | None, window: int | None, scale: float) -> torch.Tensor:
         """One query per row for the rows ``0 .. slots_hi - 1`` (row ``i`` = slot ``i``); ``q``
         ``[slots_hi, Hq, D]``; keys read up to ``key_len`` (>= every row's ``n_keys``)."""
+        if self.exact_kernel:
+            from agentrl.engines.decode_attention import decode_attention
+
+            slots = torch.arange(slots_hi, device=q.device)
+            return decode_attention(q, self.cache.keys(layer), self.cache.values(layer), slots, n_keys,
+                                    sinks=sinks, window=window, scale=scale)
         hkv, d = self.cache.kv_heads, self.cache.head_dim
         g = q.shape[1] // hkv
         keys = self.cache.keys(layer)[:slots_hi, :, :key_len]
         values = self.cache.values(layer)[:slots_hi, :, :key_len]
         qg = q.view(slots_hi, hkv, g, d)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [R, Hkv, G, key_len]
-        visible = self._visible(n_keys, key_len, 1, window)  # [R, 1, key_len]
+        visible = self._visible(n_keys, torch.ones_like(n_keys), 1, key_len, window)  # [R, 1, key_len]
         scores = scores.masked_fill(~visible[:, None], float("-inf"))
         probs = _softmax_with_sinks(scores[..., None, :], sinks, (hkv, g))[..., 0, :]
         out = torch.matmul(probs.to(values.dtype), values)  # [R, Hkv, G, D]
         return out.reshape(slots_hi, hkv * g, d)
 
-    def prefill(self, layer: int, q: torch.Tensor, slots: list[int], n_q: list[int], n_keys: list[int], *,
-                sinks: torch.Tensor | None, window: int | None, scale: float) -> torch.Tensor:
-        """Rows one at a time: ``q`` ``[sum(n_q), Hq, D]`` packed in row order."""
+    def prefill(self, layer: int, q: torch.Tensor, plan: PrefillPlan, *, sinks: torch.Tensor | None,
+                window: int | None, scale: float) -> torch.Tensor:
+        """All rows at once, padded: ``q`` ``[sum(n_q), Hq, D]`` packed in row order; no host synchronisation."""
         hkv, d = self.cache.kv_heads, self.cache.head_dim
-        g = q.shape[1] // hkv
-        out = torch.empty_like(q)
-        start = 0
-        for slot, nq, nk in zip(slots, n_q, n_keys, strict=True):
-            keys = self.cache.keys(layer)[slot, :, :nk]  # [Hkv, nk, D]
-            values = self.cache.values(layer)[slot, :, :nk]
-            qg = q[start : start + nq].view(nq, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, nq, D]
-            scores = torch.matmul(qg, keys[:, None].transpose(-1, -2)).float() * scale  # [Hkv, G, nq, nk]
-            visible = self._visible(torch.tensor([nk], device=q.device), nk, nq, window)[0]
-            scores = scores.masked_fill(~visible, float("-inf"))
-            probs = _softmax_with_sinks(scores, sinks, (hkv, g))
-            o = torch.matmul(probs.to(values.dtype), values[:, None])  # [Hkv, G, nq, D]
-            out[start : start + nq] = o.permute(2, 0, 1, 3).reshape(nq, hkv * g, d)
-            start += nq
-        return out
+        rows, g = plan.slots.shape[0], q.shape[1] // hkv
+        padded = q.new_zeros((rows * plan.max_q, q.shape[1], d)).index_copy_(0, plan.pad_index, q)
+        qg = padded.view(rows, plan.max_q, hkv, g, d).permute(0, 2, 3, 1, 4)  # [R, Hkv, G, max_q, D]
+        keys = self.cache.keys(layer)[plan.slots, :, : plan.max_keys]  # [R, Hkv, max_keys, D]
+        values = self.cache.values(layer)[plan.slots, :, : plan.max_keys]
+        scores = torch.matmul(qg, keys[:, :, None].transpose(-1, -2)).float() * scale  # [R, Hkv, G, max_q, max_keys]
+        visible = self._visible(plan.n_keys, plan.n_q, plan.max_q, plan.max_keys, window)  # [R, max_q, max_keys]
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        probs = _softmax_with_sinks(scores, sinks, (hkv, g))
+        out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [R, Hkv, G, max_q, D]
+        out = out.permute(0, 3, 1, 2, 4).reshape(rows * plan.max_q, hkv * g, d)
+        return out.index_select(0, plan.pad_index)
