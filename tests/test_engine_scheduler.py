@@ -106,15 +106,15 @@ class ContextModel:
 
     def decode(self, bucket: int, steps: int, variant, max_position: int) -> ChunkOutput:
         assert all(slot < bucket for slot in self.rows), "a live row is outside the decoded bucket"
-        out = ChunkOutput([[0] * bucket for _ in range(steps)], [[0.0] * bucket for _ in range(steps)],
-                          [[False] * bucket for _ in range(steps)])
+        out = ChunkOutput([[0] * steps for _ in range(bucket)], [[0.0] * steps for _ in range(bucket)],
+                          [[False] * steps for _ in range(bucket)])
         for i in range(steps):
             for slot, row in self.rows.items():
                 if row["done"]:
                     continue
                 self.cache[slot][row["pos"]] = row["token"]
                 token = next_token(self._context(slot, row["pos"] + 1), row["s"], row["n"])
-                out.tokens[i][slot], out.logprobs[i][slot], out.live[i][slot] = token, -float(token), True
+                out.tokens[slot][i], out.logprobs[slot][i], out.live[slot][i] = token, -float(token), True
                 row["token"], row["pos"], row["n"] = token, row["pos"] + 1, row["n"] + 1
                 s = row["s"]
                 row["done"] = token in s.stop_ids or row["n"] >= s.max_new_tokens or row["pos"] >= self.length - 1

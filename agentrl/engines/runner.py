@@ -70,7 +70,8 @@ class RowState:
 
 @dataclass
 class ChunkOutput:
-    """``steps`` decode steps over the rows ``0 .. bucket-1``: sampled ids, log-probs, live flags (host)."""
+    """Decode steps over the rows ``0 .. bucket-1``, per row (``tokens[row][step]``): sampled ids, log-probs,
+    and whether the row was live at that step (its token counts), on the host."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
@@ -392,7 +393,7 @@ class ModelRunner:
                 graph.replay()
             else:
                 self._step(bucket, variant, key_len=min(self.cache.length, max_position + i + 1))
-        tok = st.out_tok[:steps, :bucket].to("cpu", non_blocking=False)
-        lp = st.out_lp[:steps, :bucket].to("cpu")
-        live = st.out_live[:steps, :bucket].to("cpu")
+        tok = st.out_tok[:steps, :bucket].t().to("cpu")
+        lp = st.out_lp[:steps, :bucket].t().to("cpu")
+        live = st.out_live[:steps, :bucket].t().to("cpu")
         return ChunkOutput(tok.tolist(), lp.tolist(), live.tolist())

@@ -346,12 +346,14 @@ class Scheduler:
         out = self.runner.decode(bucket, steps, variant, max(j.position for j in jobs.values()))
         finished = []
         for slot, job in list(jobs.items()):
-            got = 0
-            for i in range(len(out.tokens)):
-                if out.live[i][slot]:
-                    job.tokens.append(out.tokens[i][slot])
-                    job.logprobs.append(out.logprobs[i][slot])
-                    got += 1
+            live = out.live[slot]
+            got = sum(live)
+            if got == len(live):
+                job.tokens += out.tokens[slot]
+                job.logprobs += out.logprobs[slot]
+            else:  # live steps are a prefix: a row stops for good
+                job.tokens += out.tokens[slot][:got]
+                job.logprobs += out.logprobs[slot][:got]
             reason = self._finish_reason(job)
             if reason is None and got == 0:  # the device stopped a row the host still counts as running
                 reason = "length"
