@@ -264,3 +264,26 @@ def test_unsupported_models_are_refused_with_the_reason():
     cfg = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2)
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         DecodeEngine(transformers.GPT2LMHeadModel(cfg))
+
+
+def test_lora_models_decode_through_their_adapters_or_fall_back():
+    pytest.importorskip("peft")
+    from agentrl.engines.factory import choose_kind
+    from agentrl.models.lora import LoraSpec, apply_lora
+
+    llama = _llama(seed=3)
+    apply_lora(llama, LoraSpec(rank=4), seed=1)
+    with torch.no_grad():  # non-zero adapters, so that running without them would show
+        for name, p in llama.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    assert choose_kind(llama) == "decode"
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    old = TransformersEngine(llama).generate_sync(PROMPTS, greedy)
+    new = DecodeEngine(llama).generate_sync(PROMPTS, greedy)
+    assert [c.token_ids for c in new] == [c.token_ids for c in old]
+    gpt_oss = _gpt_oss()
+    apply_lora(gpt_oss, LoraSpec(rank=2), seed=1)
+    assert choose_kind(gpt_oss) == "transformers"  # LoRA on the experts: the transformers engine runs it
+    with pytest.raises(ValueError, match="LoRA on the experts"):
+        choose_kind(gpt_oss, "decode")

@@ -61,6 +61,12 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"rotary embedding {rope!r} depends on the sequence length"
     if any(getattr(p, "_local_tensor", None) is not None for p in lm.parameters()):
         return "the parameters are sharded (DTensor); gather them first"
+    if model_type == "gpt_oss":
+        mlp = inner.layers[0].mlp
+        if type(mlp.experts).__name__ != "GptOssExperts" or type(mlp.router).__name__ != "GptOssTopKRouter":
+            # e.g. LoRA on the expert tensors: PEFT applies it in the wrapper's forward, not to the parameters
+            return (f"the MoE block holds {type(mlp.experts).__name__}/{type(mlp.router).__name__}, not transformers' "
+                    "GptOssExperts/GptOssTopKRouter (LoRA on the experts?)")
     return None
 
 
