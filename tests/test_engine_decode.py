@@ -287,3 +287,18 @@ def test_lora_models_decode_through_their_adapters_or_fall_back():
     assert choose_kind(gpt_oss) == "transformers"  # LoRA on the experts: the transformers engine runs it
     with pytest.raises(ValueError, match="LoRA on the experts"):
         choose_kind(gpt_oss, "decode")
+
+
+def test_deterministic_engine_serves_successive_event_loops(llama):
+    engine = DecodeEngine(llama, deterministic=True)
+    params = SamplingParams(max_new_tokens=3, temperature=1.0)
+
+    async def one(seed, delay):
+        async with engine.open_client(seed) as client:
+            await asyncio.sleep(delay)  # the engine waits for this client before its first step
+            return (await client.generate([[1, 2, 3]], params))[0].token_ids
+
+    async def both():
+        return await asyncio.gather(one(1, 0.0), one(2, 0.02))
+
+    assert asyncio.run(both()) == asyncio.run(both())

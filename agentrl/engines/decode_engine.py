@@ -150,6 +150,7 @@ class DecodeEngine:
         self._occurrences: dict[int, int] = {}
         self._clients: set[EngineClient] = set()
         self._changed: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: asyncio.Task | None = None
         self._lock = threading.Lock()
 
@@ -242,8 +243,8 @@ class DecodeEngine:
             return []
         jobs = self._jobs(prompts, sampling, client)
         loop = asyncio.get_running_loop()
-        if self._changed is None:
-            self._changed = asyncio.Event()
+        if self._loop is not loop:  # the first call, or a new event loop (another asyncio.run)
+            self._loop, self._changed, self._worker = loop, asyncio.Event(), None
         call = _Call(jobs, loop.create_future(), on_token, client, left=len(jobs))
         for i, job in enumerate(jobs):
             job.tag = (call, i)
@@ -263,9 +264,9 @@ class DecodeEngine:
 
     async def _work(self) -> None:
         while self.scheduler.has_work():
-            if self.deterministic:
-                await self._settled()
             try:
+                if self.deterministic:
+                    await self._settled()
                 advanced, finished = await asyncio.to_thread(self._step)
             except BaseException as exc:  # noqa: BLE001 - every waiting caller gets the failure
                 with self._lock:
