@@ -108,11 +108,14 @@ def sample_tokens(
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     scaled = logits / t[:, None]
     logp_all = torch.log_softmax(scaled, dim=-1)
+    n, v = logits.shape
+    probs = torch.empty((n, -(-v // BLOCK) * BLOCK), dtype=torch.float32, device=logits.device)
+    probs[:, v:].zero_()  # whole blocks for invert_cdf, without a padding copy of the vocabulary
     if top_k is None and top_p is None:
-        probs = logp_all.exp()
+        torch.exp(logp_all, out=probs[:, :v])
     else:
-        probs = torch.softmax(truncate(scaled, top_k, top_p, k_cap), dim=-1)
-    drawn = invert_cdf(probs, uniforms(key, counter))
+        probs[:, :v] = torch.softmax(truncate(scaled, top_k, top_p, k_cap), dim=-1)
+    drawn = invert_cdf(probs, uniforms(key, counter), v)
     ids = torch.where(greedy, logits.argmax(-1), drawn)
     return ids, logp_all.gather(1, ids[:, None]).squeeze(1)
 
@@ -120,18 +123,20 @@ def sample_tokens(
 BLOCK = 1024
 
 
-def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """For each row of ``probs`` (``[N, V]``, non-negative), the first id whose cumulative mass exceeds
-    ``u * total`` (``u`` ``[N]`` in ``[0, 1)``): a draw from the row's distribution.
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor, v: int | None = None) -> torch.Tensor:
+    """For each row of ``probs`` (``[N, V']``, non-negative; ids from ``v`` on, if given, have mass 0), the
+    first id whose cumulative mass exceeds ``u * total`` (``u`` ``[N]`` in ``[0, 1)``): a draw from the row's
+    distribution.
 
     Two levels, so that no scan runs over the whole vocabulary (a long innermost-dimension ``cumsum`` is
     slow on GPUs): the block of :data:`BLOCK` ids holding the target is found from the cumulative block
     sums, then the id inside it from that block's own cumulative sum. Float rounding can put the target
     past the last id with mass; the row's most likely id is taken then."""
-    n, v = probs.shape
-    blocks = -(-v // BLOCK)
-    if blocks * BLOCK != v:
-        probs = torch.nn.functional.pad(probs, (0, blocks * BLOCK - v))
+    n, width = probs.shape
+    v = width if v is None else v
+    blocks = -(-width // BLOCK)
+    if blocks * BLOCK != width:
+        probs = torch.nn.functional.pad(probs, (0, blocks * BLOCK - width))
     tiles = probs.view(n, blocks, BLOCK)
     block_sum = tiles.sum(-1)  # [N, blocks]
     block_cdf = torch.cumsum(block_sum, dim=-1)

@@ -19,7 +19,7 @@ are packed ``[total_q, Hq, D]`` in row order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -87,6 +87,12 @@ class PrefillPlan:
     pad_index: torch.Tensor  # [total_q]: where each packed query sits in the padded [R * max_q] layout
     max_q: int
     max_keys: int
+    masks: dict = field(default_factory=dict)  # window -> [R, max_q, max_keys] visibility, built once per forward
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            self.masks[window] = TorchAttention._visible(self.n_keys, self.n_q, self.max_q, self.max_keys, window)
+        return self.masks[window]
 
     @staticmethod
     def build(slots: list[int], n_q: list[int], n_keys: list[int], device: torch.device) -> PrefillPlan:
@@ -148,7 +154,7 @@ class TorchAttention:
         keys = self.cache.keys(layer)[plan.slots, :, : plan.max_keys]  # [R, Hkv, max_keys, D]
         values = self.cache.values(layer)[plan.slots, :, : plan.max_keys]
         scores = torch.matmul(qg, keys[:, :, None].transpose(-1, -2)).float() * scale  # [R, Hkv, G, max_q, max_keys]
-        visible = self._visible(plan.n_keys, plan.n_q, plan.max_q, plan.max_keys, window)  # [R, max_q, max_keys]
+        visible = plan.visible(window)  # [R, max_q, max_keys]
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
         probs = _softmax_with_sinks(scores, sinks, (hkv, g))
         out = torch.matmul(probs.to(values.dtype), values[:, :, None])  # [R, Hkv, G, max_q, D]
