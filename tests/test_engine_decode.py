@@ -277,7 +277,7 @@ def test_lora_models_decode_through_their_adapters_or_fall_back():
         for name, p in llama.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    assert choose_kind(llama) == "decode"
+    assert choose_kind(llama, "decode") == "decode"
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
     old = TransformersEngine(llama).generate_sync(PROMPTS, greedy)
     new = DecodeEngine(llama).generate_sync(PROMPTS, greedy)
@@ -302,3 +302,22 @@ def test_deterministic_engine_serves_successive_event_loops(llama):
         return await asyncio.gather(one(1, 0.0), one(2, 0.02))
 
     assert asyncio.run(both()) == asyncio.run(both())
+
+
+def test_make_engine_picks_the_engine(llama):
+    """``auto`` is the transformers engine on the CPU (the recorded CPU default path); ``decode`` asked for
+    explicitly runs the decode engine on the CPU. ``auto`` on CUDA: ``tests/test_engine_gpu.py``."""
+    from agentrl.engines.factory import make_engine
+
+    assert isinstance(make_engine(llama), TransformersEngine)
+    assert isinstance(make_engine(llama, kind="decode"), DecodeEngine)
+    assert isinstance(make_engine(llama, kind="transformers"), TransformersEngine)
+    with pytest.raises(ValueError, match="engine kind must be one of auto, decode, transformers"):
+        make_engine(llama, kind="vllm")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2))
+    assert isinstance(make_engine(gpt2), TransformersEngine)
+    with pytest.raises(ValueError, match="engine=decode cannot run this model"):
+        make_engine(gpt2, kind="decode")
+    assert make_engine(llama, kind="decode", deterministic=True).deterministic
+    with pytest.raises(ValueError, match="rollout.deterministic=true needs the decode engine"):
+        make_engine(llama, deterministic=True)  # auto on the CPU: the transformers engine has no such mode

@@ -198,3 +198,11 @@ def test_release_frees_the_cache():
     torch.cuda.synchronize()
     freed = held - torch.cuda.memory_allocated()
     assert cache_bytes > 10 * 2**20 and freed >= cache_bytes, (cache_bytes, freed)
+
+
+def test_auto_picks_the_decode_engine_on_cuda():
+    from agentrl.engines.factory import choose_kind, make_engine
+
+    assert isinstance(make_engine(_llama(torch.bfloat16)), DecodeEngine)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2))
+    assert choose_kind(gpt2.to("cuda")) == "transformers"  # what the decode engine cannot run

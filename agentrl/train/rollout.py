@@ -44,13 +44,28 @@ async def rollout(
     ``stats["generated_tokens"]``); sample ``k`` of task ``g`` gets env seed ``seed + g*n + k``."""
     t0 = time.perf_counter()
     gen0, tok0 = engine.stats["generate_s"], engine.stats["generated_tokens"]
-    open_client = getattr(engine, "open_client", None)
-    clients: dict[tuple[int, int], Any] = {}
+    jobs = grouped_jobs(tasks, n, seed)
+    if hasattr(engine, "open_client"):
+        episodes = await _collect_through_clients(pool, engine, sampling, jobs)
+    else:  # the transformers engine: one policy for every episode
+        episodes = await collect(pool, TokenPolicy(engine, sampling), jobs)
+    return RolloutResult(
+        episodes=episodes,
+        wall_s=time.perf_counter() - t0,
+        gen_s=engine.stats["generate_s"] - gen0,
+        generated_tokens=engine.stats["generated_tokens"] - tok0,
+    )
+
+
+async def _collect_through_clients(
+    pool: EnvPool, engine: Any, sampling: SamplingParams, jobs: Sequence[EpisodeJob]
+) -> list[EpisodeResult]:
+    """:func:`collect` with one engine client per episode, keyed by its env seed (see the module docstring);
+    the engine's memory is released afterwards."""
+    clients: dict[tuple[Any, int], Any] = {}
 
     def policy(job: EpisodeJob) -> TokenPolicy:
-        if open_client is None:
-            return TokenPolicy(engine, sampling)
-        clients[(job.group, job.sample)] = client = open_client(job.seed)
+        clients[(job.group, job.sample)] = client = engine.open_client(job.seed)
         return TokenPolicy(client, sampling)
 
     def finished(result: EpisodeResult) -> None:
@@ -59,15 +74,8 @@ async def rollout(
             client.close()
 
     try:
-        episodes = await collect(pool, policy, grouped_jobs(tasks, n, seed), on_episode=finished)
+        return await collect(pool, policy, jobs, on_episode=finished)
     finally:
         for client in clients.values():
             client.close()
-        if hasattr(engine, "release"):
-            engine.release()
-    return RolloutResult(
-        episodes=episodes,
-        wall_s=time.perf_counter() - t0,
-        gen_s=engine.stats["generate_s"] - gen0,
-        generated_tokens=engine.stats["generated_tokens"] - tok0,
-    )
+        engine.release()
