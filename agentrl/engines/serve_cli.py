@@ -51,7 +51,7 @@ class ServeModelConfig:
     max_batch_size: int = 64
     """Most sequences sampled in one batch."""
     engine: str = "auto"
-    """Local engine: auto (the decode engine where it supports the model), decode, transformers."""
+    """Local engine: auto (decode on CUDA where it supports the model, else transformers), decode, transformers."""
     timeout_graceful_shutdown_s: float = 2.0
     """Seconds open connections get to finish after SIGTERM."""
 

@@ -59,7 +59,8 @@ class ConfigError(UsageError):
 class RolloutConfig:
     """How episodes are sampled. ``batch_size`` tasks per step, ``n`` samples per task (GRPO group);
     ``max_new_tokens`` bounds one assistant action; ``max_turns`` bounds one episode (``None`` = env default).
-    ``engine``: the local engine (``agentrl.engines.factory``: auto | decode | transformers);
+    ``engine``: the local engine (``agentrl.engines.factory``: auto | decode | transformers; auto is the
+    decode engine on CUDA where it supports the model, the transformers engine on the CPU);
     ``deterministic``: reproducible batch formation in the decode engine (waits for every episode between
     steps; see ``agentrl.engines.decode_engine``)."""
 
