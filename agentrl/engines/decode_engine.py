@@ -128,8 +128,6 @@ class DecodeEngine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
-        self.pad_token_id = int(pad_token_id)
-        self.max_batch_size = max_batch_size
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
         self.record_routing = record_routing
@@ -279,18 +277,15 @@ class DecodeEngine:
             await asyncio.sleep(0)  # let callers that just got results (or were waiting) submit
 
     def _deliver(self, advanced: list[Job], finished: list[Job]) -> None:
-        for job in advanced:
+        """Stream the new tokens of ``advanced`` and ``finished`` jobs, then settle the finished ones' calls."""
+        for job in (*advanced, *finished):
             call, index = job.tag
             if call.on_token is not None and job.error is None:
                 for token in job.tokens[job.emitted :]:
                     call.on_token(index, token)
                 job.emitted = len(job.tokens)
         for job in finished:
-            call, index = job.tag
-            if call.on_token is not None and job.error is None:
-                for token in job.tokens[job.emitted :]:
-                    call.on_token(index, token)
-                job.emitted = len(job.tokens)
+            call = job.tag[0]
             if job.error is not None:
                 call.errors.append(job.error)
             call.left -= 1
