@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from agentrl.rundir import RunDirError
 from agentrl.train.cli import load_run_config, main
 from agentrl.train.config import ConfigError, all_keys, build_config, help_text
 
@@ -29,6 +30,10 @@ def test_overrides_are_typed_and_nested():
         (["env=retool", "rollout.n=1"], "needs rollout.n >= 2"),
         (["env=retool", "rollout.batch_size=3", "actor.num_mini_batches=5"], "divisible"),
         (["env=retool", "device=tpu"], "Valid: cpu, cuda"),
+        (["env=retool", "rollout.engine=vllm"], "Valid: auto, decode, transformers"),
+        (["env=retool", "rollout.deterministic=true"], "set rollout.engine=decode"),  # auto on the CPU
+        (["env=retool", "device=cuda", "rollout.engine=transformers", "rollout.deterministic=true"],
+         "needs the decode engine"),
         (["actor.lr=1e-5"], "env is required"),
         (["env=retool", "justaword"], "expected key=value"),
     ],
@@ -37,6 +42,12 @@ def test_bad_config_errors_suggest_fixes(argv, expected):
     with pytest.raises(ConfigError, match=None) as info:
         build_config(argv)
     assert expected in str(info.value)
+
+
+def test_deterministic_rollouts_with_the_decode_engine_are_valid():
+    cfg = build_config(["env=retool", "rollout.engine=decode", "rollout.deterministic=true"])
+    assert cfg.rollout.engine == "decode" and cfg.rollout.deterministic
+    assert build_config(["env=retool", "device=cuda", "rollout.deterministic=true"]).rollout.engine == "auto"
 
 
 def test_help_lists_every_key(capsys):
@@ -59,8 +70,22 @@ def test_resume_uses_saved_config_plus_overrides(tmp_path):
     cfg = load_run_config([f"resume={run}", "trainer.total_steps=6"])
     assert cfg.env == "gsm8k" and cfg.actor.lr == 3e-6 and cfg.trainer.total_steps == 6
     assert cfg.run_dir == str(run) and cfg.resume == str(run)
-    with pytest.raises(ConfigError, match="no config.yaml"):
+    # --resume DIR is resume=DIR (the README's `--key value` works everywhere)
+    dashed = load_run_config(["--resume", str(run), "--trainer.total_steps", "6"])
+    assert OmegaConf.to_container(dashed) == OmegaConf.to_container(cfg)
+    with pytest.raises(RunDirError, match="config.yaml is missing"):
         load_run_config([f"resume={tmp_path / 'missing'}"])
+
+
+@pytest.mark.parametrize(("content", "expected"), [("", "is empty"), ("env: [unclosed\n", "not a readable config")])
+def test_damaged_saved_config_is_one_line_and_exit_2(tmp_path, capsys, content, expected):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(content)
+    assert main([f"--resume={run}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and "config.yaml" in err and "\n" not in err
+    assert (run / "config.yaml").read_text() == content  # nothing overwritten
 
 
 def test_cli_unknown_env_and_model_suggest(tmp_path, capsys):
@@ -92,7 +117,7 @@ def test_run_dir_holding_a_run_needs_resume_or_overwrite(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- defaults per device
 def test_gpu_and_verl_runs_do_not_inherit_the_cpu_defaults():
-    from agentrl.train.config import DEVICE_DEFAULTS, DEVICE_KEYS, TrainConfig
+    from agentrl.train.config import DEVICE_KEYS, TrainConfig, profile_values
 
     schema = OmegaConf.structured(TrainConfig)
     cpu = build_config(["env=retool"])
@@ -100,7 +125,7 @@ def test_gpu_and_verl_runs_do_not_inherit_the_cpu_defaults():
         assert OmegaConf.select(cpu, key) == OmegaConf.select(schema, key), key
     for argv, profile in ((["device=cuda"], "cuda"), (["backend=verl", "model=Qwen/Qwen3-8B"], "verl")):
         cfg = build_config(["env=retool", *argv])
-        for key, value in DEVICE_DEFAULTS[profile].items():
+        for key, value in profile_values("gpu").items():  # one profile for both: declared once per key
             assert OmegaConf.select(cfg, key) == value, key
             if key != "rollout.temperature":  # the CPU run samples at 1.0 as well (GRPO needs varied groups)
                 assert value != OmegaConf.select(schema, key), f"{profile} should not share the CPU value of {key}"
@@ -136,4 +161,4 @@ def test_the_start_line_names_the_profile_and_what_was_set():
     cpu = build_config(["env=retool"])
     assert describe_device_defaults(cpu).startswith(f"device=cpu defaults: actor.lr={cpu.actor.lr!r} ")
     assert "(set)" not in describe_device_defaults(cpu)
-    assert "cuda: actor.lr=1e-06" in help_text()
+    assert "(device=cuda) or a verl run (backend=verl): " in help_text() and "actor.lr=1e-06" in help_text()
