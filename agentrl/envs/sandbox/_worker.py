@@ -69,7 +69,6 @@ import os
 import resource
 import select
 import signal
-import socket
 import struct
 import sys
 import time
@@ -1741,6 +1740,8 @@ def _build_filter(worker):
     together the two deny everything in ``_DENIED`` and everything the worker's filter denies by argument. It is
     kept that short because every child loads it, and loading costs time in proportion to the program's length.
     """
+    import socket  # (not in the worker: its enums would add to the memory every fork copies)
+
     import seccomp  # libseccomp's Python binding (Debian: python3-seccomp)
 
     flt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
