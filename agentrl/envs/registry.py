@@ -68,6 +68,17 @@ def env_class(name: str) -> type:
     return getattr(import_module(module), attr)
 
 
+def name_of(cls: type) -> str:
+    """The short name ``cls`` is registered under (the first, if several), else its class name: what a
+    trajectory records as its ``env``. Imports no env module."""
+    entry = f"{cls.__module__}:{cls.__qualname__}"
+    for name, (entry_point, _) in _registry.items():
+        if entry_point == entry:
+            return name
+    discover()
+    return next((name for name, (ep, _) in _registry.items() if ep == entry), cls.__name__)
+
+
 def make(name: str, **kwargs: Any) -> Any:
     """Build the env registered as ``name`` (``"gsm8k"``, ``"retool"``, ``"verifyif"``, ``"jobs"`` or a
     third-party name) with ``kwargs`` passed to its constructor. Unlike ``gymnasium.make`` it returns the

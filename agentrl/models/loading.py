@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from agentrl.models.checkpoints import ADAPTER_DIR, is_run_dir, latest_checkpoint
+from agentrl.rundir import ADAPTER_DIR, is_run_dir, latest_checkpoint
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
