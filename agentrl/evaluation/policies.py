@@ -117,15 +117,15 @@ class EpisodeRunner(abc.ABC):
 
 
 class TokenRunner(EpisodeRunner):
-    """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine. A local engine (not an
-    endpoint, which batches its own requests) is sampled in lockstep: the episodes' figures do not depend on
-    timing."""
+    """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine. The transformers engine
+    is sampled in lockstep, so the episodes' figures do not depend on timing (an endpoint or a decode engine with
+    clients batches its own requests)."""
 
     def __init__(self, *args: Any):
         super().__init__(*args)
         # looked up once: openai-harmony computes them on each call
         self.stop_ids = list(self.env_kwargs["format"].stop_token_ids)
-        if not self.cfg.is_endpoint:
+        if not self.cfg.is_endpoint and not hasattr(self.backend, "open_client"):  # a decode engine batches itself
             self.lockstep = LockstepSampler(self.backend)
 
     def policy(self, job: EpisodeJob) -> Policy:
