@@ -20,7 +20,10 @@ Contract (generic like gymnasium's ``Env[ObsType, ActType]``: ``AgentEnv`` is an
 - Bad model actions never raise: unparseable output, unknown tools, bad arguments, tool timeouts and tool
   exceptions become observations the model can read and are recorded in the trajectory with an error
   kind (``parse_error``, ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``,
-  ``truncation``). Only API misuse raises (stepping a finished episode, mismatched log-probs).
+  ``truncation``). A reward function that raises does not reach the caller either: the episode is
+  scored 0, and the error is recorded (``trajectory.metadata["reward_error"]``, error kind
+  ``reward_error``, ``info["reward_error"]`` on the last step) and shown once per message as a
+  :class:`RewardErrorWarning`. Only API misuse raises (stepping a finished episode, mismatched log-probs).
 - ``env.trajectory`` is the token-exact :class:`~agentrl.harmony.trajectory.Trajectory`; the final step
   also puts it in ``info["trajectory"]`` together with ``info["reward_components"]`` and
   ``info["stop_reason"]`` (also in ``trajectory.metadata``): ``answer`` (a final answer), ``no_answer``
@@ -37,7 +40,10 @@ prompt builder (:meth:`prompt_messages`), and the reward (``rubric`` or :meth:`r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import traceback
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -62,6 +68,11 @@ _PARSE_ERROR_KINDS = {
     ParseErrorKind.BAD_JSON: "bad_arguments",
     ParseErrorKind.UNKNOWN_RECIPIENT: "unknown_tool",
 }
+
+
+class RewardErrorWarning(RuntimeWarning):
+    """Emitted (once per message) when an env's reward function raises: the episode is scored 0 and its
+    trajectory records the error as ``metadata["reward_error"]`` (error kind ``reward_error``)."""
 
 
 class Observation(TypedDict):
@@ -283,13 +294,15 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
             reward on the last step, else 0.0; ``terminated`` on a final answer (or after a single-turn
             env's action); ``truncated`` when a limit ends the episode. ``info``: ``turn`` (model actions
             so far), ``errors`` (this action's error kinds), ``tool_calls`` (so far); on the last step also
-            ``trajectory``, ``reward_components`` and ``stop_reason``.
+            ``trajectory``, ``reward_components`` and ``stop_reason`` (and ``reward_error`` when the reward
+            function raised: the reward is then 0).
 
         Raises:
             RuntimeError: the episode is over or was never started, or the env is closed.
             TypeError: ``action`` is none of the accepted types.
             ValueError: the action's log-probs and token ids differ in length.
-            Bad model output never raises: it becomes an error observation and a trajectory record.
+            Bad model output and a reward function that raises never raise here: they become error
+            observations and trajectory records.
         """
         self._check_open()
         if self._done or self.trajectory is None:
@@ -362,6 +375,9 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
             info["trajectory"] = traj
             info["reward_components"] = dict(traj.reward_components)
             info["stop_reason"] = stop_reason
+            if "reward_error" in traj.metadata:
+                info["reward_error"] = traj.metadata["reward_error"]
+                errors.append("reward_error")
         obs: Observation = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
         return obs, reward, terminated, truncated, info
 
@@ -523,11 +539,32 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         )
         try:
             total, components = self.reward(ctx)
+            traj.reward = float(total)
+            traj.reward_components = {k: float(v) for k, v in components.items()}
+        except Exception as exc:  # noqa: BLE001 - a broken reward is the episode's error, never the caller's crash
+            self._record_reward_error(exc)
         finally:
             await self._sessions.release_all()
-        traj.reward = float(total)
-        traj.reward_components = {k: float(v) for k, v in components.items()}
         return traj.reward
+
+    def _record_reward_error(self, exc: Exception) -> None:
+        """The reward function raised: score 0, record the error on the finished trajectory
+        (``metadata["reward_error"]``, one ``reward_error`` in ``metadata["errors"]``) and warn once per message."""
+        traj = self.trajectory
+        assert traj is not None
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        message = f"{type(exc).__name__}: {exc}" + (f" (at {where.filename}:{where.lineno} in {where.name})" if where else "")
+        traj.reward, traj.reward_components = 0.0, {}
+        traj.metadata["reward_error"] = message
+        self._errors["reward_error"] += 1
+        traj.metadata["errors"] = dict(self._errors)
+        with contextlib.suppress(Warning):  # even under -W error the step returns; the trajectory records it
+            warnings.warn(
+                f"the reward of {type(self).__name__} raised {message}; the episode is scored 0, kept, and counted as "
+                "a reward_error (trajectory.metadata['reward_error']). Fix the reward function.",
+                RewardErrorWarning,
+                stacklevel=2,
+            )
 
 
 def encode_action_text(fmt: ChatFormat, text: str) -> list[int]:

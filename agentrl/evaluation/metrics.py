@@ -23,7 +23,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 #: Error taxonomy reported by ``agentrl eval``; every episode error maps onto exactly one of these.
-ERROR_KINDS = ("parse_error", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception", "truncation")
+ERROR_KINDS = ("parse_error", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception", "truncation", "reward_error")
 
 _TOOL_ERROR_ALIASES = {
     "unknown_tool": "unknown_tool",

@@ -139,9 +139,9 @@ def is_correct(traj: Trajectory) -> bool:
 
 
 def keep_trajectory(traj: Trajectory, *, min_reward: float | None = None, correct_only: bool = False) -> bool:
-    """The SFT data filter: usable (no rollout error, at least one model token), reward >= ``min_reward``
+    """The SFT data filter: usable (no rollout or reward error, at least one model token), reward >= ``min_reward``
     when given, and correct (:func:`is_correct`) when ``correct_only`` (rejection sampling)."""
-    if traj.metadata.get("rollout_error") or not any(traj.response_mask):
+    if traj.metadata.get("rollout_error") or traj.metadata.get("reward_error") or not any(traj.response_mask):
         return False
     if min_reward is not None and traj.reward < min_reward:
         return False
