@@ -114,9 +114,11 @@ def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:
     """``(item_id, task)`` for the first ``limit`` tasks of ``tasks`` (a file or a shipped dataset's name), else of
     the env's shipped evaluation dataset for ``split=test`` (gsm8k: GSM8K test; verifyif: IFEval), else of its
     offline generator's ``split`` (with the generator arguments among ``env_kwargs``, e.g. retool's ``tier``)."""
+    from agentrl.envs.env_kwargs import check_env_kwargs
     from agentrl.envs.registry import env_class
 
     cls = env_class(config.env)
+    check_env_kwargs(cls, config.env_kwargs, prefix="env.")  # before any model loads
     path = config.tasks or (cls.eval_dataset if config.split == "test" else None)
     extra = cls.generator_kwargs(config.env_kwargs) if path is None and hasattr(cls, "generator_kwargs") else {}
     tasks = cls.tasks(split=config.split, n=config.limit, seed=config.seed, path=path, **extra)

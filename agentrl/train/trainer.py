@@ -87,6 +87,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
         import agentrl.envs.registry as registry
+        from agentrl.envs.env_kwargs import check_env_kwargs
 
         try:
             self.env_cls = registry.env_class(cfg.env)
@@ -95,6 +96,7 @@ class Trainer:
             close = difflib.get_close_matches(cfg.env, names, n=2)
             hint = f" Did you mean {' or '.join(close)}?" if close else ""
             raise ValueError(f"unknown env {cfg.env!r}.{hint} Registered envs: {', '.join(names)}") from None
+        check_env_kwargs(self.env_cls, OmegaConf.to_container(cfg.env_kwargs, resolve=True))  # before the model loads
         generator_kwargs = getattr(self.env_cls, "generator_kwargs", lambda kw: {})(
             OmegaConf.to_container(cfg.env_kwargs, resolve=True)
         )
