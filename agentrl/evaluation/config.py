@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentrl.models.names import check_model_name
+
 #: Config fields that must match when resuming into an existing run directory.
 RESUME_KEYS = (
     "env",
@@ -94,6 +96,8 @@ class EvalConfig:
             raise ValueError("api=chat needs an endpoint URL as model (http://...)")
         if self.ks and max(self.ks) > self.n:
             raise ValueError(f"every k must be <= n={self.n}, got ks={self.ks}")
+        if not self.is_endpoint:
+            check_model_name(self.model)  # e.g. a local path that does not exist: refused now, no trip to the hub
 
     @property
     def is_endpoint(self) -> bool:

@@ -22,7 +22,6 @@ gives the ChatFormat that fits it. ``attn_implementation="agentrl_sink"`` (agent
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -31,12 +30,12 @@ from typing import Any
 import torch
 
 from agentrl.models.checkpoints import is_run_dir, latest_checkpoint
+from agentrl.models.names import BUILTIN_MODELS, check_model_name
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SINK_ATTENTION = "agentrl_sink"
 """agentrl's sink-attention kernel as a transformers attention implementation (registered on demand)."""
-BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -120,9 +119,11 @@ def load_model(
     ``seed`` and ``model_kwargs`` rebuild its base model before the checkpoint is loaded.
 
     Raises:
-        ValueError: an unknown name (with close matches), a directory that is neither a saved model nor a
-            run with a checkpoint, a bad dtype.
+        ValueError: an unknown name (with close matches), a local path that does not exist or is neither a
+            saved model nor a run with a checkpoint (at once, see :func:`~agentrl.models.names.check_model_name`),
+            a bad dtype.
     """
+    check_model_name(name)  # a missing local path fails here, before any import or hub request
     torch_dtype = resolve_dtype(dtype)
     if attn_implementation == SINK_ATTENTION:
         from agentrl.kernels import register_transformers_attention
@@ -139,21 +140,9 @@ def load_model(
         torch.manual_seed(seed)
         model = tiny_gpt_oss(**(model_kwargs or {})).to(torch_dtype)
         tokenizer, fmt = None, "harmony"
-    elif os.path.isdir(name) or "/" in name:
-        if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
-            raise ValueError(
-                f"model directory {name!r} has no config.json: pass a save_pretrained directory or an "
-                "agentrl training run directory (with config.yaml and checkpoints/)"
-            )
-        model, tokenizer = _load_pretrained(name, torch_dtype, attn_implementation)
+    else:  # a save_pretrained directory or a hub id (check_model_name refused everything else)
+        model, tokenizer = _load_pretrained(os.path.expanduser(name), torch_dtype, attn_implementation)
         fmt = "harmony" if getattr(model.config, "model_type", "") == "gpt_oss" else "chat_template"
-    else:
-        close = difflib.get_close_matches(name, BUILTIN_MODELS, n=2)
-        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(
-            f"unknown model {name!r}.{hint} Use a built-in ({', '.join(BUILTIN_MODELS)}), "
-            "a local directory with config.json, or a hub id like 'org/name'."
-        )
     if attn_implementation and name in BUILTIN_MODELS:
         model.set_attn_implementation(attn_implementation)
     model.to(device)
