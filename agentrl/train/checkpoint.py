@@ -5,6 +5,12 @@ Layout (read by :mod:`agentrl.models.checkpoints`, which finds the latest one)::
     RUN_DIR/checkpoints/step_000007/{model.pt, optimizer.pt, rng.pt, state.json}
     RUN_DIR/checkpoints/latest          # text: "step_000007"
 
+A model that carries a LoRA adapter (:mod:`agentrl.models.lora`) is checkpointed as its adapter only:
+``adapter/`` (PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``) instead of ``model.pt``, and its
+optimizer state covers the adapter's parameters only (the optimizer trains nothing else). Restoring copies
+the adapter tensors exactly, so a resumed LoRA run continues bit for bit; resuming a LoRA checkpoint into a
+full model, or the other way round, is refused with the fix.
+
 Checkpoints written during an SFT stage (before RL step 1) are named ``sft_000004`` (SFT step 4); they
 order before every ``step_*`` checkpoint, and their ``optimizer.pt`` is the SFT optimizer's state.
 
@@ -26,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentrl.models.checkpoints import checkpoint_root, list_checkpoints
+from agentrl.models.checkpoints import ADAPTER_DIR, checkpoint_root, list_checkpoints
 
 
 def rng_state() -> dict[str, Any]:
@@ -55,6 +61,26 @@ def _save_fsync(obj: Any, path: str) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_file(path: str) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _save_model(model: Any, directory: str) -> None:
+    """``model.pt`` (the full state), or ``adapter/`` for a LoRA model or gathered :class:`AdapterWeights`."""
+    from agentrl.models.lora import AdapterWeights, has_lora
+
+    if isinstance(model, torch.nn.Module) and has_lora(model):
+        model = AdapterWeights.of(model)
+    if isinstance(model, AdapterWeights):
+        adapter = os.path.join(directory, ADAPTER_DIR)
+        for path in model.save(adapter):
+            _fsync_file(path)
+        _fsync_dir(adapter)
+    else:
+        _save_fsync(model.state_dict(), os.path.join(directory, "model.pt"))
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -75,7 +101,8 @@ def save_checkpoint(
     sft_step: int | None = None,
 ) -> str:
     """Write checkpoint ``step`` (or, with ``sft_step``, SFT checkpoint ``sft_<sft_step>``) atomically and keep
-    only the newest ``keep``; returns its directory."""
+    only the newest ``keep``; returns its directory. ``model``: a module (a LoRA one is saved as its adapter),
+    an object whose ``state_dict()`` is the full state, or :class:`~agentrl.models.lora.AdapterWeights`."""
     root = checkpoint_root(run_dir)
     os.makedirs(root, exist_ok=True)
     name = f"step_{step:06d}" if sft_step is None else f"sft_{sft_step:06d}"
@@ -83,7 +110,7 @@ def save_checkpoint(
     tmp = os.path.join(root, f".tmp-{name}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    _save_fsync(model.state_dict(), os.path.join(tmp, "model.pt"))
+    _save_model(model, tmp)
     _save_fsync(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
     _save_fsync(rng_state(), os.path.join(tmp, "rng.pt"))
     with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as f:
@@ -146,6 +173,26 @@ def optimizer_state_by_index(
     return {"state": state, "param_groups": groups}
 
 
+def load_model_state(path: str, model: torch.nn.Module) -> None:
+    """Restore ``model`` from checkpoint directory ``path``: its adapter (``adapter/``) into a LoRA model, else the
+    full state (``model.pt``). Works on FSDP2-sharded models too (every rank calls it). Raises ValueError when the
+    checkpoint and the model disagree on LoRA (or on the adapter's settings)."""
+    from agentrl.models.lora import has_lora, load_adapter
+
+    adapter = os.path.join(path, ADAPTER_DIR)
+    if os.path.isdir(adapter):
+        if not has_lora(model):
+            raise ValueError(f"{path} holds a LoRA adapter but this run trains the full model; resume with the "
+                             "actor.lora settings of the run that wrote it")
+        load_adapter(model, adapter)
+        return
+    if has_lora(model):
+        raise ValueError(f"{path} holds full model weights (model.pt) but this run trains a LoRA adapter; resume "
+                         "without actor.lora, or start a LoRA run on it with model=<its run directory>")
+    device = next(model.parameters()).device
+    model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True))
+
+
 def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore model, optimizer and RNG states from checkpoint directory ``path``; returns state.json.
 
@@ -153,7 +200,7 @@ def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim
     under the same names, and their name-keyed optimizer state is re-keyed by :func:`optimizer_state_by_index`.
     """
     device = next(model.parameters()).device
-    model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True))
+    load_model_state(path, model)
     optimizer_state = torch.load(os.path.join(path, "optimizer.pt"), map_location=device, weights_only=True)
     if _is_keyed_by_name(optimizer_state):
         optimizer_state = optimizer_state_by_index(optimizer_state, model=model, optimizer=optimizer, source=path)

@@ -135,17 +135,25 @@ class FSDP2Parallel(SingleProcess):
     def checkpoint_states(self, model: Any, optimizer: Any) -> tuple[Any, Any, dict[str, Any]]:
         """The full model and optimizer states gathered to CPU (a collective on every rank): ``model.pt``
         holds plain tensors under the HF parameter names and ``optimizer.pt`` is keyed by those names,
-        so the checkpoint resumes with any ``trainer.n_gpus > 1`` and loads as a model anywhere."""
+        so the checkpoint resumes with any ``trainer.n_gpus > 1`` and loads as a model anywhere. A LoRA
+        model gathers its adapter only (:class:`~agentrl.models.lora.AdapterWeights`: ``adapter/``); the
+        optimizer state then covers the adapter alone, as the optimizer does."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
         )
 
+        from agentrl.models.lora import AdapterWeights, adapter_parameters, has_lora
+
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(model, options=options)
+        if has_lora(model):  # one all-gather per adapter tensor, in the same order on every rank
+            gathered = {name: _full_tensor(p).cpu() for name, p in adapter_parameters(model)}
+            model_state: Any = AdapterWeights.of(model, gathered)
+        else:
+            model_state = _FullState(get_model_state_dict(model, options=options))
         optim_state = get_optimizer_state_dict(model, optimizer, options=options)
-        return _FullState(model_state), _FullState(optim_state), {"n_gpus": self.world_size}
+        return model_state, _FullState(optim_state), {"n_gpus": self.world_size}
 
     def load_checkpoint(self, path: str, model: Any, optimizer: Any) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
@@ -165,7 +173,15 @@ class FSDP2Parallel(SingleProcess):
         def load(name: str) -> Any:
             return torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
 
-        set_model_state_dict(model, load("model.pt"), options=options)
+        from agentrl.models.checkpoints import ADAPTER_DIR
+        from agentrl.models.lora import has_lora
+
+        if has_lora(model) or os.path.isdir(os.path.join(path, ADAPTER_DIR)):
+            from agentrl.train.checkpoint import load_model_state
+
+            load_model_state(path, model)  # the adapter, each rank taking its shards (or a clear mismatch)
+        else:
+            set_model_state_dict(model, load("model.pt"), options=options)
         set_optimizer_state_dict(model, optimizer, load("optimizer.pt"), options=options)
         return state
 
@@ -178,6 +194,12 @@ class _FullState:
 
     def state_dict(self) -> dict[str, Any]:
         return self._state
+
+
+def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP2-sharded) parameter, detached (a collective for a DTensor)."""
+    param = param.detach()
+    return param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
 def _read_state(path: str) -> dict[str, Any]:

@@ -15,7 +15,8 @@ to the model:
   pass's log-probs before the loop, or, on-policy, per micro-batch on the training forward's own log-probs
   (weights and rejection masks are row-local, so both give the same values). Its ``rollout_corr/*``
   metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows);
-- optional KL loss to a frozen reference model, optional entropy bonus, gradient accumulation over
+- optional KL loss to a frozen reference model (for a LoRA policy, the policy itself with its adapters
+  disabled: the base model without a second copy), optional entropy bonus, gradient accumulation over
   micro-batches.
 
 Loss normalisation: every micro-batch loss is aggregated with the step's totals before rollout
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from agentrl.models.lora import adapters_disabled, has_lora
 from agentrl.models.routing import align_to_mask, replay_routing
 from agentrl.train import distributed
 from agentrl.train.algorithms import (
@@ -69,6 +71,16 @@ def _trimmed(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
     )
 
 
+def replayed(model: Any, batch: Batch, routing: list[torch.Tensor] | None) -> Any:
+    """Routing replay of ``routing`` (per row ``[L, n_i, k]``) for forwards over ``batch`` as
+    :func:`forward_logprobs` lays it out; a no-op context for None. A training forward keeps it open until its
+    backward is done: gradient checkpointing recomputes the layers, routers included, during the backward, and
+    the recompute must route as the forward did (outside the context it would route naturally)."""
+    if routing is None:
+        return nullcontext()
+    return replay_routing(model, align_to_mask(routing, _trimmed(batch)[1]))
+
+
 def forward_logprobs(
     model: Any, batch: Batch, *, chunk_size: int, temperature: float, compute_entropy: bool,
     routing: list[torch.Tensor] | None = None, share_prefix: bool = False,
@@ -85,10 +97,7 @@ def forward_logprobs(
         if shared is not None:
             return shared
     ids, attn, pos, start, width_r = _trimmed(batch)
-    replay = nullcontext()
-    if routing is not None:
-        replay = replay_routing(model, align_to_mask(routing, attn))
-    with replay:
+    with replayed(model, batch, routing):
         lp, ent = model_token_logprobs(
             model,
             ids,
@@ -187,11 +196,16 @@ def update_policy(
     routing: list[torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Run the planned optimizer steps (see the module docstring) on ``batch`` (already on the model's
-    device). ``cfg`` is the full train config. ``routing``: per-row rollout MoE routing to replay in every
-    policy forward (routing replay), or None. Returns step metrics (verl names) plus
+    device). ``cfg`` is the full train config. ``ref_model``: the KL reference (with ``actor.use_kl_loss``):
+    a frozen model, or ``model`` itself when it carries a LoRA adapter (its base model: adapters disabled
+    for the reference pass). ``routing``: per-row rollout MoE routing to replay in every policy forward
+    (routing replay), or None. Returns step metrics (verl names) plus
     ``actor/optimizer_steps`` (steps taken), ``actor/zero_grad_steps_skipped`` and
     ``actor/nonfinite_grad_steps_skipped`` (steps whose gradient was all zero or not finite: no update)."""
     actor, algo = cfg.actor, cfg.algorithm
+    if ref_model is model and not has_lora(model):
+        raise ValueError("ref_model is the policy itself but it carries no LoRA adapter: the KL would be 0; "
+                         "pass a frozen copy as the reference")
     rc = algo.rollout_correction
     metrics: dict[str, float] = {}
     timing: dict[str, float] = defaultdict(float)
@@ -231,8 +245,9 @@ def update_policy(
     ref_log_prob = None
     if ref_model is not None and steps:
         t0 = time.perf_counter()
-        ref_log_prob = batched_logprobs(ref_model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
-                                        share_prefix=share)
+        with adapters_disabled(model) if ref_model is model else nullcontext():
+            ref_log_prob = batched_logprobs(ref_model, batch, micro_batch_size=micro, chunk_size=chunk,
+                                            temperature=temperature, share_prefix=share)
         timing["timing_s/ref"] = time.perf_counter() - t0
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -258,45 +273,47 @@ def update_policy(
             sub_mask = train_mask[rows]
             if not mask[rows].any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
                 continue
-            log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
-                                                 compute_entropy=True, routing=_rows(routing, mb), share_prefix=share)
-            sub_weights = None if is_weights is None else is_weights[rows]
-            if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
-                sub_old = log_prob.detach()
-                fixed_old[rows] = sub_old
-                if sub_mask.any():
-                    sub_weights, sub_mask, _ = rollout_correction(
-                        old_log_prob=sub_old, rollout_log_prob=sub.rollout_log_probs, response_mask=sub_mask,
-                        with_metrics=False, **rc_options,
-                    )
-            else:
-                sub_old = old_log_prob[rows]
-            tokens_after += sub_mask.sum()
-            rows_after += (sub_mask.sum(-1) > 0).sum()
-            pg_loss, pg_metrics = policy_loss(
-                actor.policy_loss,
-                old_log_prob=sub_old,
-                log_prob=log_prob,
-                advantages=advantages[rows],
-                response_mask=sub_mask,
-                loss_agg_mode=mode,
-                clip_ratio=actor.clip_ratio,
-                clip_ratio_low=actor.clip_ratio_low,
-                clip_ratio_high=actor.clip_ratio_high,
-                clip_ratio_c=actor.clip_ratio_c,
-                rollout_is_weights=sub_weights,
-                **agg,
-            )
-            loss = pg_loss
-            entropy_loss = agg_loss(entropy, sub_mask, mode, **agg)
-            if actor.entropy_coeff:
-                loss = loss - actor.entropy_coeff * entropy_loss
-            if ref_log_prob is not None:
-                kl = kl_penalty(log_prob, ref_log_prob[rows], actor.kl_loss_type)
-                kl_loss = agg_loss(kl, sub_mask, mode, **agg)
-                loss = loss + actor.kl_loss_coef * kl_loss
-                partial["kl_loss"] += kl_loss.item()
-            loss.backward()
+            # routing replay stays on through the backward: gradient checkpointing re-runs the routers there
+            with replayed(model, sub, _rows(routing, mb)):
+                log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
+                                                     compute_entropy=True, share_prefix=share and routing is None)
+                sub_weights = None if is_weights is None else is_weights[rows]
+                if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
+                    sub_old = log_prob.detach()
+                    fixed_old[rows] = sub_old
+                    if sub_mask.any():
+                        sub_weights, sub_mask, _ = rollout_correction(
+                            old_log_prob=sub_old, rollout_log_prob=sub.rollout_log_probs, response_mask=sub_mask,
+                            with_metrics=False, **rc_options,
+                        )
+                else:
+                    sub_old = old_log_prob[rows]
+                tokens_after += sub_mask.sum()
+                rows_after += (sub_mask.sum(-1) > 0).sum()
+                pg_loss, pg_metrics = policy_loss(
+                    actor.policy_loss,
+                    old_log_prob=sub_old,
+                    log_prob=log_prob,
+                    advantages=advantages[rows],
+                    response_mask=sub_mask,
+                    loss_agg_mode=mode,
+                    clip_ratio=actor.clip_ratio,
+                    clip_ratio_low=actor.clip_ratio_low,
+                    clip_ratio_high=actor.clip_ratio_high,
+                    clip_ratio_c=actor.clip_ratio_c,
+                    rollout_is_weights=sub_weights,
+                    **agg,
+                )
+                loss = pg_loss
+                entropy_loss = agg_loss(entropy, sub_mask, mode, **agg)
+                if actor.entropy_coeff:
+                    loss = loss - actor.entropy_coeff * entropy_loss
+                if ref_log_prob is not None:
+                    kl = kl_penalty(log_prob, ref_log_prob[rows], actor.kl_loss_type)
+                    kl_loss = agg_loss(kl, sub_mask, mode, **agg)
+                    loss = loss + actor.kl_loss_coef * kl_loss
+                    partial["kl_loss"] += kl_loss.item()
+                loss.backward()
             trained_tokens += int(sub.attention_mask.sum())
             partial["pg_loss"] += pg_loss.item()
             partial["entropy"] += entropy_loss.item()

@@ -15,6 +15,15 @@ The offline generator has difficulty tiers (``tier=`` on the env and on :meth:`R
 - ``compute``: problems that need a short program (prime sums, inclusion-exclusion counts, modular powers,
   digit sums of factorials, divisor counts, Fibonacci mod m), for bigger models and GPU runs.
 - ``mixed``: either of the two, with equal probability.
+- ``table``: long-context problems: a ledger of ``table_rows`` entries (about 8 tokens each: 800 rows make a
+  prompt of about 6.5k tokens) and a question over it (the sum, or the count, of the amounts divisible by a
+  small number), which a model answers by copying the ledger into python. For runs at long contexts.
+
+Shaping (``closeness=<weight>``): a dense reward component ``closeness`` in [0, 1] added with that weight to
+``correct``: how close, in orders of magnitude, the last number the model wrote (its final answer if it gave
+one, else anywhere in its actions) is to the answer (:func:`~agentrl.envs.rewards.math.answer_closeness`). A
+model that never answers correctly, e.g. a randomly initialised one, still gets rewards that differ within a
+GRPO group, so its policy gradient is not zero.
 
 Every generated task carries ``key`` (the problem's identity, the same for every paraphrase of one
 problem, e.g. ``mul:4821:90713``), ``op``, ``template`` and ``code`` (a python program that prints the
@@ -34,6 +43,8 @@ import numpy as np
 
 from agentrl.envs.env import AgentEnv, EnvLimits
 from agentrl.envs.rewards import MathAnswer, Rubric
+from agentrl.envs.rewards.base import RewardContext
+from agentrl.envs.rewards.math import answer_closeness
 from agentrl.envs.sandbox.base import SandboxBackend
 from agentrl.envs.tasks import load_hf_rows, load_math, math_row_to_task
 from agentrl.envs.tools.base import Tool
@@ -43,7 +54,7 @@ INSTRUCTIONS = (
     "Solve the math problem. You can run Python code with the python tool to compute exact values; its "
     "state persists between calls. When you are done, give the final answer as \\boxed{<answer>}."
 )
-TIERS = ("tool", "compute", "mixed")
+TIERS = ("tool", "compute", "mixed", "table")
 SPLITS = ("train", "test")
 
 
@@ -224,16 +235,41 @@ def compute_problem(rng: np.random.Generator) -> Problem:
                    f"fib_mod:{n}:{m}", "fib_mod", 0)
 
 
-def make_problem(rng: np.random.Generator, tier: str = "tool", split: str | None = None) -> Problem:
+# ---------------------------------------------------------------------------------------------- tier "table"
+def table_problem(rng: np.random.Generator, rows: int = 800) -> Problem:
+    """A ledger of ``rows`` entries ``entry <i>: <amount>`` (4-6 digit amounts) and a question over it: the sum
+    or the count of the amounts divisible by ``d`` (3-9). Long context; the program holds the whole ledger."""
+    if rows < 1:
+        raise ValueError(f"table_rows must be >= 1, got {rows}")
+    amounts = [int(a) for a in rng.integers(1_000, 1_000_000, size=rows)]
+    d = int(rng.integers(3, 10))
+    count = bool(rng.random() < 0.5)
+    hits = [a for a in amounts if a % d == 0]
+    ledger = "\n".join(f"entry {i + 1}: {a}" for i, a in enumerate(amounts))
+    what = "How many amounts" if count else "What is the sum of the amounts that"
+    prompt = f"Here is a ledger of {rows} entries, one per line:\n{ledger}\n{what} are divisible by {d}?"
+    code = f"amounts = {amounts}\nprint({'len' if count else 'sum'}([a for a in amounts if a % {d} == 0]))"
+    digest = zlib.crc32(" ".join(map(str, amounts)).encode())
+    op = "table_count" if count else "table_sum"
+    return Problem(prompt, len(hits) if count else sum(hits), code, f"{op}:{rows}:{d}:{digest:08x}", op, 0)
+
+
+def make_problem(
+    rng: np.random.Generator, tier: str = "tool", split: str | None = None, table_rows: int = 800
+) -> Problem:
     """One problem of ``tier`` (see the module docstring). With ``split`` (``"train"`` or ``"test"``) the
-    problem's key belongs to that split (problems of the other split are redrawn)."""
+    problem's key belongs to that split (problems of the other split are redrawn). ``table_rows``: the ledger's
+    length in tier ``table``."""
     if tier not in TIERS:
         raise ValueError(f"unknown retool tier {tier!r}; valid: {', '.join(TIERS)}")
     if split is not None and split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     for _ in range(10_000):
         pick = tier if tier != "mixed" else ("tool" if rng.random() < 0.5 else "compute")
-        problem = tool_problem(rng) if pick == "tool" else compute_problem(rng)
+        if pick == "table":
+            problem = table_problem(rng, table_rows)
+        else:
+            problem = tool_problem(rng) if pick == "tool" else compute_problem(rng)
         if split is None or split_of(problem.key) == split:
             return problem
     raise RuntimeError(f"could not draw a {split} problem of tier {tier!r}")  # pragma: no cover - 1e-450
@@ -249,10 +285,13 @@ class ReToolEnv(AgentEnv):
         exec_timeout_s: per-run limit inside the sandbox.
         sandbox_kwargs: passed to :func:`~agentrl.envs.sandbox.make_backend` (e.g. ``{"workers": 4}``).
         tier: the offline generator's difficulty tier for episodes started without a task (see the module
-            docstring): ``tool`` (default), ``compute`` or ``mixed``.
+            docstring): ``tool`` (default), ``compute``, ``mixed`` or ``table``.
+        table_rows: the ledger's length in tier ``table``.
+        closeness: weight of the dense ``closeness`` shaping component (0: off; see the module docstring).
         **kwargs: :class:`~agentrl.envs.AgentEnv` arguments (``format``, ``tasks``, ``limits``...).
 
-    Reward components: ``correct`` (math-verify equality of the final answer and ``task["answer"]``).
+    Reward components: ``correct`` (math-verify equality of the final answer and ``task["answer"]``), and
+    with ``closeness > 0`` also ``closeness``.
     """
 
     instructions = INSTRUCTIONS
@@ -266,11 +305,17 @@ class ReToolEnv(AgentEnv):
         exec_timeout_s: float = 10.0,
         sandbox_kwargs: dict[str, Any] | None = None,
         tier: str = "tool",
+        table_rows: int = 800,
+        closeness: float = 0.0,
         **kwargs: Any,
     ):
         if tier not in TIERS:
             raise ValueError(f"unknown retool tier {tier!r}; valid: {', '.join(TIERS)}")
+        if closeness < 0:
+            raise ValueError(f"closeness is a reward weight and must be >= 0, got {closeness}")
         self.tier = tier
+        self.table_rows = int(table_rows)
+        self.closeness = float(closeness)
         self._sandbox = sandbox
         self._exec_timeout_s = exec_timeout_s
         self._sandbox_kwargs = dict(sandbox_kwargs or {})
@@ -280,9 +325,11 @@ class ReToolEnv(AgentEnv):
         return [PythonTool(self._sandbox, exec_timeout_s=self._exec_timeout_s, **self._sandbox_kwargs)]
 
     @classmethod
-    def generate_task(cls, rng: np.random.Generator, split: str = "train", tier: str = "tool") -> dict[str, Any]:
+    def generate_task(
+        cls, rng: np.random.Generator, split: str = "train", tier: str = "tool", table_rows: int = 800
+    ) -> dict[str, Any]:
         """A task of ``tier`` from ``split`` (the splits are disjoint by problem key, paraphrases included)."""
-        p = make_problem(rng, tier, split)
+        p = make_problem(rng, tier, split, table_rows)
         return {
             "id": f"{p.op}-{zlib.crc32(p.key.encode()):08x}-{p.template}",
             "prompt": p.prompt,
@@ -295,7 +342,19 @@ class ReToolEnv(AgentEnv):
         }
 
     def sample_task(self, rng: np.random.Generator) -> dict[str, Any]:
-        return self.generate_task(rng, "train", self.tier)
+        return self.generate_task(rng, "train", self.tier, self.table_rows)
+
+    def reward(self, ctx: RewardContext) -> tuple[float, dict[str, float]]:
+        """The rubric's ``correct``, plus ``closeness`` (weighted by :attr:`closeness`) when shaping is on."""
+        total, components = super().reward(ctx)
+        if self.closeness:
+            traj = ctx.trajectory
+            written = ctx.final
+            if written is None:  # no final answer: whatever the model wrote, parsed or not
+                written = self.format.decode([t for t, m in zip(traj.response_ids, traj.response_mask, strict=True) if m])
+            components["closeness"] = answer_closeness(written, str(ctx.task["answer"]))
+            total += self.closeness * components["closeness"]
+        return total, components
 
     @classmethod
     def load_tasks(cls, path: str) -> list[dict[str, Any]]:

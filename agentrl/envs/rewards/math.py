@@ -7,6 +7,7 @@ works in the main thread; elsewhere it runs without a timeout on input cut to ``
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from fractions import Fraction
@@ -53,6 +54,19 @@ def last_number(text: str) -> Fraction | None:
     """The last number written in ``text`` (GSM8K-style answer extraction)."""
     found = _NUMBER.findall(text)
     return to_number(found[-1]) if found else None
+
+
+def answer_closeness(text: str | None, gold: str, decades: float = 10.0) -> float:
+    """How close the last number of ``text``'s answer (its last ``\\boxed{}`` if any, else the whole text) is to
+    the number ``gold``, in orders of magnitude: ``1 - |log10(1 + |p|) - log10(1 + |g|)| / decades``, clipped to
+    [0, 1]. 1.0 for the same magnitude, 0.0 without a number, with the other sign, or ``decades`` or more
+    orders away (or when ``gold`` is not a number)."""
+    g = to_number(gold)
+    p = last_number(final_answer_text(text)) if text else None
+    if g is None or p is None or (p < 0) != (g < 0):
+        return 0.0
+    gap = abs(math.log10(1 + abs(float(p))) - math.log10(1 + abs(float(g))))
+    return max(0.0, 1.0 - gap / decades)
 
 
 def numeric_equal(prediction: str, gold: str) -> bool:

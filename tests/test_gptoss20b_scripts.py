@@ -1,0 +1,64 @@
+"""The GPT-OSS-20B LoRA run's scripts (benchmarks/gptoss20b_*): the report's figures and summary line from the
+two phases' outputs, and the driver's shell syntax. Fast; no GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("gptoss20b_report", BENCH / "gptoss20b_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _phase(out: Path, name: str, gaps: list[float], gpu_mib: list[int], peak_logged: float | None = None) -> None:
+    phase = out / name
+    phase.mkdir(parents=True)
+    records = [{"step": i + 1, "perf/gen_tokens_per_s": 100.0 * (i + 1), "perf/train_tokens_per_s": 4000.0,
+                "timing_s/step": 60.0 - i, "rollout_corr/logprob_abs_diff_mean": gap, "actor/ppo_ratio_max": 1.0,
+                "actor/pg_clipfrac": 0.0, **({"perf/gpu_peak_gb": peak_logged} if peak_logged else {})}
+               for i, gap in enumerate(gaps)]
+    (phase / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (phase / "gpu_mem.csv").write_text("".join(f"2026/12/01 10:00:0{i}.000, {m}\n" for i, m in enumerate(gpu_mib)))
+    (phase / "config.yaml").write_text("actor:\n  lora:\n    rank: 16\n")
+    (phase / "contexts.json").write_text(json.dumps({"step_000001.jsonl": 7900, "step_000002.jsonl": 8050}))
+
+
+def test_lora_20b_report_summary_line(tmp_path, capsys):
+    _phase(tmp_path, "replay", gaps=[0.5, 0.01, 0.03], gpu_mib=[60_000, 71_680, 50_000])
+    _phase(tmp_path, "noreplay", gaps=[0.9, 0.08], gpu_mib=[70_000])
+    _report().main(tmp_path)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = dict(item.split("=") for item in line.removeprefix("gptoss20b: ").split())
+    assert fields["params_b"] == "20.91" and fields["lora_rank"] == "16" and fields["steps"] == "3"
+    assert float(fields["peak_gpu_gb"]) == pytest.approx(70.0)  # nvidia-smi's largest reading, MiB -> GiB
+    assert float(fields["rollout_tok_s"]) == pytest.approx(250)  # steps after the first (compilation)
+    assert float(fields["gap_mean_replay"]) == pytest.approx(0.02) and float(fields["gap_mean"]) == pytest.approx(0.08)
+    assert float(fields["gap_ratio"]) == pytest.approx(4.0) and float(fields["peak_vs_goal"]) == pytest.approx(70 / 120, abs=0.01)
+    assert fields["context_max"] == "8050"
+
+
+def test_lora_20b_report_prefers_the_trainers_peak_and_takes_one_phase(tmp_path, capsys):
+    _phase(tmp_path, "replay", gaps=[0.02, 0.02], gpu_mib=[100_000], peak_logged=55.5)
+    _report().main(tmp_path)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "peak_gpu_gb=55.5" in line and "gap_mean=nan" in line and "gap_ratio=nan" in line
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_lora_20b_driver_parses_and_refuses_an_unknown_phase(tmp_path):
+    script = BENCH / "gptoss20b_lora.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    bad = subprocess.run(["bash", str(script), str(tmp_path)], env={"PHASE": "both", "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "PHASE must be replay or noreplay" in bad.stderr
