@@ -18,18 +18,26 @@ every 0.5 s: ``children_gb`` is the largest sum of their RSS seen during the pha
 a checkout (renamed functions) are skipped, so one script measures old and new code alike. ``MALLOC_*``
 environment variables apply as usual.
 
-Writes ``OUT.json``: ``{"phases": {name: {"peak_rss_gb", "children_gb", "seconds", "entries"}},
-"peak_rss_gb": <whole run>, "exit_code": <the command's>}``.
+At the end of each phase it also records the RSS then (``rss_at_end_gb``) and glibc's ``malloc_stats()``
+(``malloc_system_gb``: memory malloc holds; ``malloc_in_use_gb``: of which live allocations): a large gap is
+freed memory the allocator keeps (fragmentation), not memory the phase needs. GB here are GiB (2**30 bytes).
+
+Writes ``OUT.json``: ``{"phases": {name: {"peak_rss_gb", "children_gb", "seconds", "entries", "rss_at_end_gb",
+"malloc_system_gb", "malloc_in_use_gb", "malloc_arenas"}}, "peak_rss_gb": <whole run>, "exit_code": <the
+command's>}``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import json
 import os
+import re
 import resource
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -48,7 +56,38 @@ def _status_kb(field: str, pid: str = "self") -> int:
     return 0
 
 
-def _descendants(pid: int) -> list[int]:
+def malloc_stats() -> dict[str, float]:
+    """glibc's own account of this process's heap, from ``malloc_stats()`` (written to fd 2, captured here):
+    ``malloc_system_gb`` (memory malloc holds from the system, arenas and mmaps), ``malloc_in_use_gb`` (of which
+    live allocations) and ``malloc_arenas``. The difference is freed memory malloc keeps (fragmentation, caching).
+    Empty where there is no glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return {}
+    with tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(tmp.fileno(), 2)
+        try:
+            libc.malloc_stats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    total = text.split("Total (incl. mmap):")[-1]
+    values = dict(re.findall(r"(system bytes|in use bytes)\s*=\s*(\d+)", total))
+    if len(values) < 2:
+        return {}
+    return {
+        "malloc_system_gb": int(values["system bytes"]) / _GB,
+        "malloc_in_use_gb": int(values["in use bytes"]) / _GB,
+        "malloc_arenas": float(text.count("Arena ")),
+    }
+
+
+def descendants(pid: int) -> list[int]:
     """Pids of every live descendant of ``pid`` (from /proc/*/stat parent links)."""
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -111,12 +150,14 @@ class PhaseRecorder:
     def pop(self) -> None:
         with self.lock:
             self._close_segment()
-            self.stack.pop()
+            entry = self._entry(self.stack.pop())
+            entry["rss_at_end_gb"] = _status_kb("VmRSS") * 1024 / _GB
+            entry.update(malloc_stats())
 
     def _sample_children(self) -> None:
         me = os.getpid()
         while not self.stop.wait(0.5):
-            total = sum(_status_kb("VmRSS", str(p)) for p in _descendants(me)) * 1024 / _GB
+            total = sum(_status_kb("VmRSS", str(p)) for p in descendants(me)) * 1024 / _GB
             with self.lock:
                 entry = self._entry(self.stack[-1])
                 entry["children_gb"] = max(entry["children_gb"], total)

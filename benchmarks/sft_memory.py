@@ -35,6 +35,8 @@ import tempfile
 import threading
 import time
 
+from memory_phases import descendants  # this directory is on sys.path when the script runs
+
 PROSE = (
     "Let me think about this problem step by step. First I need to understand what the question asks, then I "
     "will work out the numbers carefully, checking each intermediate result before I move on to the next one. "
@@ -106,20 +108,6 @@ def _rss_kb(pid: int) -> int:
         return 0
 
 
-def _children(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            with open(f"/proc/{parent}/task/{parent}/children", encoding="ascii") as f:
-                kids = [int(x) for x in f.read().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
-
-
 def run_sft(checkout: str, data: str, run_dir: str, args: argparse.Namespace) -> dict[str, object]:
     """``agentrl sft`` on ``data`` with ``checkout``'s code in a child; its peak RSS and the run's micro-batch."""
     env = {**os.environ, "PYTHONPATH": os.path.abspath(checkout), "PYTHONUNBUFFERED": "1"}
@@ -133,7 +121,7 @@ def run_sft(checkout: str, data: str, run_dir: str, args: argparse.Namespace) ->
     def watch() -> None:
         while not done.wait(0.2):
             mine = _rss_kb(proc.pid)
-            workers = sum(_rss_kb(p) for p in _children(proc.pid))
+            workers = sum(_rss_kb(p) for p in descendants(proc.pid))
             peak["self_kb"], peak["workers_kb"] = max(peak["self_kb"], mine), max(peak["workers_kb"], workers)
             if mine > args.limit_gb * 2**20:
                 peak["killed"] = True
