@@ -107,3 +107,17 @@ def test_activation_checkpointing_is_restored_and_keeps_fewer_activations():
     assert checkpointed < plain / 2
     with activation_checkpointing(model, enabled=False) as on:
         assert not on and not model.is_gradient_checkpointing
+
+
+def test_sft_never_builds_tokens_by_vocab_logits():
+    """The loss goes through the chunked log-prob path (lm_head's weight in chunks): the LM head module itself,
+    which would return [tokens, vocab] logits, is never called."""
+    model = _model()
+
+    def full_logits(module, args, output):
+        raise AssertionError(f"[tokens x vocab] logits built: {tuple(output.shape)}")
+
+    model.lm_head.register_forward_hook(full_logits)
+    stage = SFTStage(model, torch.optim.SGD(model.parameters(), lr=0.1), _data(), batch_size=8, micro_batch_size=8,
+                     pad_token_id=0, max_forward_tokens=150)
+    assert stage.step(0)["sft/loss"] > 0
