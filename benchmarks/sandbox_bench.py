@@ -8,9 +8,10 @@ Runs in one process, side by side, on this machine's cores (2 on the reference m
 3. baselines, with as many in flight as the pool (a fresh sandbox gains from concurrency: its time goes as
    much to kernel waits for namespace setup and teardown as to CPU) -> exec/s:
    a. fresh bwrap per execution with the pool's isolation: same namespaces, binds and interpreter, and the
-      ``python3 -I -c`` process loads the same seccomp filter, sets the same rlimits and drops to a non-root
-      uid before running the snippet (what each pool child inherits from its worker). This is the baseline
-      of the summary line;
+      ``python3 -I -c`` process loads the same seccomp filter (the worker's rules, those against channels between
+      executions included), sets the same rlimits and drops to a non-root uid before running the snippet (what
+      each pool child inherits from its worker). A fresh sandbox has its own pid namespace and /proc, as every
+      pool execution now has. This is the baseline of the summary line;
    b. the same without seccomp, rlimits and uid drop (namespaces only: a weaker sandbox, for reference);
 4. ``agentrl serve sandbox`` in a subprocess, driven over loopback HTTP by 16 concurrent clients -> req/s.
 
@@ -23,13 +24,15 @@ wall-clock rates are meaningful.
 Every output is checked for correctness. The last line is the summary:
 ``sandbox: pool_exec_per_s=<n> stateful_p50_ms=<n> fresh_exec_per_s=<n> ratio=<pool/fresh>``.
 
-Usage: ``python benchmarks/sandbox_bench.py [--seconds 5] [--skip-http]``
+Usage: ``python benchmarks/sandbox_bench.py [--seconds 5] [--skip-http]``. The cost of a change to the pool
+against another tree (e.g. main), paired block by block, is ``benchmarks/sandbox_ab.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import socket
@@ -47,6 +50,15 @@ from agentrl.envs.sandbox.cgroups import descendants
 from agentrl.envs.sandbox.local import WORKERS_PER_CORE, LocalSandbox
 
 SNIPPET = "print(1 + 1)"
+#: The worker's seccomp rules against channels between executions, as source for a fresh interpreter.
+CHANNEL_RULES = "\n".join(
+    [
+        f"_LOCK_COMMANDS, F_NOTIFY, RWF_NOWAIT = {_worker._LOCK_COMMANDS!r}, {_worker.F_NOTIFY}, {_worker.RWF_NOWAIT}",
+        f"POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE = {_worker.POSIX_FADV_DONTNEED}, {_worker.POSIX_FADV_NOREUSE}",
+        f"MADV_MERGEABLE, MADV_COLD, MADV_PAGEOUT = {_worker.MADV_MERGEABLE}, {_worker.MADV_COLD}, {_worker.MADV_PAGEOUT}",
+        inspect.getsource(_worker._add_channel_rules),
+    ]
+)
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -118,6 +130,7 @@ def fresh_argv(same_isolation: bool) -> list[str]:
     argv[at - 2] = str(256 << 20)
     script = SNIPPET
     if same_isolation:
+        channel_rules = textwrap.indent(CHANNEL_RULES, " " * 12).lstrip()
         script = textwrap.dedent(
             f"""
             import errno, os, resource, seccomp
@@ -132,6 +145,8 @@ def fresh_argv(same_isolation: bool) -> list[str]:
             flt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
             for flag in {_worker._CLONE_NS_FLAGS!r}:
                 flt.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+            {channel_rules}
+            _add_channel_rules(flt, seccomp)
             flt.load()
             for res, value in ((resource.RLIMIT_AS, 1 << 30), (resource.RLIMIT_NPROC, 64),
                                (resource.RLIMIT_FSIZE, 64 << 20), (resource.RLIMIT_NOFILE, 256),

@@ -118,3 +118,14 @@ def test_every_proper_prefix_of_a_call_is_flagged(k):
     )
     turn = FMT.parse(ids[:-k], tools=TOOLS)
     assert not turn.ok and not turn.tool_calls and turn.stop_token is None
+
+
+@pytest.mark.parametrize("bad", [-1, -5, 201_088 + 10_000])
+def test_streaming_ignores_out_of_vocabulary_ids_inside_content(bad):
+    """An id outside the vocabulary inside message content adds no text and does not raise (CI found
+    [<|message|>, -1] raising OverflowError in the streaming parser while the batch parser ignored it)."""
+    sp = FMT.streaming_parser(tools=TOOLS)
+    for t in [T.start, *FMT.encode("assistant"), T.message]:
+        sp.feed(t)
+    assert sp.feed(bad) == ""
+    assert sp.feed(FMT.encode("hi")[0]) == "hi"

@@ -35,11 +35,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(settings: SandboxServerConfig) -> Iterator[str]:
+def _serve(settings: SandboxServerConfig, client_key=None) -> Iterator[str]:
     backend = make_backend("local", workers=2, output_limit_bytes=4096)
     settings.port = _free_port()
     settings.log_level = "warning"
-    server = uvicorn.Server(uvicorn_config(create_app(backend, settings), settings))
+    server = uvicorn.Server(uvicorn_config(create_app(backend, settings), settings, client_key))
     port = settings.port
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -312,8 +312,11 @@ class StreamingParser:
 
     def feed(self, token: int) -> str:
         m = self._m
+        token = int(token)
         before = m.state
-        m.feed(int(token))
+        m.feed(token)
+        if not 0 <= token <= m.t.max_id:  # ignored by the machine (an error is recorded): adds no text
+            return ""
         if before is ParserState.CONTENT and m.state is ParserState.CONTENT:
             return self._utf8.decode(self._fmt.token_bytes(token))
         if before is ParserState.CONTENT:  # message ended: flush any partial UTF-8

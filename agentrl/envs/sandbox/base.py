@@ -151,6 +151,19 @@ class SandboxMessages:
     """The code's process died from a signal. Fields: ``signal`` (e.g. ``SIGSEGV``)."""
     memory: str = "memory limit of {memory_mb} MiB exceeded (processes, shared memory and files together)"
     """The run's memory cgroup ran out and the OOM killer ended a process. Fields: ``memory_mb``."""
+    worker_memory: str = (
+        "out of memory at {limit_mb} MiB: the sandbox's other executions held the rest of its {worker_mb} MiB "
+        "(this run's own limit is {memory_mb} MiB)"
+    )
+    """The OOM killer ended a process because the sandbox worker as a whole ran out of memory, not because the
+    run exceeded its own limit. Fields: ``limit_mb`` (what the run could use), ``memory_mb`` (its own limit),
+    ``worker_mb`` (the worker's capacity)."""
+    evicted: str = (
+        "the session's earlier state was lost: it held {held_mb} MiB, more than its guaranteed {reserved_mb} MiB, "
+        "when another execution in its sandbox needed the memory"
+    )
+    """An idle session was ended to give its memory to another execution; said on its next run. Fields:
+    ``held_mb``, ``reserved_mb``."""
     corrupted: str = "the code corrupted the sandbox's result channel; its processes were killed"
     """The code wrote garbage or a forged frame on the channel that carries its result. No fields."""
     kernel_reset: str = "the session's kernel exited; its state was lost and the next run starts fresh"

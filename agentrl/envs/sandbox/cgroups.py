@@ -54,8 +54,10 @@ class MemoryCgroup:
     """One worker's memory cgroup: a hard limit on everything the sandbox runs, with three kinds of children.
 
     - ``sys``: bubblewrap and the worker itself (born there, so the cgroup namespace shows nothing of the host);
-    - ``run``: the worker's stateless runs, one at a time; the worker sets its limit to the run's memory limit;
-    - ``s<uid>``: one per session, created and removed by the worker (the directory is delegated to it: its
+    - ``run``: the worker's stateless runs, one at a time; the worker sets its limit to the run's memory limit
+      (or less, when its sessions hold the rest of the worker), and replaces it with a ``run<N>`` of its own if a
+      finished run's memory is not given back in time;
+    - ``s<uid>-<n>``: one per session, created and removed by the worker (the directory is delegated to it: its
       owner is the worker's host uid, so it can create children but never raise the limit above).
 
     Every execution's memory, including SysV/POSIX shared memory and tmpfs files, is charged to its own child,

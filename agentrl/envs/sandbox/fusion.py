@@ -5,7 +5,9 @@ SandboxFusion has no persistent kernels: each ``/run_jupyter`` request starts a 
 therefore emulated by replay: a session remembers the cells that ran successfully, and each run sends them
 again, followed by the new cell, in one ``/run_jupyter`` request; only the new cell's output is returned. State
 is exact for deterministic code; side effects of earlier cells (files, prints to the outside) happen again, and
-a run costs time proportional to the session's history. Cells that failed are not replayed.
+a run costs time proportional to the session's history. Cells that failed are not replayed. A replay may take
+at most the server's limit on a request's timeouts (``max_timeout_s``, 60 s on ``agentrl serve sandbox`` by
+default): every timeout this client sends is clamped to it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class SandboxFusionBackend:
         token: optional bearer token (``agentrl serve sandbox --token``).
         max_connections: concurrent HTTP connections.
         retries: connection-level retries (connect errors only; an execution is never sent twice).
+        max_timeout_s: the server's limit on the timeouts of one request (``agentrl serve sandbox``'s
+            ``max_timeout_s``); timeouts sent are clamped to it, so that a long session's replay is not refused.
         transport: an httpx transport to use instead of the network (for tests and custom routing).
     """
 
@@ -42,8 +46,10 @@ class SandboxFusionBackend:
         token: str | None = None,
         max_connections: int = 64,
         retries: int = 2,
+        max_timeout_s: float = 60.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        self.max_timeout_s = max_timeout_s
         self.endpoint = (endpoint or os.environ.get(ENDPOINT_ENV) or "http://localhost:8080").rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
@@ -73,6 +79,7 @@ class SandboxFusionBackend:
             if session not in self._sessions:
                 raise SandboxError(f"unknown sandbox session {session!r}; create one with create_session()")
             return await self._run_in_session(session, code, timeout_s)
+        timeout_s = min(timeout_s, self.max_timeout_s)
         body = api.RunCodeRequest(code=code, language="python", run_timeout=timeout_s, stdin=stdin)
         raw = await self._post("/run_code", body.model_dump(), timeout_s)
         if isinstance(raw, ExecResult):
@@ -84,8 +91,9 @@ class SandboxFusionBackend:
 
     async def _run_in_session(self, session: str, code: str, timeout_s: float) -> ExecResult:
         history = self._sessions[session]
-        total = timeout_s * (len(history) + 1)
-        body = api.RunJupyterRequest(cells=[*history, code], cell_timeout=timeout_s, total_timeout=total)
+        cell_timeout = min(timeout_s, self.max_timeout_s)
+        total = min(timeout_s * (len(history) + 1), self.max_timeout_s)
+        body = api.RunJupyterRequest(cells=[*history, code], cell_timeout=cell_timeout, total_timeout=total)
         raw = await self._post("/run_jupyter", body.model_dump(), body.total_timeout)
         if isinstance(raw, ExecResult):
             return raw
@@ -108,7 +116,9 @@ class SandboxFusionBackend:
         cell = resp.cells[-1]
         display = next((d.get("text/plain") for d in cell.display if "text/plain" in d), None)
         timed_out = resp.driver is not None and resp.driver.status == "TimeLimitExceeded"
-        if timed_out:
+        if cell.exec_status is not None:  # our server: the sandbox's own verdict
+            status: str = cell.exec_status
+        elif timed_out:
             status = "timeout"
         elif cell.error:
             status = "oom" if cell.error[0].get("ename") == "MemoryError" else "error"
@@ -119,10 +129,11 @@ class SandboxFusionBackend:
         return ExecResult(
             stdout=cell.stdout,
             stderr=cell.stderr,
-            exit_code=None if timed_out else (0 if status == "ok" else 1),
+            exit_code=None if status == "timeout" else (0 if status == "ok" else 1),
             status=status,
             duration_s=duration,
             display=display,
+            truncated=bool(cell.truncated),
         )
 
     async def _post(self, path: str, body: dict, timeout_s: float) -> dict | ExecResult:

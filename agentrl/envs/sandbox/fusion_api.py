@@ -7,6 +7,12 @@ Shared by our server (``agentrl serve sandbox``) and our client (:mod:`.fusion`)
 ignored; timeouts must be finite and positive (``cell_timeout`` may be 0: no per-cell limit), else the server
 answers 422. Responses are strict models (no extra fields, no type coercion): an answer is built only from
 validated values of the right types, whatever the code in the sandbox printed or wrote.
+
+Our server adds two optional fields to every execution's result (``CommandRunResult`` and ``CellRunResult``),
+which SandboxFusion clients ignore: ``exec_status``, the sandbox's own verdict (one of
+:data:`~agentrl.envs.sandbox.base.STATUSES`: it tells an out-of-memory kill or a signal from an ordinary error),
+and ``truncated`` (output was cut). Our client reads them instead of guessing from the printed text, which the
+code controls; answers of a real SandboxFusion server lack them.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.envs.sandbox.base import ExecResult
 
+ExecStatus = Literal["ok", "error", "timeout", "killed", "oom", "sandbox_error"]
 CommandRunStatus = Literal["Finished", "Error", "TimeLimitExceeded"]
 RunStatus = Literal["Success", "Failed", "SandboxError"]
 
@@ -43,6 +50,8 @@ class CommandRunResult(_Strict):
     return_code: int | None = None
     stdout: str | None = None
     stderr: str | None = None
+    exec_status: ExecStatus | None = None  # ours (see the module note)
+    truncated: bool | None = None  # ours
 
 
 class RunCodeRequest(_Request):
@@ -80,6 +89,8 @@ class CellRunResult(_Strict):
     stderr: str
     display: list[dict[str, Any]]
     error: list[dict[str, Any]]
+    exec_status: ExecStatus | None = None  # ours (see the module note)
+    truncated: bool | None = None  # ours
 
 
 class RunJupyterResponse(_Strict):
@@ -99,6 +110,8 @@ def command_result(result: ExecResult) -> CommandRunResult:
         return_code=None if result.status == "timeout" else result.exit_code,
         stdout=result.stdout,
         stderr=result.stderr,
+        exec_status=result.status,
+        truncated=result.truncated,
     )
 
 
@@ -117,7 +130,9 @@ def fetched_files(result: ExecResult) -> dict[str, str]:
 
 
 def exec_result_from_run(resp: RunCodeResponse) -> ExecResult:
-    """A ``/run_code`` answer (ours or real SandboxFusion's) as an :class:`ExecResult`."""
+    """A ``/run_code`` answer (ours or real SandboxFusion's) as an :class:`ExecResult`. The status and the
+    truncation come from the answer's fields, never from the printed output (which the code controls): from
+    ``exec_status``/``truncated`` where present (our server), else from the run status and return code only."""
     if resp.status == "SandboxError":
         return ExecResult("", "", None, "sandbox_error", 0.0, message=resp.message or "sandbox error")
     run = resp.run_result or resp.compile_result
@@ -125,9 +140,10 @@ def exec_result_from_run(resp: RunCodeResponse) -> ExecResult:
         return ExecResult(
             "", "", None, "sandbox_error", 0.0, message=f"no run result in the answer: {resp.message}"
         )
-    stdout, stderr = run.stdout or "", run.stderr or ""
     code = run.return_code
-    if run.status == "TimeLimitExceeded":
+    if run.exec_status is not None:
+        status: str = run.exec_status
+    elif run.status == "TimeLimitExceeded":
         status = "timeout"
     elif run.status == "Error":
         status = "sandbox_error"
@@ -135,29 +151,44 @@ def exec_result_from_run(resp: RunCodeResponse) -> ExecResult:
         status = "ok"
     elif code is not None and code < 0:
         status = "killed"
-    elif stderr.rstrip().endswith("MemoryError"):
-        status = "oom"
     else:
         status = "error"
     return ExecResult(
-        stdout=stdout,
-        stderr=stderr,
+        stdout=run.stdout or "",
+        stderr=run.stderr or "",
         exit_code=code,
         status=status,
         duration_s=run.execution_time or 0.0,
-        truncated="more bytes of stdout truncated]" in stdout or "more bytes of stderr truncated]" in stderr,
+        truncated=bool(run.truncated),
         message=resp.message,
     )
 
 
+def output_bytes(result: ExecResult) -> int:
+    """How much output an execution adds to an answer, bytes (UTF-8 length of its text; a traceback counts
+    twice, as SandboxFusion repeats it in a cell's error)."""
+    texts = (
+        result.stdout,
+        result.stderr,
+        result.stderr,
+        result.display or "",
+        *(result.error or {}).values(),
+    )
+    return sum(len(t.encode("utf-8", "replace")) for t in texts)
+
+
 def cell_result(result: ExecResult) -> CellRunResult:
-    """One stateful execution as a Jupyter cell result (display as a text/plain bundle, error as ename/evalue)."""
+    """One stateful execution as a Jupyter cell result (display as a text/plain bundle, error as ename/evalue from
+    the sandbox's own record of the exception, never from the printed text)."""
     display = [{"text/plain": result.display}] if result.display is not None else []
     error: list[dict[str, Any]] = []
-    if result.error is not None:  # from the sandbox's own record of the exception, not from the printed text
+    if result.error is not None:
         error.append({**result.error, "traceback": result.stderr.splitlines()})
-    elif result.status in ("error", "oom") and "Traceback (most recent call last):" in result.stderr:
-        last = result.stderr.rstrip().splitlines()[-1]
-        ename, _, evalue = last.partition(": ")
-        error.append({"ename": ename, "evalue": evalue, "traceback": result.stderr.splitlines()})
-    return CellRunResult(stdout=result.stdout, stderr=result.stderr, display=display, error=error)
+    return CellRunResult(
+        stdout=result.stdout,
+        stderr=result.stderr,
+        display=display,
+        error=error,
+        exec_status=result.status,
+        truncated=result.truncated,
+    )

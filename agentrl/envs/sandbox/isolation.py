@@ -4,10 +4,11 @@ failures.
 Two isolated modes, chosen from the host user (see ``_worker.py`` for what happens inside):
 
 - **root** (CI, servers): bubblewrap runs privileged without a user namespace and grants the worker only
-  CAP_SETUID/SETGID/SYS_ADMIN, which it needs once at startup: to mount a ``/proc`` that hides other uids'
-  processes and to move into a user namespace of its own, where it is root but maps to the unprivileged host
-  uid ``uid_base`` and the code's uids (``uid_base + 1 ...``) map to themselves. Every run and session gets its
-  own uid, mount, IPC (and for sessions network) namespace, tmpfs and memory cgroup.
+  CAP_SETUID/SETGID/SYS_ADMIN (and SYS_RESOURCE where the host has it), which it needs once at startup: to mount
+  a ``/proc`` of its own, size the per-uid quotas and move into a user namespace of its own, owned by and mapped
+  to the unprivileged host uid ``uid_base``, where the code's uids (``uid_base + 1 ...``) map to themselves.
+  Every run and session gets its own uid, pid, mount, IPC (and for sessions network) namespace, tmpfs and memory
+  cgroup.
 - **userns** (the pool runs as an ordinary user; needs unprivileged user namespaces): bubblewrap's user
   namespace maps one uid, so the code shares the worker's uid; the per-run namespaces and tmpfs still apply.
 
@@ -30,13 +31,16 @@ WORKER_SOURCE = Path(__file__).with_name("_worker.py")
 WORKER_PATH_INSIDE = "/opt/agentrl/sandbox_worker.py"
 #: Capabilities the worker starts with, by mode (it drops them for good before any code runs).
 _WORKER_CAPS = {
-    "root": ("CAP_SETUID", "CAP_SETGID", "CAP_SYS_ADMIN"),
+    # CAP_SYS_RESOURCE: to size the per-uid quotas of the worker's user namespace (a host may not grant it)
+    "root": ("CAP_SETUID", "CAP_SETGID", "CAP_SYS_ADMIN", "CAP_SYS_RESOURCE"),
     "userns": ("CAP_SYS_ADMIN", "CAP_SETPCAP"),
 }
 #: Size of the sandbox's own /tmp and /dev/shm, which no code ever sees (each execution mounts its own).
 _SHARED_TMPFS_BYTES = 1 << 20
 _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+#: What of /etc the interpreter and its libraries need: the loader cache, the time zone, and Debian's alternatives
+#: (numpy finds its BLAS through /etc/alternatives).
+_ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
 
 #: What the sandbox's interpreter runs (``python -I -c BOOTSTRAP <worker path>``): compile the worker in a
 #: short-lived child and run the compiled code here. Compiling a 50 kB script leaves megabytes of fragmented heap
@@ -119,6 +123,10 @@ def worker_config(
     tmpfs_bytes: int,
     tmpfs_inodes: int,
     cgroup: dict[str, int] | None,
+    worker_bytes: int,
+    reserved_bytes: int,
+    max_sessions: int,
+    quotas: dict[str, int],
     tmp_root: str = "",
 ) -> dict[str, Any]:
     """The config the in-sandbox worker reads as its first frame (see ``_worker.py``).
@@ -130,6 +138,11 @@ def worker_config(
             ``fsize_bytes``, ``nofile``.
         tmpfs_bytes, tmpfs_inodes: size and inode cap of each execution's ``/tmp`` and ``/dev/shm``.
         cgroup: ``{"fd": <fd of the worker's memory cgroup directory>, "version": 1 or 2}``, or None.
+        worker_bytes: memory all of the worker's executions may hold together (its capacity).
+        reserved_bytes: the share of it each live session, and the stateless runs, are guaranteed.
+        max_sessions: live sessions the host may place on this worker.
+        quotas: per-uid kernel quotas of one execution: ``msgqueue_bytes`` (POSIX queues), ``sigpending``
+            (queued signals), ``memlock_bytes`` (locked memory).
         tmp_root: mode "none" only: the host directory under which executions get working directories.
     """
     return {
@@ -142,6 +155,10 @@ def worker_config(
         "tmpfs_bytes": tmpfs_bytes,
         "tmpfs_inodes": tmpfs_inodes,
         "cgroup": cgroup,
+        "worker_bytes": worker_bytes,
+        "reserved_bytes": reserved_bytes,
+        "max_sessions": max_sessions,
+        "quotas": quotas,
         "tmp_root": tmp_root,
     }
 
@@ -161,6 +178,8 @@ def bwrap_command(python: str, *, mode: str, source_fd: int, ro_binds: tuple[str
             cmd += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             cmd += ["--ro-bind", path, path]
+    # /etc traversable by the code's uids (bubblewrap would make the parent of a bind 0700)
+    cmd += ["--perms", "0755", "--dir", "/etc"]
     for path in _ETC_FILES:
         cmd += ["--ro-bind-try", path, path]
     for path in ro_binds:

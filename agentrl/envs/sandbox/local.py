@@ -6,10 +6,13 @@ own namespaces, tmpfs, memory cgroup and (as root) uid, so nothing of one run or
 Stateless runs go to the least busy worker; a session is pinned to the worker that holds its kernel.
 
 After every request the worker cleans up and checks itself against a fresh sandbox, outside any run's time
-budget. A worker whose check fails is retired: it takes no new work, keeps serving its live sessions until they
-are released, and a fresh worker takes its place. A worker that dies or stops answering is killed with
-everything inside it and restarted on its next use; sessions it held restart from a fresh state and say so in
-``ExecResult.message``.
+budget. A worker whose check fails is retired: it leaves rotation at once, keeps serving its live sessions until
+they are released, and a fresh worker takes its place (the pool holds enough uid blocks for that, whatever
+sequence of requests came before). A worker that dies or stops answering is killed with everything inside it and
+restarted on its next use; sessions it held restart from a fresh state and say so in ``ExecResult.message``.
+
+Sessions are admitted up to what the workers' memory can guarantee (``reserved_mb`` each); beyond that
+``create_session`` raises :class:`SandboxError`.
 """
 
 from __future__ import annotations
@@ -44,25 +47,43 @@ _GRACE_S = 10.0
 #: How long a worker may take to clean up and check itself after a request before it is declared hung.
 _HEALTH_TIMEOUT_S = 60.0
 #: Start of the uid range for code (an unused high range). Each pool takes a random run of blocks of it, each
-#: worker one block of ``_UIDS_PER_WORKER`` uids (the first is the worker's own host uid).
+#: worker one block of ``_UIDS_PER_WORKER`` uids (the first is the worker's own host uid). A pool of n workers
+#: admitting k sessions each holds n x (k + 1) blocks: a retired worker keeps its block only while it holds a
+#: live session, and the pool admits at most n x k of those, so a fresh worker always finds a free block.
 DEFAULT_UID_BASE = 0x7E000000
 _UID_RANGE = 0x01FFFFFF
 _UIDS_PER_WORKER = 4096
-#: uids of a worker's block kept for stateless runs (the rest may hold sessions).
-_STATELESS_UIDS = 64
 MAX_TIMEOUT_S = 3600.0
 #: Default pool size per CPU. Each execution's exit waits for an RCU grace period (its mount namespace is torn
 #: down), about 1 ms of idle time per execution on a 2-vCPU VM: with 2 workers per core 7.5% of the CPU stayed
 #: idle under full load and the pool ran 999 exec/s; with 3, 4% and 1,075 exec/s; with 4, 3% and 1,090 exec/s.
 #: A worker costs about 7 MB of memory.
 WORKERS_PER_CORE = 3
+#: How long a retired worker's uid block may take to be free of its processes before it is given back, seconds.
+_BLOCK_RETURN_S = 60.0
+#: Memory a worker's cgroup may hold beyond its executions' capacity: bubblewrap, the worker, session inits and
+#: kernel memory, bytes.
+_SYSTEM_MARGIN = 64 << 20
+#: Per-uid kernel quotas of one execution (Linux's defaults for a user); a worker's user namespace holds room
+#: for all of its executions at once.
+QUOTAS = {"msgqueue_bytes": 819200, "sigpending": 4096, "memlock_bytes": 8 << 20}
+
+
+class BlockBusy(SandboxUnavailable):
+    """A worker cannot (re)start: processes of its uid block, from its previous sandbox, are still exiting."""
 
 
 @dataclass
 class _MemoryCap:
     mode: str  # "auto" | "required" | "off"
-    limit_bytes: int
+    capacity_bytes: int  # what a worker's executions may hold together
+    reserved_bytes: int  # each live session's (and the stateless runs') guaranteed share of it
     warned: bool = False
+
+    @property
+    def max_sessions(self) -> int:
+        """Live sessions a worker admits: every one of them, and its stateless runs, get their reserved share."""
+        return max(1, self.capacity_bytes // self.reserved_bytes - 1)
 
 
 @dataclass
@@ -130,7 +151,7 @@ class _Worker:
                 await asyncio.sleep(0.01)
                 leftover = uid_processes(self.code_uids)
             if leftover:
-                raise SandboxUnavailable(
+                raise BlockBusy(
                     f"processes {leftover[:5]} still run as uids of sandbox block {self.uid_base}; refusing to reuse it"
                 )
         self.generation += 1
@@ -174,6 +195,10 @@ class _Worker:
             tmpfs_bytes=s.tmpfs_bytes,
             tmpfs_inodes=s.tmpfs_inodes,
             cgroup={"fd": cg_fd, "version": self.cgroup.version} if self.cgroup is not None else None,
+            worker_bytes=s.memory_cap.capacity_bytes,
+            reserved_bytes=s.memory_cap.reserved_bytes,
+            max_sessions=s.memory_cap.max_sessions,
+            quotas=QUOTAS,
             tmp_root=s.tmp_root,
         )
         try:
@@ -181,6 +206,9 @@ class _Worker:
             ready = await asyncio.wait_for(self._read_frame(), s.start_timeout_s)
             if not ready.get("error"):
                 health = await asyncio.wait_for(self._read_frame(), s.start_timeout_s)
+        except asyncio.CancelledError:  # a half-started sandbox must not outlive the call that wanted it
+            self._abandon()
+            raise
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             stderr = await self._stop_and_read_stderr()
             raise SandboxUnavailable(
@@ -211,7 +239,7 @@ class _Worker:
         else:
             name = f"{CGROUP_PREFIX}{os.getpid()}-{self.s.pool_id}-{self.index}-{self.generation}"
             owner = self.uid_base if self.s.mode == "root" else None
-            group = MemoryCgroup.create(name, cap.limit_bytes, owner_uid=owner)
+            group = MemoryCgroup.create(name, cap.capacity_bytes + _SYSTEM_MARGIN, owner_uid=owner)
         if group is None:
             if cap.mode == "required":
                 raise SandboxUnavailable(
@@ -415,6 +443,11 @@ class LocalSandbox:
             bounded and cheap to remove.
         worker_memory_mb: memory cap for everything one worker runs together (its session kernels and all
             processes the code forks), MiB; default 4 x ``memory_mb``. Enforced with a memory cgroup.
+        reserved_mb: memory every live session, and a worker's stateless runs, are guaranteed of their worker's
+            ``worker_memory_mb``, MiB; default an eighth of it. A worker admits ``worker_memory_mb // reserved_mb
+            - 1`` live sessions; a session beyond the pool's capacity is refused (``create_session`` raises). An
+            execution may use up to ``memory_mb`` while the others leave that much free; when less than its
+            share is free, idle sessions holding more than theirs are ended first (they are told why).
         memory_cgroup: ``"auto"`` (use memory cgroups when running as root where one is writable; otherwise warn
             once), ``"required"`` (refuse to start without one) or ``"off"``.
         output_limit_bytes: bytes kept per stream (stdout, stderr); the rest is dropped and a marker added.
@@ -444,6 +477,7 @@ class LocalSandbox:
         tmpfs_mb: int = 256,
         tmpfs_files: int = 16384,
         worker_memory_mb: int | None = None,
+        reserved_mb: int | None = None,
         memory_cgroup: str = "auto",
         output_limit_bytes: int = 64 * 1024,
         seccomp: bool = True,
@@ -472,8 +506,18 @@ class LocalSandbox:
             "fsize_bytes": max_file_mb << 20,
             "nofile": max_open_files,
         }
-        # Twice as many uid blocks as workers: a retired worker keeps its block while a fresh one takes another.
-        blocks = 2 * n
+        worker_mb = worker_memory_mb or 4 * memory_mb
+        reserved = reserved_mb or max(1, worker_mb // 8)
+        if not 1 <= reserved <= worker_mb // 2:
+            raise SandboxError(
+                f"reserved_mb must be between 1 and worker_memory_mb / 2 = {worker_mb // 2}, got {reserved}"
+            )
+        cap = _MemoryCap(memory_cgroup if self.isolated else "off", worker_mb << 20, reserved << 20)
+        #: Live sessions one worker admits, and the whole pool.
+        self.max_sessions_per_worker = cap.max_sessions
+        self.max_sessions = n * cap.max_sessions
+        self._size = n
+        blocks = n * (cap.max_sessions + 1)  # see DEFAULT_UID_BASE
         span = blocks * _UIDS_PER_WORKER
         if uid_base is None:
             uid_base = DEFAULT_UID_BASE + secrets.randbelow(_UID_RANGE // span) * span
@@ -492,7 +536,6 @@ class LocalSandbox:
             warnings.warn(msg, stacklevel=2)
             log.warning(msg)
             self._tmp_dir = tempfile.TemporaryDirectory(prefix="agentrl-unsafe-sandbox-")
-        cap = _MemoryCap(memory_cgroup if self.isolated else "off", (worker_memory_mb or 4 * memory_mb) << 20)
         self._settings = _Settings(
             mode=mode,
             python=python,
@@ -508,32 +551,41 @@ class LocalSandbox:
         )
         self._free_blocks = [uid_base + b * _UIDS_PER_WORKER for b in range(blocks)]
         self._next_index = 0
-        self._workers = [self._new_worker() for _ in range(n)]
+        self._workers: list[_Worker] = []
         self._retiring: list[_Worker] = []
+        self._refill()
         self._sessions: dict[str, _Session] = {}
         self._closed = False
         self._start_lock = asyncio.Lock()
         self._started = False
 
-    def _new_worker(self) -> _Worker:
-        index, self._next_index = self._next_index, self._next_index + 1
-        settings = self._settings
-        if self._tmp_dir is not None:
-            root = Path(self._tmp_dir.name) / str(index)
-            root.mkdir()
-            settings = _Settings(**{**settings.__dict__, "tmp_root": str(root)})
-        return _Worker(index, self._free_blocks.pop(0), settings)
+    def _refill(self) -> None:
+        """Bring the pool back to full strength: a fresh worker for every missing one that a free uid block
+        allows (by construction there always is one, see DEFAULT_UID_BASE)."""
+        while len(self._workers) < self._size and self._free_blocks:
+            index, self._next_index = self._next_index, self._next_index + 1
+            settings = self._settings
+            if self._tmp_dir is not None:
+                root = Path(self._tmp_dir.name) / str(index)
+                root.mkdir()
+                settings = _Settings(**{**settings.__dict__, "tmp_root": str(root)})
+            self._workers.append(_Worker(index, self._free_blocks.pop(0), settings))
 
     def _retire(self, worker: _Worker, reason: str) -> None:
-        """Take an unhealthy worker out of rotation: it keeps its live sessions; a fresh one replaces it."""
+        """Take an unhealthy worker out of rotation at once: it keeps serving its live sessions until they are
+        released; a fresh worker takes its place (or, failing that, the next request's :meth:`_refill`)."""
         if worker.retired or self._closed:
             return
-        log.warning("sandbox worker %d failed its health check (%s); replacing it", worker.index, reason)
         worker.retired = True
         if worker in self._workers:
-            self._workers[self._workers.index(worker)] = self._new_worker()
+            self._workers.remove(worker)
         self._retiring.append(worker)
-        self._reap_retired()
+        log.warning("sandbox worker %d failed its health check (%s); replacing it", worker.index, reason)
+        try:
+            self._refill()
+            self._reap_retired()
+        except Exception:  # noqa: BLE001 - the worker is out of rotation whatever happens here
+            log.exception("could not replace sandbox worker %d yet; the next request retries", worker.index)
 
     def _reap_retired(self) -> None:
         """Kill retired workers whose last session is gone and give their uid blocks back."""
@@ -543,7 +595,20 @@ class LocalSandbox:
             async def stop(w: _Worker = worker) -> None:
                 async with w.lock:
                     await w.kill()
+                # the block goes back only once nothing of it runs any more (a sandbox dies in the background)
+                deadline = time.monotonic() + _BLOCK_RETURN_S
+                while (busy := uid_processes(w.code_uids)) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                if busy:
+                    log.error(
+                        "processes %s of retired sandbox block %d survive; not reusing it",
+                        busy[:5],
+                        w.uid_base,
+                    )
+                    return
                 self._free_blocks.append(w.uid_base)
+                if not self._closed:
+                    self._refill()
 
             task = asyncio.get_running_loop().create_task(stop())
             self._settings.background.add(task)
@@ -604,11 +669,16 @@ class LocalSandbox:
         }
         start = time.monotonic()
         for _ in range(3):  # a worker that refuses (it failed its health check) is replaced; try the next
+            self._refill()
+            if sess is None and not self._workers:
+                return self._internal_error("no sandbox worker could be started", time.monotonic() - start)
             worker = sess.worker if sess is not None else min(self._workers, key=lambda w: w.load)
             worker.load += 1
             try:
                 lost = sess is not None and sess.generation != worker.generation and worker.alive
                 resp = await worker.call(payload, timeout_s)
+            except BlockBusy as exc:  # its uids are still in use: replace it by a worker with a free block
+                resp = {"refused": str(exc)}
             except (ConnectionError, SandboxUnavailable) as exc:  # the worker died, hung or cannot restart
                 log.warning("sandbox run failed: %s", exc)
                 return self._internal_error(str(exc), time.monotonic() - start)
@@ -622,7 +692,10 @@ class LocalSandbox:
             ):  # its kernel is gone (else the worker would have served it): move the session
                 worker.sessions.discard(sess.key)
                 self._reap_retired()
-                sess.worker = self._pick_session_worker()
+                try:
+                    sess.worker = self._pick_session_worker(moving=True)
+                except SandboxError as exc:
+                    return self._internal_error(str(exc), time.monotonic() - start)
                 sess.worker.sessions.add(sess.key)
                 sess.generation = -1  # its state is lost; say so
         else:
@@ -634,13 +707,19 @@ class LocalSandbox:
             sess.generation = worker.generation
         return self._to_result(resp, state_lost=lost)
 
-    def _pick_session_worker(self) -> _Worker:
-        worker = min(self._workers, key=lambda w: (len(w.sessions), w.load))
-        if len(worker.sessions) >= _UIDS_PER_WORKER - 1 - _STATELESS_UIDS:
+    def _pick_session_worker(self, moving: bool = False) -> _Worker:
+        """The worker for a new (or ``moving``) session: the least loaded one that admits another. Raises
+        SandboxError when the pool holds as many live sessions as it guarantees memory for."""
+        self._refill()
+        open_workers = [w for w in self._workers if len(w.sessions) < self.max_sessions_per_worker]
+        if len(self._sessions) - moving >= self.max_sessions or not open_workers:
             raise SandboxError(
-                f"too many open sandbox sessions ({len(self._sessions)}); release finished ones with release_session()"
+                f"the sandbox pool is full: {len(self._sessions)} live sessions, at most "
+                f"{self.max_sessions_per_worker} per worker, each guaranteed "
+                f"{self._settings.memory_cap.reserved_bytes >> 20} MiB; release finished sessions with "
+                "release_session(), or raise workers or worker_memory_mb, or lower reserved_mb"
             )
-        return worker
+        return min(open_workers, key=lambda w: (len(w.sessions), w.load))
 
     async def create_session(self) -> str:
         """Reserve a stateful session (its kernel starts on the first run) and return its id."""
@@ -736,6 +815,8 @@ class LocalSandbox:
             notes.append(self.messages.render(kind, **fields))
         if resp["reset"]:
             notes.append(self.messages.render("kernel_reset"))
+        if resp["evicted"] is not None:
+            notes.append(self.messages.render("evicted", **resp["evicted"]))
         return ExecResult(
             stdout=resp["stdout"],
             stderr=resp["stderr"],
@@ -755,6 +836,7 @@ _EVENT_FIELDS = {
     "cpu_limit": {},
     "signal": {"signal": str},
     "memory": {"memory_mb": int},
+    "worker_memory": {"limit_mb": int, "memory_mb": int, "worker_mb": int},
     "corrupted": {},
     "internal": {"detail": str},
 }
@@ -772,8 +854,15 @@ def _invalid_reply(resp: dict[str, Any]) -> str | None:
         "reset": bool,
         "files": dict,
     }
-    if set(resp) != {*expected, "exit_code", "display", "event", "error"}:
+    if set(resp) != {*expected, "exit_code", "display", "event", "error", "evicted"}:
         return f"fields {sorted(resp)}"
+    evicted = resp["evicted"]
+    if evicted is not None and not (
+        type(evicted) is dict
+        and set(evicted) == {"held_mb", "reserved_mb"}
+        and all(type(v) is int for v in evicted.values())
+    ):
+        return "evicted"
     for key, kind in expected.items():
         if type(resp[key]) is not kind:
             return f"{key} is {type(resp[key]).__name__}"

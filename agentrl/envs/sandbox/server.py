@@ -41,7 +41,13 @@ from fastapi.responses import JSONResponse
 
 from agentrl.cli_args import CommandSpec, parse, run, to_object
 from agentrl.envs.sandbox import fusion_api as api
-from agentrl.envs.sandbox.base import SandboxBackend, SandboxMessages, SandboxUnavailable, make_backend
+from agentrl.envs.sandbox.base import (
+    SandboxBackend,
+    SandboxError,
+    SandboxMessages,
+    SandboxUnavailable,
+    make_backend,
+)
 from agentrl.envs.sandbox.http_guard import ConnectionLimits, guarded_protocol
 
 log = logging.getLogger(__name__)
@@ -83,7 +89,18 @@ class SandboxServerConfig:
     max_connections: int = 1024
     """Connections open at once, all clients together; more are closed at once."""
     max_connections_per_client: int = 64
-    """Connections open at once from one client address; more are closed at once."""
+    """Connections open at once from one client (an address; all of loopback counts as one client, an IPv6
+    client is its /64). At a cap the oldest connection not being served is closed to make room."""
+    max_header_bytes: int = 64 * 1024
+    """Largest request head (request line and headers), bytes; larger ones get HTTP 431."""
+    min_bytes_per_s: float = 256.0
+    """Slowest a request's headers and body may arrive after the first second, bytes per second; slower
+    connections are closed."""
+    max_cells: int = 1024
+    """Most cells one ``/run_jupyter`` request may carry; more get HTTP 422."""
+    max_response_bytes: int = 16 << 20
+    """Output (stdout, stderr, display values, errors) one request may produce, bytes; a ``/run_jupyter``
+    request that reaches it runs no further cells and says so."""
     show_internal_errors: bool = False
     """Put internal details of sandbox failures in the answers (they are always logged)."""
     unsafe_no_isolation: bool = False
@@ -106,6 +123,9 @@ class SandboxServerConfig:
             "max_queue",
             "max_connections",
             "max_connections_per_client",
+            "max_header_bytes",
+            "max_cells",
+            "max_response_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -211,6 +231,8 @@ def create_app(backend: SandboxBackend, config: SandboxServerConfig | None = Non
     on shutdown. Serve it with :func:`uvicorn_config` to get the connection limits too."""
     config = config or SandboxServerConfig()
     slots = asyncio.Semaphore(config.max_concurrency)
+    # /run_jupyter requests beyond the sessions the pool admits wait here rather than fail
+    session_slots = asyncio.Semaphore(max(1, getattr(backend, "max_sessions", config.max_concurrency)))
     waiting = 0
 
     @asynccontextmanager
@@ -291,46 +313,72 @@ def create_app(backend: SandboxBackend, config: SandboxServerConfig | None = Non
     async def run_jupyter(req: api.RunJupyterRequest) -> api.RunJupyterResponse:
         total = within_limit("total_timeout", req.total_timeout)
         within_limit("cell_timeout", req.cell_timeout)
+        if len(req.cells) > config.max_cells:
+            raise HTTPException(
+                422,
+                [
+                    {
+                        "loc": ["body", "cells"],
+                        "msg": f"{len(req.cells)} cells exceed this server's limit of {config.max_cells}; send "
+                        "fewer or start the server with a higher max_cells",
+                        "type": "too_long",
+                    }
+                ],
+            )
         files, error = _decode_files(req.files)
         if error:
             return api.RunJupyterResponse(status="SandboxError", message=error)
-        start = time.monotonic()
-        cells: list[api.CellRunResult] = []
-        timed_out = False
-        fetched: dict[str, str] = {}
-        async with execution_slot():
-            session = await backend.create_session()
+        async with execution_slot(), session_slots:
             try:
-                for i, cell in enumerate(req.cells):
-                    left = total - (time.monotonic() - start)
-                    limit = min(left, req.cell_timeout) if req.cell_timeout > 0 else left
-                    if limit <= 0:
-                        timed_out = True
-                        break
-                    last = i == len(req.cells) - 1
-                    extra = _local_kwargs(files if i == 0 else {}, req.fetch_files if last else [])
-                    result = await backend.run(cell, session=session, timeout_s=limit, **extra)
-                    cells.append(api.cell_result(result))
-                    fetched.update(api.fetched_files(result))
-                    if result.status == "sandbox_error":
-                        return api.RunJupyterResponse(
-                            status="SandboxError", message=result.message, cells=cells
-                        )
-                    if result.status == "timeout":
-                        timed_out = True
-                        break
+                session = await backend.create_session()
+            except SandboxError as exc:
+                raise HTTPException(503, f"no sandbox session available: {exc}") from None
+            try:
+                return await _run_cells(backend, session, req, files, total, config.max_response_bytes)
             finally:
                 await backend.release_session(session)
-        driver = api.CommandRunResult(
-            status="TimeLimitExceeded" if timed_out else "Finished",
-            execution_time=time.monotonic() - start,
-            return_code=None if timed_out else 0,
-        )
-        return api.RunJupyterResponse(
-            status="Failed" if timed_out else "Success", message="", driver=driver, cells=cells, files=fetched
-        )
 
     return _Gate(app, config.max_body_bytes, config.token)  # type: ignore[return-value]
+
+
+async def _run_cells(
+    backend: SandboxBackend, session: str, req: api.RunJupyterRequest, files: dict, total: float, budget: int
+) -> api.RunJupyterResponse:
+    """Run a ``/run_jupyter`` request's cells in ``session`` until one times out, the sandbox fails, ``total``
+    seconds pass, or their output reaches ``budget`` bytes (then no further cell runs, and the answer says so)."""
+    start = time.monotonic()
+    cells: list[api.CellRunResult] = []
+    fetched: dict[str, str] = {}
+    timed_out, message, used = False, "", 0
+    for i, cell in enumerate(req.cells):
+        left = total - (time.monotonic() - start)
+        limit = min(left, req.cell_timeout) if req.cell_timeout > 0 else left
+        if limit <= 0:
+            timed_out = True
+            break
+        if used >= budget:
+            message = f"output budget of {budget} bytes reached: {len(req.cells) - i} cells were not run"
+            break
+        last = i == len(req.cells) - 1
+        extra = _local_kwargs(files if i == 0 else {}, req.fetch_files if last else [])
+        result = await backend.run(cell, session=session, timeout_s=limit, **extra)
+        cells.append(api.cell_result(result))
+        used += api.output_bytes(result)
+        fetched.update(api.fetched_files(result))
+        if result.status == "sandbox_error":
+            return api.RunJupyterResponse(status="SandboxError", message=result.message, cells=cells)
+        if result.status == "timeout":
+            timed_out = True
+            break
+    driver = api.CommandRunResult(
+        status="TimeLimitExceeded" if timed_out else "Finished",
+        execution_time=time.monotonic() - start,
+        return_code=None if timed_out else 0,
+    )
+    failed = timed_out or bool(message)
+    return api.RunJupyterResponse(
+        status="Failed" if failed else "Success", message=message, driver=driver, cells=cells, files=fetched
+    )
 
 
 def _decode_files(files: dict[str, str | None]) -> tuple[dict[str, bytes], str]:
@@ -355,9 +403,12 @@ def _local_kwargs(files: dict[str, bytes], fetch: list[str], memory_mb: int = -1
     return extra
 
 
-def uvicorn_config(app: Any, config: SandboxServerConfig) -> Any:
+def uvicorn_config(
+    app: Any, config: SandboxServerConfig, client_key: Callable[[str], str] | None = None
+) -> Any:
     """A ``uvicorn.Config`` serving ``app`` with ``config``'s connection limits (and no access log of uvicorn's
-    own, which would show a token sent in the path)."""
+    own, which would show a token sent in the path). ``client_key``: which client an address counts as (default
+    :func:`~agentrl.envs.sandbox.http_guard.client_key`)."""
     import uvicorn
 
     limits = ConnectionLimits(
@@ -365,7 +416,11 @@ def uvicorn_config(app: Any, config: SandboxServerConfig) -> Any:
         body_timeout_s=config.body_timeout_s,
         max_connections=config.max_connections,
         max_connections_per_client=config.max_connections_per_client,
+        max_header_bytes=config.max_header_bytes,
+        min_bytes_per_s=config.min_bytes_per_s,
     )
+    if client_key is not None:
+        limits.key = client_key
     return uvicorn.Config(
         app,
         host=config.host,
