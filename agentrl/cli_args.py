@@ -1,15 +1,18 @@
 """One command-line convention for every ``agentrl`` command: ``key=value`` arguments checked against a
 dataclass schema through OmegaConf.
 
-A command describes itself with a :class:`CommandSpec` (its schema dataclass, the valid values of its enum
-keys, aliases, and which key bare words fill) and calls :func:`run`, which handles ``--help``, parses, and
-turns every user mistake into one line on stderr and exit status 2:
+A command declares each of its keys once, as a dataclass field made by :func:`key`: type (the annotation),
+default, a one-line description, valid values and bounds, plus whatever else the command reads from the
+declaration (the trainer's per-device defaults, its verl mapping). Its :class:`CommandSpec` names the schema,
+aliases, which key bare words fill and the cross-field check; :func:`run` handles ``--help`` (every key with its
+default, valid values and description), parses, validates once, and turns every user mistake into one line on
+stderr and exit status 2:
 
 - keys are dotted (``actor.lr=1e-5``); a field typed as a dict takes any sub-key (``env_kwargs.limit=3``);
   values are OmegaConf values (``k=[1,2]``, ``x=null``); ``--key value``, ``--key=value`` and a bare
   ``--flag`` (for a bool) are accepted too, with dashes read as underscores;
 - an unknown key, an unknown value of an enum key or an unknown command names close matches
-  (``difflib``), else says where the full list is (``--help``);
+  (``difflib``), else says where the full list is (``--help``); a value out of its bounds names them;
 - a value of the wrong type names its key, the expected type and an example (the default);
 - a required key that is missing says so, with an example.
 
@@ -48,6 +51,55 @@ def suggest(word: str, options: Sequence[str], *, fallback: str = "", cutoff: fl
 
 def is_help(argv: Sequence[str]) -> bool:
     return any(a in HELP_FLAGS for a in argv)
+
+
+# ---------------------------------------------------------------- declaring keys
+_NO_DEFAULT: Any = dataclasses.MISSING
+
+
+def key(
+    default: Any = _NO_DEFAULT,
+    doc: str = "",
+    *,
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
+    min: float | None = None,  # noqa: A002 - the bound's natural name
+    gt: float | None = None,
+    max: float | None = None,  # noqa: A002
+    **extra: Any,
+) -> Any:
+    """Declare one config key as a dataclass field: its ``default`` (lists and dicts are copied per instance;
+    omit it, or pass ``omegaconf.MISSING``, for a required key), a one-line ``doc`` (shown by ``--help``),
+    ``choices`` (its valid values, or a function returning them, e.g. the registered env names; for a list
+    key, the valid values of its items) and bounds (``min`` <= value, ``gt`` < value, value <= ``max``), all
+    checked by :func:`parse`. ``extra`` entries are kept for the command's own use (:func:`declaration`),
+    e.g. the trainer's ``gpu=`` default and ``verl=`` key."""
+    meta = {"doc": doc, "choices": choices, "min": min, "gt": gt, "max": max, **extra}
+    if isinstance(default, (list, dict)):
+        value = default
+        return field(default_factory=lambda: type(value)(value), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def declaration(schema: type, dotted: str) -> Mapping[str, Any]:
+    """What :func:`key` declared for dotted key ``dotted`` of ``schema`` (empty for a plain field)."""
+    node: Any = schema
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            return {}
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return {}
+        if i == len(parts) - 1:
+            return fields[part].metadata
+        tp = _strip_optional(_hints(node).get(part, fields[part].type))
+        node = tp if dataclasses.is_dataclass(tp) else type(_default(fields[part]))
+    return {}
+
+
+def declarations(schema: type) -> dict[str, Mapping[str, Any]]:
+    """Every leaf key of ``schema`` with its declaration, in declaration order."""
+    return {k: declaration(schema, k) for k in schema_keys(schema)}
 
 
 # ---------------------------------------------------------------- schema introspection
@@ -146,7 +198,9 @@ class CommandSpec:
     ``positional``: the key that bare words (arguments without ``=``) fill; a list key takes several.
     ``examples``: an example value per required key, shown when it is missing. ``value_filters``:
     per-key rewrites of the raw text before OmegaConf reads it (``"1,2,4"`` -> ``"[1,2,4]"``).
-    ``usage``/``notes``: the first and the last lines of ``--help``.
+    ``check``: the cross-field rules, run once after every key's own declaration was checked; raises
+    :class:`UsageError`. ``usage``/``notes``: the first and the last lines of ``--help``. Valid values
+    belong in each key's declaration (:func:`key`); ``choices`` adds them for schemas with plain fields.
     """
 
     prog: str
@@ -157,17 +211,17 @@ class CommandSpec:
     positional: str | None = None
     examples: Mapping[str, str] = field(default_factory=dict)
     value_filters: Mapping[str, Callable[[str], str]] = field(default_factory=dict)
+    check: Callable[[DictConfig], None] | None = None
     notes: str = ""
 
     def keys(self) -> list[str]:
         return schema_keys(self.schema)
 
+
+
     def help_hint(self) -> str:
         return f" Run `{self.prog} --help` for every key."
 
-    def valid_values(self, key: str) -> list[str]:
-        values = self.choices[key]
-        return list(values() if callable(values) else values)
 
 
 def _canonical_key(spec: CommandSpec, key: str) -> str:
@@ -224,6 +278,22 @@ def _normalise(spec: CommandSpec, argv: Sequence[str]) -> tuple[list[str], list[
 def normalise(spec: CommandSpec, argv: Sequence[str]) -> list[str]:
     """``argv``'s ``key=value`` overrides with canonical keys (``--key value`` and aliases resolved)."""
     return _normalise(spec, argv)[0]
+
+
+def split_args(spec: CommandSpec, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(overrides, bare words)`` of ``argv``: the ``key=value`` overrides with canonical keys (``--key value``,
+    ``--key=value`` and aliases resolved, in order) and the arguments without ``=``."""
+    return _normalise(spec, argv)
+
+
+def value_of(spec: CommandSpec, argv: Sequence[str], name: str) -> str | None:
+    """The raw text ``argv`` gives key ``name`` (the last one wins, whichever spelling), or None."""
+    found = None
+    for token in normalise(spec, argv):
+        key, _, value = token.partition("=")
+        if key == name:
+            found = value
+    return found
 
 
 def _bare_error(spec: CommandSpec, word: str) -> UsageError:
@@ -304,16 +374,51 @@ def parse(spec: CommandSpec, argv: Sequence[str], *, base: DictConfig | None = N
         if OmegaConf.is_missing(cfg, key):
             eg = spec.examples.get(key)
             raise UsageError(f"{key} is required, e.g. {spec.prog} {eg or key + '=...'}")
-    for key in spec.choices:
-        value = OmegaConf.select(cfg, key)
-        if value is None:
-            continue
-        valid = spec.valid_values(key)
-        if str(value) not in valid:
-            raise UsageError(
-                f"{key}={value!r} is not valid.{suggest(str(value), valid)} Valid: {', '.join(valid)}"
-            )
+    check_values(spec, cfg)
+    if spec.check is not None:
+        spec.check(cfg)
     return cfg
+
+
+def check_values(spec: CommandSpec, cfg: DictConfig) -> None:
+    """Check every key against its declaration (valid values, bounds); raises :class:`UsageError` naming the
+    key, what is valid and the close matches. ``None`` (an optional key left unset) always passes."""
+    for key in spec.keys():
+        value = OmegaConf.select(cfg, key)
+        extra = spec.choices.get(key)
+        _check_value(key, OmegaConf.to_container(value) if OmegaConf.is_config(value) else value,
+                     declaration(spec.schema, key), extra() if callable(extra) else extra)
+
+
+def check_declared(obj: Any) -> None:
+    """Check a dataclass instance's fields against their :func:`key` declarations (for objects built in Python
+    rather than parsed); raises :class:`UsageError` like :func:`parse`."""
+    for f in dataclasses.fields(obj):
+        _check_value(f.name, getattr(obj, f.name), f.metadata)
+
+
+def _check_value(key: str, value: Any, meta: Mapping[str, Any], extra: Sequence[Any] | None = None) -> None:
+    if value is None:
+        return
+    valid = meta.get("choices") or extra
+    accept = meta.get("accept")  # values valid beyond the choices (e.g. an env given as module:Class)
+    if valid is not None and not (accept is not None and isinstance(value, str) and accept(value)):
+        valid = list(valid() if callable(valid) else valid)
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item not in valid and str(item) not in [str(v) for v in valid]:
+                shown = [str(v) for v in valid]
+                raise UsageError(f"{key}={item!r} is not valid.{suggest(str(item), shown)} Valid: {', '.join(shown)}")
+    low, above, high = meta.get("min"), meta.get("gt"), meta.get("max")
+    if (low is not None and value < low) or (above is not None and value <= above) or (
+        high is not None and value > high
+    ):
+        raise UsageError(f"{key} must be {_bounds(meta)}, got {value!r}")
+
+
+def _bounds(meta: Mapping[str, Any]) -> str:
+    """``>= 1``, ``> 0 and <= 1``: a declaration's bounds in words."""
+    parts = [f"{op} {meta[name]:g}" for name, op in (("min", ">="), ("gt", ">"), ("max", "<=")) if meta.get(name) is not None]
+    return " and ".join(parts)
 
 
 def _quote(word: str) -> str:
@@ -364,10 +469,11 @@ def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
 
 
 def help_text(spec: CommandSpec, *, docs: Mapping[str, str] | None = None) -> str:
-    """``usage``, then every key with its default (``(required)``), its valid values and a doc line
-    (``docs``, else the fields' attribute docstrings)."""
+    """``usage``, then every key with its default (``(required)``), its valid values and bounds, and its
+    description (``docs``, else the key's declaration, else the field's attribute docstring)."""
     defaults = OmegaConf.structured(spec.schema)
-    docs = {**field_docs(spec.schema), **(docs or {})}
+    declared = {k: m["doc"] for k, m in declarations(spec.schema).items() if m.get("doc")}
+    docs = {**field_docs(spec.schema), **declared, **(docs or {})}
     lines = [f"usage: {spec.usage}", "", "keys (key=value; dotted keys nest; lists as key=[a,b]):"]
     for key in spec.keys():
         if OmegaConf.is_missing(defaults, key):
@@ -376,8 +482,11 @@ def help_text(spec: CommandSpec, *, docs: Mapping[str, str] | None = None) -> st
             value = OmegaConf.select(defaults, key)
             shown = _show(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
         choices = ""
-        if key in spec.choices and not callable(spec.choices[key]):
-            choices = f"  [{', '.join(spec.valid_values(key))}]"
+        raw = declaration(spec.schema, key).get("choices") or spec.choices.get(key)
+        if raw is not None and not callable(raw):
+            choices = f"  [{', '.join(str(v) for v in raw)}]"
+        elif _bounds(declaration(spec.schema, key)):
+            choices = f"  [{_bounds(declaration(spec.schema, key))}]"
         doc = f"  # {docs[key]}" if docs and key in docs else ""
         lines.append(f"  {key} = {shown}{choices}{doc}")
     aliases = [f"{a} -> {t}" for a, t in spec.aliases.items()]
@@ -401,10 +510,12 @@ def run(
     *,
     help: Callable[[], str] | None = None,  # noqa: A002 - mirrors the flag
     prepare: Callable[[list[str]], list[str]] | None = None,
+    base: Callable[[list[str]], DictConfig | None] | None = None,
 ) -> int:
     """Entry point shared by the commands: ``--help`` prints help (exit 0); otherwise ``argv`` is parsed
-    (after ``prepare``) and ``body(cfg)`` runs. A :class:`UsageError` from parsing or from ``body`` prints
-    one line and returns 2; ``body``'s return value is the exit status."""
+    (after ``prepare``; over ``base(argv)`` when it gives a config, e.g. one saved by an earlier run) and
+    ``body(cfg)`` runs. A :class:`UsageError` from parsing or from ``body`` prints one line and returns 2;
+    ``body``'s return value is the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if is_help(args):
         print(help() if help else help_text(spec))
@@ -412,7 +523,7 @@ def run(
     try:
         if prepare is not None:
             args = prepare(args)
-        cfg = parse(spec, args)
+        cfg = parse(spec, args, base=base(args) if base is not None else None)
         return int(body(cfg) or 0)
     except UsageError as exc:
         return fail(spec.prog, str(exc))

@@ -93,8 +93,10 @@ def serve(items_path: str, port_file: str, delay: float) -> None:
     import uvicorn
 
     from agentrl.engines.server import create_app
-    from agentrl.evaluation.scripted import ScriptedEngine
     from agentrl.harmony import HarmonyFormat
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _scripted_engine import ScriptedEngine  # a test helper: the scripted model is not part of agentrl
 
     fmt = HarmonyFormat()
     items = json.loads(Path(items_path).read_text())

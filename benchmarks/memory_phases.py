@@ -7,9 +7,11 @@ script measures any checkout) with the trainer's phases wrapped:
 
 - ``model load``: ``agentrl.models.loading.load_model`` (GGUF de-quantisation for SmolLM2);
 - ``evaluation``: ``Trainer.evaluate`` (its rollouts included);
-- ``sft data`` / ``sft``: ``agentrl.train.sft.prepare_data`` / ``Trainer.cold_start`` (the SFT steps);
-- ``rollout`` / ``update``: the RL step's rollout and ``update_policy``;
-- ``checkpoint``: ``Trainer.save``; ``other``: everything else (imports, engine and env setup, summaries).
+- ``sft data`` / ``sft``: ``agentrl.train.sft.prepare_data`` / ``Trainer.cold_start`` or ``stages.sft_stage``
+  (the SFT steps);
+- ``rollout`` / ``update``: the RL step's rollout and ``update_policy`` or ``run_update``;
+- ``checkpoint``: ``Trainer.save`` or ``Checkpoints.save``; ``other``: everything else (imports, engine and env
+  setup, summaries).
 
 What "peak" is: the kernel's resident-set high-water mark of this process (``VmHWM``), read and reset
 (``/proc/self/clear_refs`` = 5) at every phase boundary, so each phase's figure is the exact peak RSS
@@ -216,6 +218,11 @@ TARGETS = [
     ("agentrl.train.trainer", "rollout", "rollout", ("evaluation",)),
     ("agentrl.train.trainer", "update_policy", "update", ()),
     ("agentrl.train.trainer", "Trainer.save", "checkpoint", ()),
+    # the trainer split into stages (agentrl.train.actor, stages, resume): the same phases
+    ("agentrl.train.actor", "load_model", "model load", ("model load",)),
+    ("agentrl.train.stages", "sft_stage", "sft", ()),
+    ("agentrl.train.trainer", "run_update", "update", ()),
+    ("agentrl.train.resume", "Checkpoints.save", "checkpoint", ()),
 ]
 
 

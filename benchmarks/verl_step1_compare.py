@@ -43,19 +43,19 @@ def rel_diff(a: float, b: float) -> float:
 
 def step_episodes(run_dir: str, step: int = 1):
     """The trajectories verl trained on at ``step`` and their GRPO group ids (ints, by prompt uid)."""
-    from agentrl.harmony.trajectory import Trajectory
+    from agentrl.rundir import load_trajectories
 
     files = sorted(glob.glob(os.path.join(run_dir, "trajectories", f"step_{step:06d}-*.jsonl")))
     if not files:
         raise SystemExit(f"no trajectories for step {step} under {run_dir}/trajectories (trainer.save_trajectories?)")
-    trajs = [Trajectory.from_json(line) for f in files for line in open(f, encoding="utf-8") if line.strip()]
+    trajs = [t for f in files for t in load_trajectories(f).records]
     uids: dict[str, int] = {}
-    groups = [uids.setdefault(str(t.metadata.get("group")), len(uids)) for t in trajs]
+    groups = [uids.setdefault(str(t.group), len(uids)) for t in trajs]
     return trajs, groups
 
 
 def verl_metrics(run_dir: str, step: int = 1) -> dict:
-    from agentrl.train.metrics import read_metrics
+    from agentrl.rundir import read_metrics
 
     for record in read_metrics(run_dir):
         if record["step"] == step:

@@ -90,7 +90,7 @@ def test_n_gpus_2_checkpoint_resumes_in_the_single_process_trainer(tmp_path):
     cfg = load_run_config([f"resume={run_dir}", "trainer.n_gpus=1", "trainer.total_steps=2"])
     trainer = Trainer(cfg)
     trainer.maybe_resume()
-    assert trainer.step == 1 and trainer.data_position == 2
+    assert trainer.state.step == 1 and trainer.state.data_position == 2
     params = dict(trainer.model.named_parameters())
     for name, tensor in saved_model.items():
         assert torch.equal(trainer.model.state_dict()[name], tensor), name
@@ -102,7 +102,7 @@ def test_n_gpus_2_checkpoint_resumes_in_the_single_process_trainer(tmp_path):
         assert torch.equal(state["exp_avg_sq"], moments["exp_avg_sq"]), name
         checked += 1
     assert checked == len([p for p in trainer.model.parameters() if p.requires_grad])
-    trainer.step = 0  # fit() resumes again from the checkpoint
+    trainer.state.step = 0  # fit() resumes again from the checkpoint
     summary = trainer.fit()
     assert summary["steps"] == 2
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

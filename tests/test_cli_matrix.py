@@ -1,16 +1,15 @@
 """The CLI convention, as a user meets it: every command x {--help, unknown key, bad value, unknown command},
-run as real ``agentrl`` subprocesses. Each error exits 2 with one line on stderr that names what was wrong
-and suggests the fix; nothing prints a traceback."""
+run through ``agentrl.cli.main`` in a child process (one child for all the cases: :func:`_cli_process.run_many`).
+Each error exits 2 with one line on stderr that names what was wrong and suggests the fix; nothing prints a
+traceback."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from _cli_process import run_many
 
 from agentrl.cli import COMMANDS
 
@@ -32,20 +31,17 @@ MATRIX: dict[str, tuple[list[str], str, list[str], str, list[str]]] = {
 }
 
 
-def agentrl(*argv: str) -> subprocess.CompletedProcess:
+def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
     env.pop("OPENAI_BASE_URL", None)
-    return subprocess.run(
-        [sys.executable, "-m", "agentrl.cli", *argv], capture_output=True, text=True, timeout=300, env=env, cwd=REPO
-    )
+    return env
 
 
-def _run_all(cases: list[list[str]]) -> list[subprocess.CompletedProcess]:
-    with ThreadPoolExecutor(4) as pool:
-        return list(pool.map(lambda argv: agentrl(*argv), cases))
+def _run_all(cases: list[list[str]]) -> list:
+    return run_many(cases, env=_env(), cwd=str(REPO))
 
 
-def _one_line_error(proc: subprocess.CompletedProcess, label: str) -> str:
+def _one_line_error(proc, label: str) -> str:
     assert proc.returncode == 2, (label, proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr + proc.stdout, (label, proc.stderr)
     line = proc.stderr.strip()
@@ -58,7 +54,7 @@ def test_every_command_is_in_the_matrix():
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[tuple[str, str], subprocess.CompletedProcess]:
+def results(tmp_path_factory) -> dict:
     cases: dict[tuple[str, str], list[str]] = {}
     for name, (unknown, _, bad, _, typo) in MATRIX.items():
         words = name.split()
@@ -66,6 +62,9 @@ def results() -> dict[tuple[str, str], subprocess.CompletedProcess]:
         cases[(name, "unknown_key")] = [*words, *unknown]
         cases[(name, "bad_value")] = [*words, *bad]
         cases[(name, "unknown_command")] = [*typo, *unknown[:1]]
+    cases.update({("extra", str(i)): argv for i, argv in enumerate(EXTRA)})
+    failed_start = tmp_path_factory.mktemp("eval") / "run"
+    cases[("failed_start", str(failed_start))] = ["eval", "env=gsmk", "model=http://127.0.0.1:9/v1", f"out={failed_start}"]
     procs = _run_all(list(cases.values()))
     return dict(zip(cases, procs, strict=True))
 
@@ -97,19 +96,21 @@ def test_unknown_command_suggests_the_command(results, name):
     assert f"Did you mean: {name}" in line, line
 
 
-def test_values_and_groups():
-    procs = _run_all(
-        [
-            ["serve", "model", "model=tiny-gpt-oss", "format=harmoni"],
-            ["eval", "env=gsm8k", "model=http://127.0.0.1:9/v1", "api=chatt"],
-            ["eval", "env=gsmk", "model=http://127.0.0.1:9/v1"],
-            ["eval", "env=gsm8k"],
-            ["serve"],
-            ["serve", "--help"],
-            ["--help"],
-            ["view", "runs/x", "limit"],
-        ]
-    )
+#: more cases, run in the same child as the matrix
+EXTRA = [
+    ["serve", "model", "model=tiny-gpt-oss", "format=harmoni"],
+    ["eval", "env=gsm8k", "model=http://127.0.0.1:9/v1", "api=chatt"],
+    ["eval", "env=gsmk", "model=http://127.0.0.1:9/v1"],
+    ["eval", "env=gsm8k"],
+    ["serve"],
+    ["serve", "--help"],
+    ["--help"],
+    ["view", "runs/x", "limit"],
+]
+
+
+def test_values_and_groups(results):
+    procs = [results[("extra", str(i))] for i in range(len(EXTRA))]
     assert "Did you mean: harmony?" in _one_line_error(procs[0], "enum value")
     assert "Did you mean: chat?" in _one_line_error(procs[1], "enum value")
     assert "Did you mean: gsm8k?" in _one_line_error(procs[2], "env name")
@@ -120,9 +121,8 @@ def test_values_and_groups():
     assert "Did you mean limit=...?" in _one_line_error(procs[7], "bare word")
 
 
-def test_failed_eval_start_writes_nothing(tmp_path):
-    """`env=gsmk` is refused before anything is written; the corrected command then starts cleanly."""
-    out = tmp_path / "run"
-    proc = agentrl("eval", "env=gsmk", "model=http://127.0.0.1:9/v1", f"out={out}")
+def test_failed_eval_start_writes_nothing(results):
+    """`env=gsmk` is refused before anything is written."""
+    ((key, proc),) = [(k, p) for k, p in results.items() if k[0] == "failed_start"]
     _one_line_error(proc, "typo env")
-    assert not out.exists()
+    assert not Path(key[1]).exists()

@@ -46,7 +46,7 @@ def test_agentrl_train_n_gpus_2_runs_saves_and_resumes_under_torchrun(tmp_path):
     _torchrun(args + ["trainer.total_steps=1"], tmp_path)
     episodes = (run_dir / "trajectories" / "step_000001.jsonl").read_text().splitlines()
     assert len(episodes) == 4  # both ranks' episodes, written once by rank 0
-    assert len({json.loads(e)["metadata"]["task"]["prompt"] for e in episodes}) == 2
+    assert len({json.loads(e)["task"]["prompt"] for e in episodes}) == 2
     import torch
 
     saved = torch.load(run_dir / "checkpoints" / "step_000001" / "model.pt", weights_only=True)

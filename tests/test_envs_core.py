@@ -245,7 +245,7 @@ def test_every_malformed_action_becomes_an_observation(fmt):
     assert not term and not trunc
     obs, r, term, trunc, info = env.step(final(fmt, env.task["answer"]))
     assert term and r < 1.0  # right answer minus the error penalty
-    counts = info["trajectory"].metadata["errors"]
+    counts = info["trajectory"].errors
     assert {
         "parse_error",
         "truncation",

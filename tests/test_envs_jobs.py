@@ -298,5 +298,5 @@ def test_every_jobs_task_kind_is_solvable_through_the_api(service):
         answer = _solve(lambda ids: env.step(ids)[0], task)
         _, r, term, trunc, info = env.step(final(answer))
         assert (r, term) == (1.0, True), (task, answer)
-        assert info["trajectory"].metadata["errors"] == {}
+        assert info["trajectory"].errors == {}
     env.close()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from agentrl.envs.builtin.retool import TIERS, TOOL_OPS, TOOL_TEMPLATES, ReToolEnv, make_problem, split_of
-from agentrl.train.tasks import TaskSource, task_identity
+from agentrl.envs.task_source import TaskSource, task_identity
 
 
 def _run(code: str) -> str:

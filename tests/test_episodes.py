@@ -10,6 +10,7 @@ import json
 import re
 
 import pytest
+from _scripted_engine import ScriptedEngine
 
 import agentrl.envs.registry as registry
 from agentrl.engines.base import Completion, SamplingParams
@@ -24,7 +25,6 @@ from agentrl.episodes import (
     collect,
     run_episode,
 )
-from agentrl.evaluation.scripted import ScriptedEngine
 from agentrl.harmony import HarmonyFormat, Message, Trajectory
 
 FMT = HarmonyFormat()
@@ -83,13 +83,20 @@ def _register():
     registry.register(ENV, f"{__name__}:ParityEnv")
 
 
+#: what each caller records about who ran an episode and how (the rest is the episode itself); ``task`` is the
+#: task as the caller loaded it (a task file's loader adds an ``id``)
+_CALLER_FIELDS = ("task", "task_id", "group", "sample", "policy_version", "sampling", "model", "api", "requests",
+                  "latency_s", "usage", "logprobs_missing", "metadata")
+
+
 def _core(traj: Trajectory) -> dict:
     """Everything a trajectory records about the episode, minus wall-clock latencies and caller bookkeeping."""
     data = traj.to_dict()
     for turn in data["turns"]:
         for rec in turn["tools"]:
             rec["latency_s"] = 0.0
-    data["stop_reason"] = data.pop("metadata").get("stop_reason")
+    for name in _CALLER_FIELDS:
+        data.pop(name)
     return data
 
 
@@ -121,19 +128,20 @@ def _trainer_trajectories(tmp_path) -> tuple[list[dict], list[Trajectory]]:
         f"run_dir={tmp_path / 'train'}",
     ])
     trainer = Trainer(cfg)
-    trainer.engine = _TrainerEngine(trainer.format, script)
+    trainer.actor.engine = _TrainerEngine(trainer.format, script)
 
     async def go():
-        pool = EnvPool(trainer._make_env, 4)
+        pool = EnvPool(trainer.make_env, 4)
         try:
             await trainer.evaluate(pool)
         finally:
             await pool.aclose()
 
     asyncio.run(go())
-    tasks = [task for _, task in trainer.eval_tasks()]
-    saved = (tmp_path / "train" / "trajectories" / "eval_step_000000.jsonl").read_text().splitlines()
-    return tasks, [Trajectory.from_json(line) for line in saved]
+    tasks = [task for _, task in trainer.heldout.items]
+    saved = (tmp_path / "train" / "eval" / "before" / "trajectories.jsonl").read_text().splitlines()
+    by_item = {t.task_id: t for t in map(Trajectory.from_json, saved)}
+    return tasks, [by_item[item] for item, _ in trainer.heldout.items]
 
 
 async def _eval_trajectories(tmp_path, url: str, tasks: list[dict], api: str) -> list[Trajectory]:
@@ -148,7 +156,7 @@ async def _eval_trajectories(tmp_path, url: str, tasks: list[dict], api: str) ->
     by_item = {}
     for line in (out / "trajectories.jsonl").read_text().splitlines():
         traj = Trajectory.from_json(line)
-        by_item[traj.metadata["item_id"]] = traj
+        by_item[traj.task_id] = traj
     return [by_item[str(i)] for i in range(len(tasks))]
 
 
@@ -212,7 +220,7 @@ def test_trainer_eval_verl_and_agent_give_identical_trajectories(tmp_path):
     # the episodes are what the script says: real tool results, the error taxonomy, the turn limit
     for task, traj in zip(tasks, trainer, strict=True):
         kind = task["prompt"].split(":")[0]
-        assert traj.metadata["stop_reason"] == {"add": "answer", "ghost": "answer", "loop": "turn_limit"}[kind]
+        assert traj.stop_reason == {"add": "answer", "ghost": "answer", "loop": "turn_limit"}[kind]
         assert traj.reward == (0.0 if kind == "loop" else 1.0)
         assert traj.turns[0].tools[0].error == ("unknown_tool" if kind == "ghost" else None)
         assert 0 in traj.response_mask and 1 in traj.response_mask
@@ -310,7 +318,7 @@ async def test_time_limit_stops_a_slow_policy():
     result = await run_episode(env, Slow(), task={"prompt": "add: 1 and 2", "answer": "3"},
                                limits=EpisodeLimits(time_s=0.2))
     assert result.stop_reason == "time_limit" and result.wall_s < 5 and result.steps == []
-    assert result.trajectory.metadata["stop_reason"] == "time_limit" and not result.trajectory.terminated
+    assert result.trajectory.stop_reason == "time_limit" and not result.trajectory.terminated
     await env.aclose()
 
 
@@ -336,8 +344,8 @@ async def test_collect_keeps_failed_episodes_and_replaces_their_env():
     ok, boom = results
     assert ok.usable and ok.trajectory.reward == 1.0 and ok.task_id == "ok" and not ok.has_logprobs
     assert not boom.usable and boom.stop_reason == "error" and "policy exploded" in boom.error
-    assert boom.trajectory.metadata["rollout_error"] == boom.error and boom.trajectory.prompt_ids
-    assert ok.trajectory.metadata["stop_reason"] == "answer"  # the earlier episode's record is untouched
+    assert boom.trajectory.error == boom.error and boom.trajectory.prompt_ids
+    assert ok.trajectory.stop_reason == "answer"  # the earlier episode's record is untouched
     assert len(made) == 2 and sorted(r.task_id for r in finished) == ["boom", "ok"]
 
 

@@ -10,6 +10,7 @@ import math
 import re
 
 import pytest
+from _scripted_engine import ScriptedEngine
 
 from agentrl.data import dataset_path
 from agentrl.engines.base import SamplingParams
@@ -17,7 +18,6 @@ from agentrl.engines.server import BackgroundServer, create_app
 from agentrl.envs.tasks import load_gsm8k
 from agentrl.evaluation import EvalConfig, Evaluation
 from agentrl.evaluation.cli import main as eval_main
-from agentrl.evaluation.scripted import ScriptedEngine
 from agentrl.harmony import HarmonyFormat, Message, Trajectory
 
 DATA = dataset_path("gsm8k")
@@ -94,7 +94,7 @@ async def test_eval_gsm8k_pass_at_k_is_known(endpoint, tasks, tmp_path):
         traj.response_ids
     )
     assert traj.turns[0].parsed.final.startswith("The answer is")
-    assert traj.metadata["correct"] == (traj.reward == 1.0) and traj.metadata["answer"] is not None
+    assert traj.correct == (traj.reward == 1.0) and traj.final_answer is not None
     assert Trajectory.from_json(traj.to_json()).to_dict() == traj.to_dict()
 
 
@@ -123,7 +123,7 @@ async def test_eval_over_chat_completions_gives_the_same_numbers(endpoint, tasks
     for key, value in expected(tasks).items():
         assert metrics[key] == pytest.approx(value, abs=1e-12), key
     traj = Trajectory.from_json((tmp_path / "chat" / "trajectories.jsonl").read_text().splitlines()[0])
-    assert traj.metadata["api"] == "chat" and traj.metadata["gen_tokens"] > 0
+    assert traj.api == "chat" and traj.usage["completion_tokens"] > 0
 
 
 async def test_eval_over_two_processes_gives_the_same_numbers(endpoint, tasks, tmp_path):

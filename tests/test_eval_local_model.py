@@ -21,7 +21,7 @@ async def test_eval_local_tiny_model(tmp_path):
     for t in trajs:
         t.validate()
         assert all(lp < 0 for lp in t.rollout_logprobs)  # sampled by a real model: probabilities below 1
-        assert t.metadata["api"] == "completions" and not t.metadata["correct"]
+        assert t.api == "completions" and not t.correct
     # a random model cut after 4 tokens never stops on its own: every episode is a truncation, not a parse error
     assert metrics["errors"]["truncation"] == 4 and metrics["errors"]["parse_error"] == 0
     assert metrics["pass@1"] == 0.0

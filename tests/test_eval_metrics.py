@@ -71,9 +71,8 @@ def test_default_ks():
 
 
 def _traj(reward, tools=(), parse_errors=0, truncated=False, answer=None, latency=1.0):
-    parsed = ParsedTurn(errors=[ParseError(ParseErrorKind.BAD_JSON, "bad")] * parse_errors)
+    parsed = ParsedTurn(errors=[ParseError(ParseErrorKind.MALFORMED, "bad")] * parse_errors)
     turn = TurnRecord((0, 3), (3, 5), parsed, [ToolRecord("python", {}, "out", 0.1, e) for e in tools])
-    meta = {"latency_s": latency, "answer": answer}
     return Trajectory(
         [1, 2],
         [3, 4, 5, 6, 7],
@@ -82,7 +81,8 @@ def _traj(reward, tools=(), parse_errors=0, truncated=False, answer=None, latenc
         reward,
         turns=[turn],
         truncated=truncated,
-        metadata=meta,
+        latency_s=latency,
+        metadata={"answer": answer},
     )
 
 
@@ -90,7 +90,7 @@ def test_summary_report_counts_tools_errors_and_latency():
     t1 = _traj(1.0, tools=[None, "tool_timeout"], answer="4", latency=1.0)
     t2 = _traj(0.0, tools=["unknown_tool"], parse_errors=1, truncated=True, answer="5", latency=3.0)
     assert episode_stats(t2)["errors"] == {"parse_error": 1, "unknown_tool": 1, "truncation": 1}
-    m = summarize({"item": [t1, t2]}, [1, 2])
+    m = summarize({"item": [t1, t2]}, [1, 2], answer=lambda t: t.metadata["answer"])
     assert m["pass@1"] == 0.5 and m["pass@2"] == 1.0 and m["mean@2"] == 0.5
     assert m["maj@2"] == 0.5  # a 1-1 tie between "4" (right) and "5" (wrong)
     assert m["tool_calls_per_episode"] == 1.5
@@ -109,7 +109,7 @@ def test_summary_report_counts_tools_errors_and_latency():
 
 def test_env_error_counts_are_used_once_and_truncation_is_not_a_parse_error():
     t = _traj(0.0, tools=["unknown_tool"])
-    t.metadata["errors"] = {"unknown_tool": 1}  # what the env writes at the end of the episode
+    t.errors = {"unknown_tool": 1}  # what the env writes at the end of the episode
     assert episode_stats(t)["errors"] == {"unknown_tool": 1}
     cut = Trajectory(
         [1],

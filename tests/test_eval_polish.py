@@ -15,12 +15,15 @@ from agentrl.harmony.trajectory import Trajectory
 from agentrl.harmony.types import Message
 
 
-def _traj(answer_key: bool, answer=None, correct=False) -> Trajectory:
+def _traj(answer=None, correct=False) -> Trajectory:
     t = Trajectory(prompt_ids=[1], response_ids=[2], response_mask=[1], rollout_logprobs=[0.0])
-    t.metadata["correct"] = correct
-    if answer_key:
-        t.metadata["answer"] = answer
+    t.reward = float(correct)
+    t.metadata["answer"] = answer  # what a test answer function below reads
     return t
+
+
+def _answer(t: Trajectory):
+    return t.metadata["answer"]
 
 
 def test_comparable_answers_by_rubric():
@@ -37,13 +40,13 @@ def test_comparable_answers_by_rubric():
 
 
 def test_maj_at_k_is_reported_when_answers_compare_even_if_none_was_given():
-    no_answers = {"a": [_traj(True), _traj(True)], "b": [_traj(True), _traj(True)]}
-    m = summarize(no_answers, [1, 2])
+    no_answers = {"a": [_traj(), _traj()], "b": [_traj(), _traj()]}
+    m = summarize(no_answers, [1, 2], answer=_answer)
     assert m["maj@1"] == 0.0 and m["maj@2"] == 0.0
-    free_text = {"a": [_traj(False), _traj(False)]}
-    assert "maj@1" not in summarize(free_text, [1, 2])
-    voted = {"a": [_traj(True, "4", True), _traj(True, "4", True), _traj(True, "5")]}
-    assert summarize(voted, [3])["maj@3"] == 1.0
+    free_text = {"a": [_traj(), _traj()]}
+    assert "maj@1" not in summarize(free_text, [1, 2])  # no answer function: answers do not compare
+    voted = {"a": [_traj("4", True), _traj("4", True), _traj("5")]}
+    assert summarize(voted, [3], answer=_answer)["maj@3"] == 1.0
 
 
 def test_compare_warns_when_runs_differ_in_env_or_items():

@@ -41,7 +41,7 @@ def test_tool_episode_masks_logprobs_and_records():
     assert traj.response_mask == [1] * len(c1) + [0] * len(obs) + [1] * len(c2)
     assert traj.rollout_logprobs[: len(c1)] == [-0.25] * len(c1)
     assert traj.rollout_logprobs[len(c1) :] == [0.0] * (len(obs) + len(c2))
-    assert traj.metadata["logprobs_missing"] is True and traj.metadata["num_segments"] == 1
+    assert traj.logprobs_missing is True and traj.num_segments == 1
     assert [t.model_span for t in traj.turns] == [(0, len(c1)), (len(c1) + len(obs), len(traj.response_ids))]
     assert traj.turns[0].env_span == (len(c1), len(c1) + len(obs)) and traj.turns[0].tools[0].result == "4"
     assert traj.turns[1].parsed.final == "It is 4." and traj.reward == 1.0 and traj.terminated

@@ -8,11 +8,11 @@ import asyncio
 import json
 
 import pytest
+from _scripted_engine import ScriptedEngine
 
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.openai_engine import ChatClient, ChatResult, Endpoint, EndpointError, OpenAIEngine
 from agentrl.engines.server import BackgroundServer, create_app
-from agentrl.evaluation.scripted import ScriptedEngine
 from agentrl.harmony import HarmonyFormat, Message
 
 FMT = HarmonyFormat()

@@ -9,12 +9,12 @@ import json
 import warnings
 
 import pytest
+from _scripted_engine import ScriptedEngine
 
 import agentrl.envs.registry as registry
 from agentrl.engines.server import BackgroundServer, create_app
 from agentrl.envs import AgentEnv, RewardErrorWarning
 from agentrl.episodes import EnvPool, EpisodeJob, collect
-from agentrl.evaluation.scripted import ScriptedEngine
 from agentrl.harmony import HarmonyFormat, Message, Trajectory
 
 FMT = HarmonyFormat()
@@ -49,10 +49,10 @@ def test_step_returns_scores_zero_records_and_warns():
     assert info["reward_error"].startswith("ZeroDivisionError: division by zero")
     assert "reward_error" in info["errors"]
     traj = info["trajectory"]
-    assert traj.metadata["reward_error"] == info["reward_error"]
-    assert traj.metadata["errors"] == {"reward_error": 1} and traj.reward == 0.0 and traj.response_ids
+    assert traj.reward_error == info["reward_error"]
+    assert traj.errors == {"reward_error": 1} and traj.reward == 0.0 and traj.response_ids
     # the record survives serialisation (what eval and the trainer write)
-    assert Trajectory.from_json(traj.to_json()).metadata["reward_error"] == info["reward_error"]
+    assert Trajectory.from_json(traj.to_json()).reward_error == info["reward_error"]
     env.close()
 
 
@@ -111,6 +111,6 @@ def test_eval_writes_the_trajectories_and_reports_the_errors(tmp_path):
         metrics = asyncio.run(go())
     lines = (out / "trajectories.jsonl").read_text().splitlines()
     assert len(lines) == 4  # every completion kept
-    assert all(json.loads(line)["metadata"]["reward_error"].startswith("ZeroDivisionError") for line in lines)
+    assert all(json.loads(line)["reward_error"].startswith("ZeroDivisionError") for line in lines)
     assert metrics["errors"]["reward_error"] == 4 and metrics["mean_reward"] == 0.0
     assert dict(rows(metrics))["errors/reward_error per ep"] == 1.0

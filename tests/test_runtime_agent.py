@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from _scripted_engine import ScriptedEngine
 
 import agentrl.envs as envs
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.server import BackgroundServer, create_app
-from agentrl.evaluation.scripted import ScriptedEngine
 from agentrl.harmony import HarmonyFormat, Message
 from agentrl.runtime import Agent, Done, TextDelta, ToolEvent
 
@@ -64,7 +64,7 @@ async def test_agent_answers_with_the_real_python_tool(endpoint):
     assert result.requests == 2 and result.usage["completion_tokens"] > 0
     traj = result.trajectory
     traj.validate()
-    assert traj.terminated and traj.metadata["api"] == "chat" and result.reward is None
+    assert traj.terminated and traj.api == "chat" and result.reward is None
 
 
 async def test_agent_stream_events_and_scored_task(endpoint):

@@ -10,19 +10,16 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from agentrl.envs.builtin.retool import ReToolEnv  # noqa: E402
+from agentrl.envs import TeacherError  # noqa: E402
+from agentrl.envs.builtin.gsm8k import GSM8KEnv  # noqa: E402
+from agentrl.envs.builtin.retool import ReToolEnv, ReToolScriptedTeacher  # noqa: E402
 from agentrl.envs.sandbox import SandboxError, make_backend  # noqa: E402
 from agentrl.harmony import ChatTemplateFormat, Message, Trajectory  # noqa: E402
+from agentrl.rundir import RunDirError  # noqa: E402
 from agentrl.train.batch import collate  # noqa: E402
 from agentrl.train.sft import SFTStage, sft_loss  # noqa: E402
-from agentrl.train.sft_data import load_trajectories  # noqa: E402
-from agentrl.train.teachers import (  # noqa: E402
-    ReToolScriptedTeacher,
-    TeacherError,
-    generate_demonstrations,
-    keep_trajectory,
-    scripted_teacher,
-)
+from agentrl.train.sft_data import keep_trajectory, load_trajectories  # noqa: E402
+from agentrl.train.teachers import generate_demonstrations, scripted_teacher  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +67,7 @@ async def test_scripted_demonstrations_are_token_exact_with_real_tool_outputs(fm
     assert demos.kept == demos.episodes == len(tasks) and demos.failed == 0
     for task, traj in zip(tasks, demos.trajectories, strict=True):
         traj.validate()
-        assert traj.metadata["task"]["key"] == task["key"] and traj.reward == 1.0 and traj.terminated
+        assert traj.task["key"] == task["key"] and traj.reward == 1.0 and traj.terminated
         # the prompt is exactly what the env renders for the task
         env = ReToolEnv(format=fmt, sandbox=sandbox)
         obs, _ = await env.areset(options={"task": task})
@@ -100,7 +97,7 @@ async def test_wrong_programs_are_filtered_and_teacher_errors(fmt, sandbox):
     tasks = ReToolEnv.tasks("train", n=2, seed=4)
     tasks[1] = {**tasks[1], "code": "print(1/0)"}  # a failing program: a real traceback from the sandbox
     demos = await generate_demonstrations(lambda: ReToolEnv(format=fmt, sandbox=sandbox), ReToolScriptedTeacher(), tasks)
-    assert demos.kept == 1 and demos.trajectories[0].metadata["task"]["key"] == tasks[0]["key"]
+    assert demos.kept == 1 and demos.trajectories[0].task["key"] == tasks[0]["key"]
     everything = await generate_demonstrations(
         lambda: ReToolEnv(format=fmt, sandbox=sandbox), ReToolScriptedTeacher(), tasks, correct_only=False
     )
@@ -109,8 +106,8 @@ async def test_wrong_programs_are_filtered_and_teacher_errors(fmt, sandbox):
         await generate_demonstrations(
             lambda: ReToolEnv(format=fmt, sandbox=sandbox), ReToolScriptedTeacher(), [{"prompt": "1+1?", "answer": "2"}]
         )
-    with pytest.raises(TeacherError, match="no scripted teacher.*retool"):
-        scripted_teacher("gsm8k")
+    with pytest.raises(TeacherError, match="GSM8KEnv has no scripted teacher"):
+        scripted_teacher(GSM8KEnv)
 
 
 async def test_sft_loss_only_on_model_tokens(fmt, sandbox, tiny_llama):
@@ -164,12 +161,11 @@ async def test_sft_stage_schedule_and_learning(fmt, sandbox, tiny_llama):
     assert losses[-1] < losses[0] * 0.9
 
 
-def _traj(reward, correct=None, mask=(1, 0, 1), meta=None):
+def _traj(reward, correct=None, mask=(1, 0, 1)):
     t = Trajectory(prompt_ids=[1, 2], response_ids=[3, 4, 5], response_mask=list(mask), rollout_logprobs=[0.0] * 3)
     t.reward = reward
     if correct is not None:
         t.reward_components = {"correct": correct}
-    t.metadata.update(meta or {})
     return t
 
 
@@ -178,7 +174,9 @@ def test_filters_and_trajectory_files(tmp_path):
     assert not keep_trajectory(_traj(1.2, 0.0), correct_only=True)  # a bonus without the right answer
     assert not keep_trajectory(_traj(0.5), min_reward=0.6) and keep_trajectory(_traj(0.5), min_reward=0.5)
     assert not keep_trajectory(_traj(1.0, mask=(0, 0, 0)))  # nothing to learn from
-    assert not keep_trajectory(_traj(1.0, meta={"rollout_error": "boom"}))
+    failed = _traj(1.0)
+    failed.error = "RuntimeError: boom"
+    assert not keep_trajectory(failed)
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
     lines = [_traj(1.0, 1.0).to_json(), _traj(0.0, 0.0).to_json(), "{torn line", _traj(1.0, 1.0).to_json()]
@@ -193,7 +191,7 @@ def test_filters_and_trajectory_files(tmp_path):
     assert counts["read"] == 4 and len(kept) == 3
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         load_trajectories(str(eval_dir), vocab_size=4)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(RunDirError, match="does not exist"):
         load_trajectories(str(tmp_path / "missing.jsonl"))
-    with pytest.raises(FileNotFoundError, match="neither trajectories.jsonl"):
+    with pytest.raises(RunDirError, match="neither trajectories.jsonl"):
         load_trajectories(str(tmp_path))

@@ -8,7 +8,7 @@ import os
 import signal
 
 import pytest
-from _cli_process import finish_cli, start_cli
+from _cli_process import run_here, start_cli
 
 from agentrl.cli import main as cli_main
 
@@ -43,7 +43,7 @@ def test_help_and_errors(capsys):
 def test_sft_run_resume_and_load_as_model(tmp_path):
     torch = pytest.importorskip("torch")
     ref, killed = tmp_path / "ref", tmp_path / "killed"
-    out = finish_cli(start_cli("sft", [*ARGS, f"run_dir={ref}"]), timeout=900)
+    out = run_here("sft", [*ARGS, f"run_dir={ref}"])  # the uninterrupted run (no process boundary to test)
     summary = json.loads(ref.joinpath("summary.json").read_text())
     assert summary["sft"]["steps"] == 3 and summary["sft"]["data"]["kept"] == 4
     assert {"eval_before", "eval_after_sft", "eval_after"} <= set(summary)
@@ -61,7 +61,7 @@ def test_sft_run_resume_and_load_as_model(tmp_path):
     assert proc.returncode == -signal.SIGKILL, "".join(seen)
     assert (killed / "checkpoints" / "latest").read_text() == "sft_000002"
 
-    out = finish_cli(start_cli("sft", [f"resume={killed}"]), timeout=900)
+    out = run_here("sft", [f"resume={killed}"])
     assert "resumed from" in out and "sft 3/3" in out and "sft 1/3" not in out
     steps = [json.loads(line)["step"] for line in (killed / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]

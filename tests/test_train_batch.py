@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from agentrl.envs.builtin.retool import ReToolEnv
+from agentrl.envs.task_source import TaskSource, arithmetic_task
 from agentrl.harmony.trajectory import Trajectory
 from agentrl.train.batch import collate
-from agentrl.train.tasks import TaskSource, arithmetic_task
 
 
 def test_collate_layout_and_reward_placement():
@@ -66,7 +66,7 @@ def test_arithmetic_answers_are_right(level):
 def test_boxed_bonus_adds_a_component():
     from types import SimpleNamespace
 
-    from agentrl.train.tasks import with_boxed_bonus
+    from agentrl.envs.rewards import with_boxed_bonus
 
     reward = with_boxed_bonus(lambda ctx: (1.0, {"correct": 1.0}), 0.25)
     assert reward(SimpleNamespace(final="so \\boxed{12}")) == (1.25, {"correct": 1.0, "boxed": 1.0})

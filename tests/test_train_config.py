@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from agentrl.rundir import RunDirError
 from agentrl.train.cli import load_run_config, main
 from agentrl.train.config import ConfigError, all_keys, build_config, help_text
 
@@ -59,8 +60,22 @@ def test_resume_uses_saved_config_plus_overrides(tmp_path):
     cfg = load_run_config([f"resume={run}", "trainer.total_steps=6"])
     assert cfg.env == "gsm8k" and cfg.actor.lr == 3e-6 and cfg.trainer.total_steps == 6
     assert cfg.run_dir == str(run) and cfg.resume == str(run)
-    with pytest.raises(ConfigError, match="no config.yaml"):
+    # --resume DIR is resume=DIR (the README's `--key value` works everywhere)
+    dashed = load_run_config(["--resume", str(run), "--trainer.total_steps", "6"])
+    assert OmegaConf.to_container(dashed) == OmegaConf.to_container(cfg)
+    with pytest.raises(RunDirError, match="config.yaml is missing"):
         load_run_config([f"resume={tmp_path / 'missing'}"])
+
+
+@pytest.mark.parametrize(("content", "expected"), [("", "is empty"), ("env: [unclosed\n", "not a readable config")])
+def test_damaged_saved_config_is_one_line_and_exit_2(tmp_path, capsys, content, expected):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text(content)
+    assert main([f"--resume={run}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and "config.yaml" in err and "\n" not in err
+    assert (run / "config.yaml").read_text() == content  # nothing overwritten
 
 
 def test_cli_unknown_env_and_model_suggest(tmp_path, capsys):
@@ -92,7 +107,7 @@ def test_run_dir_holding_a_run_needs_resume_or_overwrite(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- defaults per device
 def test_gpu_and_verl_runs_do_not_inherit_the_cpu_defaults():
-    from agentrl.train.config import DEVICE_DEFAULTS, DEVICE_KEYS, TrainConfig
+    from agentrl.train.config import DEVICE_KEYS, TrainConfig, profile_values
 
     schema = OmegaConf.structured(TrainConfig)
     cpu = build_config(["env=retool"])
@@ -100,7 +115,7 @@ def test_gpu_and_verl_runs_do_not_inherit_the_cpu_defaults():
         assert OmegaConf.select(cpu, key) == OmegaConf.select(schema, key), key
     for argv, profile in ((["device=cuda"], "cuda"), (["backend=verl", "model=Qwen/Qwen3-8B"], "verl")):
         cfg = build_config(["env=retool", *argv])
-        for key, value in DEVICE_DEFAULTS[profile].items():
+        for key, value in profile_values("gpu").items():  # one profile for both: declared once per key
             assert OmegaConf.select(cfg, key) == value, key
             if key != "rollout.temperature":  # the CPU run samples at 1.0 as well (GRPO needs varied groups)
                 assert value != OmegaConf.select(schema, key), f"{profile} should not share the CPU value of {key}"
@@ -136,4 +151,4 @@ def test_the_start_line_names_the_profile_and_what_was_set():
     cpu = build_config(["env=retool"])
     assert describe_device_defaults(cpu).startswith(f"device=cpu defaults: actor.lr={cpu.actor.lr!r} ")
     assert "(set)" not in describe_device_defaults(cpu)
-    assert "cuda: actor.lr=1e-06" in help_text()
+    assert "(device=cuda) or a verl run (backend=verl): " in help_text() and "actor.lr=1e-06" in help_text()

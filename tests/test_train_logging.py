@@ -13,9 +13,9 @@ import torch
 from agentrl.episodes import EpisodeResult
 from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
 from agentrl.harmony.types import ParsedTurn, ParseError, ParseErrorKind
-from agentrl.models.checkpoints import latest_checkpoint, list_checkpoints
+from agentrl.rundir import latest_checkpoint, list_checkpoints, read_metrics
 from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
-from agentrl.train.metrics import MetricsSink, episode_metrics, mean_and_sem, read_metrics
+from agentrl.train.metrics import MetricsSink, episode_metrics, mean_and_sem
 from agentrl.train.plots import PANELS
 from agentrl.train.plots import main as plot_main
 

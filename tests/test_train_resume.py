@@ -1,5 +1,5 @@
-"""A training run SIGKILLed after its step-2 checkpoint resumes exactly: step count, data position and
-the sampled token streams continue as in an uninterrupted run."""
+"""A training run SIGKILLed after its step-2 checkpoint resumes exactly (``--resume DIR``, the same as
+``resume=DIR``): step count, data position and the sampled token streams continue as in an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import os
 import signal
 
-from _cli_process import finish_cli, start_cli
+from _cli_process import run_here, start_cli
 
 ARGS = [
     "env=gsm8k", "model=tiny-gpt-oss", "rollout.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=6",
@@ -19,7 +19,7 @@ ARGS = [
 
 def _responses(run, step):
     with open(run / "trajectories" / f"step_{step:06d}.jsonl") as f:
-        return [(json.loads(line)["metadata"]["task_id"], json.loads(line)["response_ids"]) for line in f]
+        return [(json.loads(line)["task_id"], json.loads(line)["response_ids"]) for line in f]
 
 
 def _state(run):
@@ -29,7 +29,7 @@ def _state(run):
 
 def test_killed_run_resumes_exactly(tmp_path):
     ref, killed = tmp_path / "ref", tmp_path / "killed"
-    finish_cli(start_cli("train", [*ARGS, f"run_dir={ref}"]), timeout=600)
+    run_here("train", [*ARGS, f"run_dir={ref}"])  # the uninterrupted run (no process boundary to test)
 
     proc = start_cli("train", [*ARGS, f"run_dir={killed}"])
     seen = []
@@ -42,7 +42,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     assert proc.returncode == -signal.SIGKILL, "".join(seen)
     assert _state(killed)["step"] in (2, 3)  # at most the step in flight is lost
 
-    out = finish_cli(start_cli("train", [f"resume={killed}"]), timeout=600)
+    out = run_here("train", ["--resume", str(killed)])  # == resume=DIR
     assert "resumed from" in out
     state = _state(killed)
     assert state["step"] == 4 and state["data_position"] == 4 * 2 == _state(ref)["data_position"]

@@ -98,6 +98,6 @@ def test_collect_overlaps_tools_and_survives_failures():
     assert boom.trajectory.reward == 1.0  # the model read the error and still answered
     failed = by_id["raise"]
     assert not failed.usable and "engine failure" in failed.error
-    assert failed.trajectory.metadata["rollout_error"] == failed.error
+    assert failed.trajectory.error == failed.error
     m = episode_metrics(result.episodes)
     assert m["episode/rollout_errors"] == 1.0 and m["episode/tool_error_rate"] == 1 / 3

@@ -62,9 +62,9 @@ def test_on_policy_step_has_ratio_exactly_one(tmp_path):
                 "episode/tool_calls_mean", "episode/tool_error_rate", "episode/parse_error_rate",
                 "actor/entropy", "rollout_corr/k3_kl", "rollout_corr/logprob_abs_diff_max",
                 "timing_s/gen", "timing_s/tools", "timing_s/update_actor", "perf/gen_tokens_per_s",
-                "perf/train_tokens_per_s", "eval/critic/score/mean"):
+                "perf/train_tokens_per_s", "eval/mean_reward"):
         assert key in step, key
-    assert "eval/critic/score/mean" in records[0]
+    assert "eval/mean_reward" in records[0] and "eval/pass@1" in records[0]
     assert any(not torch.equal(before[k], v) for k, v in trainer.model.named_parameters())
     run = tmp_path / "onpolicy"
     assert (run / "config.yaml").exists() and (run / "summary.json").exists()
@@ -107,3 +107,80 @@ def test_wall_time_budget_stops_after_a_step_with_final_eval(tmp_path):
     assert summary["steps"] == 1 and summary["stopped_early_by_max_wall_s"]
     assert summary["eval_after"]["step"] == 1
     assert (tmp_path / "budget" / "checkpoints" / "step_000001" / "state.json").exists()
+
+
+# ---------------------------------------------------------------------------- one real `agentrl train` run
+TRAIN_RUN = ["train", "env=retool", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "rollout.batch_size=2",
+             "rollout.n=2", "rollout.max_new_tokens=8", "eval.num_tasks=3", "sft.steps=0", "trainer.total_steps=1",
+             "trainer.progress=false", "trainer.tensorboard=false", "threads=1",
+             "env_kwargs.sandbox_kwargs.workers=1"]
+
+
+@pytest.fixture(scope="module")
+def retool_run(tmp_path_factory):
+    """`agentrl train` on retool (a tiny GPT-OSS, one RL step, three held-out tasks), as a user runs it."""
+    from agentrl.cli import main
+
+    run = tmp_path_factory.mktemp("retool") / "run"
+    assert main([*TRAIN_RUN, f"run_dir={run}"]) == 0
+    return run
+
+
+def test_agentrl_eval_on_the_run_reproduces_eval_after(retool_run, tmp_path):
+    from agentrl import rundir
+    from agentrl.cli import main
+    from agentrl.evaluation.metrics import headline
+
+    assert main(["eval", "env=retool", f"model={retool_run}", f"out={tmp_path / 'eval'}", "progress=false"]) == 0
+    summary = json.loads((retool_run / "summary.json").read_text())
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert summary["eval_after"] == {"step": 1, **headline(metrics)}
+    assert metrics["episodes"] == 3 and metrics["env"] == "retool"
+    # the same problems, token for token: the run's held-out episodes after its last step
+    ours = {t.task_id: t for t in rundir.load_trajectories(tmp_path / "eval").records}
+    run_eval = rundir.load_trajectories(retool_run / "eval" / "step_000001").records
+    assert len(run_eval) == 3
+    for t in run_eval:
+        assert (ours[t.task_id].prompt_ids, ours[t.task_id].response_ids) == (t.prompt_ids, t.response_ids)
+        assert ours[t.task_id].rollout_logprobs == t.rollout_logprobs
+
+
+def test_viewer_shows_the_gap_heat_map_of_real_training_output(retool_run, tmp_path):
+    from agentrl.cli import main
+    from agentrl.viewer.html import build_payload, load_trajectories
+
+    assert main(["view", str(retool_run), f"out={tmp_path / 'view.html'}"]) == 0  # `agentrl view runs/<run>`
+    page = (tmp_path / "view.html").read_text()
+    assert page.count('"has_gap":true') == 4 and page.count('"has_gap":false') == 6  # trained vs held-out
+
+    items, problems = load_trajectories(retool_run)
+    assert not problems
+    trained = [(s, t) for s, t in items if s.startswith("trajectories/step_")]
+    assert len(trained) == 4 and all(t.train_logprobs is not None and t.policy_version == 0 for _, t in trained)
+    payload = build_payload(trained, None)
+    assert all(r["has_gap"] and r["max_gap"] is not None for r in payload)
+    # the recorded train-side log-probs are the update's: within float noise of the sampler's (fp32, on-policy)
+    assert all(r["max_gap"] < 1e-3 for r in payload)
+
+
+class BrokenEnv(ParityEnv):
+    """Every episode fails: its reward raises."""
+
+    def reward(self, ctx):
+        raise RuntimeError(f"grader down for {ctx.task['id']}")
+
+
+def test_failure_budget_stops_after_consecutive_all_failed_steps(tmp_path, capsys):
+    from agentrl.cli import main
+
+    registry.register("broken-test", f"{__name__}:BrokenEnv")
+    argv = [a for a in BASE if not a.startswith("env=")]
+    code = main(["train", "env=broken-test", *argv, "model_kwargs.num_layers=1", "eval.num_tasks=0",
+                 "trainer.total_steps=5", "trainer.max_failed_steps=2", "trainer.tensorboard=false",
+                 f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "\n" not in err, err
+    assert "every episode failed in 2 consecutive steps (trainer.max_failed_steps=2)" in err
+    assert "the first exception: step 1, task train-0: RuntimeError: grader down" in err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]

@@ -156,8 +156,7 @@ def test_weight_versions_reach_verl_and_episodes_are_saved(tmp_path):
     assert len(lines) == 2
     saved = Trajectory.from_json(lines[0])
     assert saved.response_ids == [2, 3] and saved.reward == 1.0
-    assert {k: saved.metadata[k] for k in ("task_id", "group", "global_steps")} == \
-        {"task_id": "t7", "group": "u-1", "global_steps": 3}
+    assert (saved.task_id, saved.group, saved.policy_version) == ("t7", "u-1", 3)
     # an unwritable directory is logged, never raised: the episode still reaches verl
     (tmp_path / "file").write_text("")
     save_trajectory(str(tmp_path / "file" / "sub"), traj, row, policy.server_fields)

@@ -90,7 +90,7 @@ def test_dataset_follows_the_embedded_trainers_task_source(tmp_path):
     import pyarrow.parquet as pq
 
     from agentrl.envs import env_class
-    from agentrl.train.tasks import TaskSource
+    from agentrl.envs.task_source import TaskSource
     from agentrl.train.verl_backend.agent_loop import parse_spec
     from agentrl.train.verl_backend.dataset import write_env_dataset
 

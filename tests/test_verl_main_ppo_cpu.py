@@ -87,8 +87,8 @@ def test_verl_main_ppo_trains_checkpoints_and_resumes_on_cpu(tmp_path):
     for step in (1, 2):  # every episode, 2 tasks x 2 samples a step, with the weights it was sampled with
         lines = [json.loads(x) for f in (run / "trajectories").glob(f"step_{step:06d}-*.jsonl")
                  for x in f.read_text().splitlines()]
-        assert len(lines) == 4 and {x["metadata"]["global_steps"] for x in lines} == {step - 1}
-        assert len({x["metadata"]["group"] for x in lines}) == 2
+        assert len(lines) == 4 and {x["policy_version"] for x in lines} == {step - 1}
+        assert len({x["group"] for x in lines}) == 2
 
     assert (run / "hydra" / ".hydra" / "overrides.yaml").is_file()  # Hydra's record, in the run directory
     assert not (cwd / "outputs").exists()  # and not in ./outputs of wherever the run was started

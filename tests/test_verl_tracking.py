@@ -26,7 +26,7 @@ def test_verl_tracking_writes_our_jsonl_and_tensorboard(tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from verl.utils.tracking import Tracking
 
-    from agentrl.train.metrics import read_metrics
+    from agentrl.rundir import read_metrics
 
     assert "agentrl" in Tracking.supported_backend  # registered by the plugin on `import verl`
     run = tmp_path / "run"
@@ -54,7 +54,7 @@ def test_verl_tracking_writes_our_jsonl_and_tensorboard(tmp_path, capsys):
 
 
 def test_a_resumed_run_rewrites_the_steps_after_its_checkpoint(tmp_path):
-    from agentrl.train.metrics import read_metrics
+    from agentrl.rundir import read_metrics
 
     run = tmp_path / "run"
     first = _tracking(run)

@@ -60,7 +60,7 @@ async def _episodes() -> list[Trajectory]:
         await env.astep(FMT.render_completion([Message("assistant", "\\boxed{5}", channel="final")]))
         traj = env.trajectory
         traj.rollout_logprobs = [(-0.5 if m else 0.0) for m in traj.response_mask]
-        traj.metadata["train_logprobs"] = [
+        traj.train_logprobs = [
             (-0.5 - 0.01 * (i % 7) if m else 0.0) for i, m in enumerate(traj.response_mask)
         ]
         out.append(traj)
@@ -85,14 +85,14 @@ def run_dir(tmp_path_factory):
 
 def test_load_and_cli(run_dir, capsys):
     items, problems = load_trajectories(run_dir)
-    assert [t.metadata["task"]["id"] for _, t in items] == ["r1", "r2", "g1"]
+    assert [t.task["id"] for _, t in items] == ["r1", "r2", "g1"]
     assert len(problems) == 1 and problems[0]["source"] == "trajectories.jsonl:4"
     assert main([str(run_dir), f"out={run_dir / 'view.html'}"]) == 0
     assert "3 trajectories, 1 unreadable lines" in capsys.readouterr().out
     page = (run_dir / "view.html").read_text()
     assert "<b>bold</b>" not in page  # model/user text is escaped inside the JSON
     assert "http://" not in page and "https://" not in page  # nothing to fetch: opens offline
-    assert main([str(run_dir / "missing.jsonl")]) == 1
+    assert main([str(run_dir / "missing.jsonl")]) == 2  # one line: the path does not exist
     assert main([str(run_dir), f"out={run_dir / 'two.html'}", "limit=2"]) == 0
     assert "2 trajectories" in capsys.readouterr().out
 
@@ -138,7 +138,7 @@ def test_viewer_in_headless_chromium(run_dir, tmp_path):
             page.select_option("#f-error", "unknown_tool")
             assert rows.count() == 1
             page.select_option("#f-error", "")
-            page.select_option("#f-env", "GSM8KEnv")
+            page.select_option("#f-env", "gsm8k")
             assert rows.count() == 1
             page.select_option("#f-env", "")
             page.fill("#f-rmin", "1")

@@ -36,6 +36,19 @@ class Completion:
     routing: Any = None
 
 
+class AsyncClosing:
+    """``async with obj:`` gives ``obj`` and closes it on exit (``await obj.aclose()``)."""
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Release what the object holds (subclasses)."""
+
+
 class EngineAborted(RuntimeError):
     """Generation was stopped because the engine is shutting down (e.g. the server got SIGTERM)."""
 

@@ -209,13 +209,18 @@ class CompletionChoice(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """What every completion response carries besides its ``object`` kind and ``choices``."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ToolCallOut(BaseModel):
@@ -250,13 +255,9 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage
     prompt_token_ids: list[int] | None = None
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from agentrl.engines.base import Completion, SamplingParams
+from agentrl.engines.base import AsyncClosing, Completion, SamplingParams
 from agentrl.http_retry import RETRY_STATUSES, RetryableStatus, retrying
 
 #: Connections per httpx pool (see the module docstring).
@@ -64,7 +64,7 @@ def _error_text(resp: httpx.Response) -> str:
     return str(err)[:500]
 
 
-class Endpoint:
+class Endpoint(AsyncClosing):
     """One OpenAI-compatible base URL: auth, bounded concurrency, retries with backoff.
 
     Use as an async context manager or call :meth:`aclose`. ``timeout_s`` bounds each attempt.
@@ -107,12 +107,6 @@ class Endpoint:
         self._load = [0] * pools
         self._model_lock = asyncio.Lock()
         self.retries_done = 0
-
-    async def __aenter__(self) -> Endpoint:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         for client in self._clients:
@@ -280,24 +274,22 @@ def parse_completion_choice(choice: dict[str, Any]) -> Completion:
     )
 
 
-class OpenAIEngine:
+class _EndpointClient(AsyncClosing):
+    """A client of one :class:`Endpoint` (given, or built from ``endpoint_kwargs``), closed with it."""
+
+    def __init__(self, endpoint: Endpoint | None = None, **endpoint_kwargs: Any):
+        self.endpoint = endpoint or Endpoint(**endpoint_kwargs)
+
+    async def aclose(self) -> None:
+        await self.endpoint.aclose()
+
+
+class OpenAIEngine(_EndpointClient):
     """A :class:`~agentrl.engines.base.RolloutEngine` backed by an OpenAI-compatible completions API.
 
     One request per prompt (bounded by the endpoint's concurrency), so a slow or retried prompt never
     holds up the others. ``stop_token_ids`` and ``top_k`` are sent as the vLLM extensions of those names.
     """
-
-    def __init__(self, endpoint: Endpoint | None = None, **endpoint_kwargs: Any):
-        self.endpoint = endpoint or Endpoint(**endpoint_kwargs)
-
-    async def __aenter__(self) -> OpenAIEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self.endpoint.aclose()
 
     def _body(self, model: str, prompt: Sequence[int], s: SamplingParams) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -355,23 +347,11 @@ class ChatResult:
         return self.message.get("tool_calls") or []
 
 
-class ChatClient:
+class ChatClient(_EndpointClient):
     """Chat completions with tools against any OpenAI-compatible endpoint.
 
     ``sampling`` keys (``temperature``, ``max_tokens``, ``top_p``, ``seed``...) are passed through.
     """
-
-    def __init__(self, endpoint: Endpoint | None = None, **endpoint_kwargs: Any):
-        self.endpoint = endpoint or Endpoint(**endpoint_kwargs)
-
-    async def __aenter__(self) -> ChatClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        await self.endpoint.aclose()
 
     async def _body(self, messages, tools, sampling: dict[str, Any], stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {"model": await self.endpoint.model(), "messages": list(messages), **sampling}

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from agentrl.cli_args import CommandSpec, UsageError, run
+from agentrl.cli_args import CommandSpec, UsageError, key, run
 
 FORMATS = ("auto", "harmony", "chat_template")
 DEVICES = ("cpu", "cuda")
@@ -23,41 +23,26 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass
 class ServeModelConfig:
-    """``model``: a built-in name (``tiny-gpt-oss``, ``smollm2-135m``), a directory with ``config.json``
-    (a trained checkpoint), or a hub id. ``format``: the chat format (``auto``: Harmony for GPT-OSS, the
-    model's chat template otherwise). ``max_tokens``: the default limit of chat requests without one."""
+    """The keys of ``agentrl serve model``, each declared once (:func:`agentrl.cli_args.key`)."""
 
-    model: str
-    """A built-in name, a model directory (a trained checkpoint) or a hub id."""
-    format: str = "auto"
-    """Chat format: auto (Harmony for GPT-OSS, else the model's chat template), harmony, chat_template."""
-    host: str = "127.0.0.1"
-    """Address to bind (0.0.0.0 serves other machines; then set api_key)."""
-    port: int = 8000
-    """TCP port (0: any free port, printed in the ready line)."""
-    served_model_name: str | None = None
-    """Model id reported by /v1/models (default: the model's name)."""
-    api_key: str | None = None
-    """Require `Authorization: Bearer KEY` (default: $AGENTRL_API_KEY if set)."""
-    max_tokens: int = 1024
-    """Default completion limit of chat requests that set none."""
-    device: str | None = None
-    """cpu or cuda (default: cpu)."""
-    dtype: str = "float32"
-    """Weights dtype: float32, bfloat16, float16."""
-    seed: int = 0
-    """Seed of the sampler (requests may pass their own seed)."""
-    max_batch_size: int = 64
-    """Most sequences sampled in one batch."""
-    timeout_graceful_shutdown_s: float = 2.0
-    """Seconds open connections get to finish after SIGTERM."""
+    model: str = key(doc="a built-in name (tiny-gpt-oss, smollm2-135m), a model directory, a run directory or a hub id")
+    format: str = key("auto", "chat format: auto (Harmony for GPT-OSS, else the model's chat template)", choices=FORMATS)
+    host: str = key("127.0.0.1", "address to bind (0.0.0.0 serves other machines; then set api_key)")
+    port: int = key(8000, "TCP port (0: any free port, printed in the ready line)", min=0, max=65535)
+    served_model_name: str | None = key(None, "model id reported by /v1/models (default: the model's name)")
+    api_key: str | None = key(None, "require `Authorization: Bearer KEY` (default: $AGENTRL_API_KEY if set)")
+    max_tokens: int = key(1024, "default completion limit of chat requests that set none", min=1)
+    device: str | None = key(None, "cpu or cuda (default: cpu)", choices=DEVICES)
+    dtype: str = key("float32", "weights dtype", choices=DTYPES)
+    seed: int = key(0, "seed of the sampler (requests may pass their own seed)")
+    max_batch_size: int = key(64, "most sequences sampled in one batch", min=1)
+    timeout_graceful_shutdown_s: float = key(2.0, "seconds open connections get to finish after SIGTERM", min=0)
 
 
 SPEC = CommandSpec(
     prog="agentrl serve model",
     schema=ServeModelConfig,
     usage="agentrl serve model model=NAME_OR_DIR [port=8000] [key=value ...]",
-    choices={"format": FORMATS, "device": DEVICES, "dtype": DTYPES},
     examples={"model": "model=smollm2-135m"},
     notes=(
         "Serves /v1/completions (token ids in, token ids + log-probs out), /v1/chat/completions (tools,\n"

@@ -215,6 +215,35 @@ class TransformersEngine:
         return out
 
     @torch.no_grad()
+    def _pack(self, prompts: list[list[int]], shared: int, width: int) -> tuple[torch.Tensor, ...]:
+        """``(input_ids, attention_mask, position_ids)``, ``[B, width]`` int64: the shared prefix at the left,
+        then each row's suffix right-aligned (padding sits between them)."""
+        device, batch = self.device, len(prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
+        attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+        positions = torch.zeros((batch, width), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):
+            row = torch.tensor(p, dtype=torch.long, device=device)
+            input_ids[i, :shared] = row[:shared]
+            input_ids[i, width - (len(p) - shared) :] = row[shared:]
+            attention[i, :shared] = 1
+            attention[i, width - (len(p) - shared) :] = 1
+            positions[i, :shared] = torch.arange(shared, device=device)
+            positions[i, width - (len(p) - shared) :] = torch.arange(shared, len(p), device=device)
+        return input_ids, attention, positions
+
+    def _sample(self, logits: torch.Tensor, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next id of each row of ``logits`` ``[B, V]`` fp32 and its log-prob (see the module docstring)."""
+        if sampling.temperature > 0:
+            scaled = logits / sampling.temperature
+            logp_all = torch.log_softmax(scaled, dim=-1)
+            probs = torch.softmax(_filter_logits(scaled, sampling.top_k, sampling.top_p), dim=-1)
+            next_ids = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        else:
+            logp_all = torch.log_softmax(logits, dim=-1)
+            next_ids = logits.argmax(dim=-1)
+        return next_ids, logp_all.gather(-1, next_ids[:, None]).squeeze(-1)
+
     def _generate_chunk(
         self, prompts: list[list[int]], sampling: SamplingParams, on_token: Callable[[int, int], None] | None = None
     ) -> list[Completion]:
@@ -229,18 +258,7 @@ class TransformersEngine:
         batch = len(prompts)
         shared = self._shared_prefix_len(prompts)
         width = shared + max(len(p) - shared for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long, device=device)
-        attention = torch.zeros((batch, width), dtype=torch.long, device=device)
-        positions = torch.zeros((batch, width), dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):
-            # shared prefix at the left, then this row's suffix right-aligned (padding sits between them)
-            row = torch.tensor(p, dtype=torch.long, device=device)
-            input_ids[i, :shared] = row[:shared]
-            input_ids[i, width - (len(p) - shared) :] = row[shared:]
-            attention[i, :shared] = 1
-            attention[i, width - (len(p) - shared) :] = 1
-            positions[i, :shared] = torch.arange(shared, device=device)
-            positions[i, width - (len(p) - shared) :] = torch.arange(shared, len(p), device=device)
+        input_ids, attention, positions = self._pack(prompts, shared, width)
         stop = torch.tensor(sorted(set(sampling.stop_token_ids)) or [-1], dtype=torch.long, device=device)
 
         tokens: list[list[int]] = [[] for _ in range(batch)]
@@ -277,17 +295,7 @@ class TransformersEngine:
                     logits_to_keep=1,
                 )
                 cache = out.past_key_values
-                logits = out.logits[:, -1, :].float()
-                if sampling.temperature > 0:
-                    scaled = logits / sampling.temperature
-                    logp_all = torch.log_softmax(scaled, dim=-1)
-                    filtered = _filter_logits(scaled, sampling.top_k, sampling.top_p)
-                    probs = torch.softmax(filtered, dim=-1)
-                    next_ids = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-                else:
-                    logp_all = torch.log_softmax(logits, dim=-1)
-                    next_ids = logits.argmax(dim=-1)
-                next_logp = logp_all.gather(-1, next_ids[:, None]).squeeze(-1)
+                next_ids, next_logp = self._sample(out.logits[:, -1, :].float(), sampling)
                 ids_list = next_ids.tolist()
                 lp_list = next_logp.tolist()
                 is_stop = torch.isin(next_ids, stop).tolist()

@@ -21,12 +21,14 @@ Contract (generic like gymnasium's ``Env[ObsType, ActType]``: ``AgentEnv`` is an
   exceptions become observations the model can read and are recorded in the trajectory with an error
   kind (``parse_error``, ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``,
   ``truncation``). A reward function that raises does not reach the caller either: the episode is
-  scored 0, and the error is recorded (``trajectory.metadata["reward_error"]``, error kind
-  ``reward_error``, ``info["reward_error"]`` on the last step) and shown once per message as a
-  :class:`RewardErrorWarning`. Only API misuse raises (stepping a finished episode, mismatched log-probs).
-- ``env.trajectory`` is the token-exact :class:`~agentrl.harmony.trajectory.Trajectory`; the final step
-  also puts it in ``info["trajectory"]`` together with ``info["reward_components"]`` and
-  ``info["stop_reason"]`` (also in ``trajectory.metadata``): ``answer`` (a final answer), ``no_answer``
+  scored 0, and the error is recorded (``trajectory.reward_error``, error kind ``reward_error``,
+  ``info["reward_error"]`` on the last step) and shown once per message as a :class:`RewardErrorWarning`.
+  Only API misuse raises (stepping a finished episode, mismatched log-probs).
+- ``env.trajectory`` is the token-exact :class:`~agentrl.harmony.trajectory.Trajectory`, built with
+  :class:`~agentrl.harmony.TrajectoryBuilder` (the builder the token-exactness tests check); it records the
+  env's registered name (``env``), the task, and, when the episode ends, the error counts and the stop
+  reason. The final step also puts it in ``info["trajectory"]`` together with ``info["reward_components"]``
+  and ``info["stop_reason"]`` (also ``trajectory.stop_reason``): ``answer`` (a final answer), ``no_answer``
   (a single-turn env's action without one), ``tool_limit``, ``turn_limit`` or ``token_limit`` (the
   total-token budget, or a last completion cut before its stop token).
 - ``areset``/``astep`` are the async twins (tool calls of one action run concurrently); the sync methods
@@ -52,27 +54,22 @@ from typing import Any, ClassVar, Protocol, TypedDict, runtime_checkable
 import gymnasium
 import numpy as np
 
+from agentrl.envs import registry
 from agentrl.envs.rewards.base import RewardContext, Rubric
 from agentrl.envs.spaces import CompletionSpace, as_token_array, observation_space
 from agentrl.envs.tasks import load_task_file
 from agentrl.envs.tools.base import Tool
 from agentrl.envs.tools.dispatch import Sessions, ToolBox
+from agentrl.harmony.builder import TrajectoryBuilder
 from agentrl.harmony.factory import default_format
 from agentrl.harmony.format import ChatFormat
-from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
-from agentrl.harmony.types import Message, ParsedTurn, ParseErrorKind
-
-#: Parse-error kinds that map to a more specific entry of the error taxonomy (the rest are ``parse_error``).
-_PARSE_ERROR_KINDS = {
-    ParseErrorKind.TRUNCATED: "truncation",
-    ParseErrorKind.BAD_JSON: "bad_arguments",
-    ParseErrorKind.UNKNOWN_RECIPIENT: "unknown_tool",
-}
+from agentrl.harmony.trajectory import ToolRecord, Trajectory, parse_error_kind
+from agentrl.harmony.types import Message, ParsedTurn, ParseError, ParseErrorKind
 
 
 class RewardErrorWarning(RuntimeWarning):
     """Emitted (once per message) when an env's reward function raises: the episode is scored 0 and its
-    trajectory records the error as ``metadata["reward_error"]`` (error kind ``reward_error``)."""
+    trajectory records the error as ``reward_error`` (error kind ``reward_error``)."""
 
 
 class Observation(TypedDict):
@@ -96,6 +93,10 @@ class SampledCompletion(Protocol):
 #: One assistant completion, as ``step`` accepts it: token ids (a sequence or a 1-D integer array), text
 #: (encoded by the format, special-token text allowed), or a :class:`SampledCompletion`.
 ActionLike = Sequence[int] | np.ndarray | str | SampledCompletion
+
+
+class TeacherError(RuntimeError):
+    """A teacher cannot act on this env or task; the message says why and what to use instead."""
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,16 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self.trajectory: Trajectory | None = None
+        self._builder: TrajectoryBuilder | None = None
         self.task: dict[str, Any] | None = None
         self._done = True
         self._tool_calls = 0
+
+    @property
+    def env_name(self) -> str:
+        """The name this env's class is registered under (``agentrl.make`` / ``agentrl eval env=``), else its
+        class name; recorded in every trajectory as ``env``."""
+        return registry.name_of(type(self))
 
     # ----------------------------------------------------------------- hooks for subclasses
     def make_tools(self) -> list[Tool]:
@@ -227,6 +235,14 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         params = inspect.signature(cls.generate_task).parameters
         return {k: v for k, v in env_kwargs.items() if k in params and k not in ("rng", "split")}
 
+    @classmethod
+    def scripted_teacher(cls) -> Any | None:
+        """A scripted policy that demonstrates this env's tasks for supervised cold starts (``agentrl sft``,
+        ``sft.teacher=auto|scripted``): an :class:`agentrl.episodes.Policy` (``async act(episode) ->
+        actions``) whose actions go through the env like a model's. ``None`` (the default): the env has none.
+        A task it cannot solve raises :class:`TeacherError`."""
+        return None
+
     def prompt_messages(self, task: dict[str, Any]) -> list[Message]:
         """The conversation shown to the model for ``task`` (default: one user message, ``task["prompt"]``)."""
         return [Message(role="user", content=str(task["prompt"]))]
@@ -271,9 +287,9 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         self.task = task
         messages = self.prompt_messages(task)
         prompt = self.format.render_prompt(messages, self.toolbox.specs, instructions=self.instructions)
-        self.trajectory = Trajectory(
-            prompt_ids=list(prompt), metadata={"env": type(self).__name__, "task": task}
-        )
+        self._builder = TrajectoryBuilder(self.format, prompt, episode=True)
+        self.trajectory = self._builder.trajectory
+        self.trajectory.env, self.trajectory.task = self.env_name, task
         self._done = False
         self._tool_calls = 0
         self._errors: Counter[str] = Counter()
@@ -308,17 +324,10 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         if self._done or self.trajectory is None:
             raise RuntimeError("the episode is over (or was never started); call reset()/areset() first")
         ids, logprobs = self._action_ids(action)
-        traj = self.trajectory
-        start = len(traj.response_ids)
-        traj.response_ids.extend(ids)
-        traj.response_mask.extend([1] * len(ids))
-        traj.rollout_logprobs.extend(logprobs)
-        parsed = self._parse(ids)
-        turn = TurnRecord(
-            model_span=(start, len(traj.response_ids)), env_span=(start + len(ids),) * 2, parsed=parsed
-        )
-        traj.turns.append(turn)
-        errors = [_PARSE_ERROR_KINDS.get(e.kind, "parse_error") for e in parsed.errors]
+        traj, builder = self.trajectory, self._builder
+        assert builder is not None
+        parsed = builder.add_model(ids, logprobs, parsed=self._parse(ids))
+        errors = [parse_error_kind(e.kind) for e in parsed.errors]
 
         terminated = truncated = False
         limit_hit: str | None = None
@@ -332,7 +341,7 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
             else:
                 self._tool_calls += len(calls)
                 records = await self.toolbox.call_many(calls, self._sessions)
-                turn.tools.extend(records)
+                builder.add_tools(records)
                 errors.extend(r.error for r in records if r.error)
                 obs_messages = [
                     self._tool_message(c.recipient, r) for c, r in zip(calls, records, strict=True)
@@ -360,10 +369,7 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
                 ):
                     truncated, obs_ids, limit_hit = True, [], "token_limit"
                 else:
-                    traj.response_ids.extend(obs_ids)
-                    traj.response_mask.extend([0] * len(obs_ids))
-                    traj.rollout_logprobs.extend([0.0] * len(obs_ids))
-                    turn.env_span = (turn.model_span[1], len(traj.response_ids))
+                    builder.add_env(obs_ids)
         if terminated or truncated:
             obs_messages = []  # nothing is appended once the episode is over (tool results stay in the turn)
         self._errors.update(errors)
@@ -375,8 +381,8 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
             info["trajectory"] = traj
             info["reward_components"] = dict(traj.reward_components)
             info["stop_reason"] = stop_reason
-            if "reward_error" in traj.metadata:
-                info["reward_error"] = traj.metadata["reward_error"]
+            if traj.reward_error is not None:
+                info["reward_error"] = traj.reward_error
                 errors.append("reward_error")
         obs: Observation = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
         return obs, reward, terminated, truncated, info
@@ -442,7 +448,7 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} is closed; create a new env")
 
-    def _action_ids(self, action: ActionLike) -> tuple[list[int], list[float]]:
+    def _action_ids(self, action: ActionLike) -> tuple[list[int], list[float] | None]:
         logprobs = None
         if isinstance(action, str):
             ids = encode_action_text(self.format, action)
@@ -458,7 +464,7 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
                 f"an action must be token ids, a str, or an object with .token_ids/.logprobs; got {type(action).__name__}"
             )
         if logprobs is None:
-            return ids, [0.0] * len(ids)
+            return ids, None
         logprobs = [float(x) for x in logprobs]
         if len(logprobs) != len(ids):
             raise ValueError(
@@ -470,8 +476,6 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         try:
             return self.format.parse(ids)
         except Exception as e:  # noqa: BLE001 - the format promises not to raise; be safe anyway
-            from agentrl.harmony.types import ParseError
-
             return ParsedTurn(errors=[ParseError(ParseErrorKind.MALFORMED, f"{type(e).__name__}: {e}")])
 
     def _render_observation(
@@ -526,9 +530,8 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         assert traj is not None and self.task is not None
         self._done = True
         traj.terminated, traj.truncated = terminated, truncated
-        traj.metadata["stop_reason"] = stop_reason
-        traj.metadata["errors"] = dict(self._errors)
-        traj.metadata["tool_calls"] = self._tool_calls
+        traj.stop_reason = stop_reason
+        traj.errors = dict(self._errors)
         final = traj.final_answer
         ctx = RewardContext(
             task=self.task,
@@ -549,19 +552,19 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
 
     def _record_reward_error(self, exc: Exception) -> None:
         """The reward function raised: score 0, record the error on the finished trajectory
-        (``metadata["reward_error"]``, one ``reward_error`` in ``metadata["errors"]``) and warn once per message."""
+        (``reward_error``, one ``reward_error`` in ``errors``) and warn once per message."""
         traj = self.trajectory
         assert traj is not None
         where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
         message = f"{type(exc).__name__}: {exc}" + (f" (at {where.filename}:{where.lineno} in {where.name})" if where else "")
         traj.reward, traj.reward_components = 0.0, {}
-        traj.metadata["reward_error"] = message
+        traj.reward_error = message
         self._errors["reward_error"] += 1
-        traj.metadata["errors"] = dict(self._errors)
+        traj.errors = dict(self._errors)
         with contextlib.suppress(Warning):  # even under -W error the step returns; the trajectory records it
             warnings.warn(
                 f"the reward of {type(self).__name__} raised {message}; the episode is scored 0, kept, and counted as "
-                "a reward_error (trajectory.metadata['reward_error']). Fix the reward function.",
+                "a reward_error (trajectory.reward_error). Fix the reward function.",
                 RewardErrorWarning,
                 stacklevel=2,
             )

@@ -100,15 +100,22 @@ def _load_reference(reference: str) -> type:
     else:
         module = _import_module(target, reference)
     cls = getattr(module, attr, None)
-    from agentrl.envs.env import AgentEnv
-
-    if not (isinstance(cls, type) and issubclass(cls, AgentEnv)):
-        found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, AgentEnv) and v is not AgentEnv)
+    if not _is_agent_env(cls):
+        found = sorted(k for k, v in vars(module).items() if _is_agent_env(v))
         what = "is not an AgentEnv subclass" if cls is not None else "does not exist"
         raise ValueError(
             f"env={reference!r}: {target}.{attr} {what}; AgentEnv subclasses there: {', '.join(found) or 'none'}"
         )
     return cls
+
+
+def _is_agent_env(obj: Any) -> bool:
+    """True for a subclass of :class:`~agentrl.envs.env.AgentEnv` (not AgentEnv itself), told by its bases'
+    names: ``agentrl.envs.env`` imports this module, so this module does not import it."""
+    if not isinstance(obj, type):
+        return False
+    bases = [f"{c.__module__}.{c.__qualname__}" for c in obj.__mro__[1:]]
+    return "agentrl.envs.env.AgentEnv" in bases
 
 
 def _import_module(target: str, reference: str) -> Any:
@@ -169,6 +176,17 @@ def _import_file(path: str, reference: str) -> Any:
         del sys.modules[name]
         raise ValueError(f"env={reference!r}: running {path} failed: {type(exc).__name__}: {exc}") from exc
     return module
+
+
+def name_of(cls: type) -> str:
+    """The short name ``cls`` is registered under (the first, if several), else its class name: what a
+    trajectory records as its ``env``. Imports no env module."""
+    entry = f"{cls.__module__}:{cls.__qualname__}"
+    for name, (entry_point, _) in _registry.items():
+        if entry_point == entry:
+            return name
+    discover()
+    return next((name for name, (ep, _) in _registry.items() if ep == entry), cls.__name__)
 
 
 def make(name: str, **kwargs: Any) -> Any:

@@ -5,8 +5,9 @@ event loop: while a policy waits (an engine sampling a micro-batch in a worker t
 other episodes' tool calls run, and an episode whose tool returned joins the engine's next batch.
 
 Failures never stop the collection and never lose data: an exception inside an episode (env bug, sandbox
-crash, endpoint down) ends that episode; its partial trajectory is kept with ``error`` set (and
-``metadata["rollout_error"]``), ``usable`` is False, and its env is replaced by a fresh one.
+crash, endpoint down) ends that episode; its partial trajectory is kept with ``error`` set (also the
+trajectory's ``error``, with ``stop_reason="error"``), ``usable`` is False, and its env is replaced by a fresh
+one. Each result's trajectory carries its job's labels (``task_id``, ``group``, ``sample``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class EpisodeJob:
     task: dict[str, Any] | None
     seed: int | None = None
     task_id: str | None = None
-    group: int = 0
+    group: int | None = None
     sample: int = 0
 
 
@@ -134,13 +135,15 @@ async def collect(
             error = f"{type(exc).__name__}: {exc}"
             started = env.trajectory is not None and env.trajectory is not previous
             partial = env.trajectory if started else Trajectory(prompt_ids=[])
-            partial.metadata["rollout_error"] = error
-            partial.metadata["stop_reason"] = "error"
+            partial.error, partial.stop_reason = error, "error"
             pool.replace(env)
             result = EpisodeResult(partial, "error", error=error)
         else:
             pool.release(env)
         result.task_id, result.group, result.sample = job.task_id, job.group, job.sample
+        traj = result.trajectory
+        traj.task_id, traj.sample = job.task_id, job.sample
+        traj.group = None if job.group is None else str(job.group)
         if on_episode is not None:
             on_episode(result)
         return result

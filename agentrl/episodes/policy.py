@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 from agentrl.episodes.state import EpisodeState
+from agentrl.harmony.trajectory import SamplingRecord
 
 
 @dataclass
@@ -77,7 +78,8 @@ class TokenPolicy:
             ``token_ids`` and ``logprobs`` (and optionally ``routing``).
         sampling: an :class:`agentrl.engines.base.SamplingParams` (a dataclass with
             ``max_new_tokens``); ``max_new_tokens`` is lowered to the episode's ``tokens_left`` so a
-            trajectory never exceeds the env's ``max_total_tokens``.
+            trajectory never exceeds the env's ``max_total_tokens``. Recorded in the trajectory's
+            ``sampling``.
 
     Raises (from :meth:`act`): ``ValueError`` when the prompt alone fills ``max_total_tokens``.
     """
@@ -95,6 +97,7 @@ class TokenPolicy:
                 "shorten the prompt"
             )
         sampling = self.sampling
+        episode.trajectory.sampling = SamplingRecord.of(sampling)
         if sampling.max_new_tokens > budget:
             sampling = replace(sampling, max_new_tokens=budget)
         (completion,) = await self.engine.generate([episode.context], sampling)

@@ -74,8 +74,8 @@ class EpisodeLimits:
 class EpisodeResult:
     """A finished episode.
 
-    - ``trajectory``: the env's token-exact :class:`~agentrl.harmony.Trajectory` (``metadata["stop_reason"]``
-      repeats ``stop_reason``).
+    - ``trajectory``: the env's token-exact :class:`~agentrl.harmony.Trajectory` (its ``stop_reason`` repeats
+      ``stop_reason``).
     - ``stop_reason``: one of :data:`STOP_REASONS`.
     - ``steps``: every env step; ``policy_s`` / ``env_s``: seconds in ``policy.act`` / ``env.astep``;
       ``wall_s``: seconds from reset to the end.
@@ -94,15 +94,15 @@ class EpisodeResult:
     wall_s: float = 0.0
     has_logprobs: bool = True
     task_id: str | None = None
-    group: int = 0
+    group: int | None = None
     sample: int = 0
     error: str | None = None
 
     @property
     def reward_error(self) -> str | None:
-        """The env's reward function's exception (``trajectory.metadata["reward_error"]``), or None: the
+        """The env's reward function's exception (``trajectory.reward_error``), or None: the
         episode finished, but its reward (0) is not a score."""
-        return self.trajectory.metadata.get("reward_error")
+        return self.trajectory.reward_error
 
     @property
     def usable(self) -> bool:
@@ -213,7 +213,7 @@ class _Run:
         started = self.state is not None and self.env.trajectory is not None
         traj = self.env.trajectory if started else Trajectory(prompt_ids=[])
         assert traj is not None
-        traj.metadata["stop_reason"] = stop_reason
+        traj.stop_reason = stop_reason
         steps = self.state.steps if self.state is not None else []
         return EpisodeResult(
             trajectory=traj,

@@ -5,7 +5,9 @@
 
 Keys are the fields of :class:`~agentrl.evaluation.config.EvalConfig`, read by :mod:`agentrl.cli_args`
 (``k=1,2,4`` sets ``ks``; ``env.<name>=<value>`` goes to the env constructor). Without ``model=``,
-``$OPENAI_BASE_URL`` is used.
+``$OPENAI_BASE_URL`` is used. ``model=RUN_DIR`` (a training run) starts from the run's held-out evaluation
+(``RUN_DIR/eval/config.json``: its tasks, env settings, sampling and token budget; other keys override it), so
+it measures the problems behind the run's ``summary.json``.
 """
 
 from __future__ import annotations
@@ -17,18 +19,11 @@ from typing import Any
 
 from rich.console import Console
 
-from agentrl.cli_args import CommandSpec, fail, is_help, run, to_object
+from agentrl import rundir
+from agentrl.cli_args import CommandSpec, UsageError, fail, is_help, run, to_object, value_of
 from agentrl.evaluation.config import EvalConfig
 from agentrl.evaluation.report import compare_table, compare_warnings, load_metrics, metrics_table
 from agentrl.evaluation.runner import Evaluation, run_async
-
-SANDBOXES = ("local", "unsafe_local", "sandboxfusion", "e2b")
-
-
-def _env_names() -> list[str]:
-    from agentrl.envs.registry import registered
-
-    return list(registered())
 
 
 def _ks(value: str) -> str:
@@ -41,7 +36,6 @@ SPEC = CommandSpec(
     schema=EvalConfig,
     usage="agentrl eval env=NAME model=URL_OR_PATH [n=1] [k=1,2,4] [limit=100] [key=value ...]\n"
     "       agentrl eval --compare RUN_A RUN_B",
-    choices={"env": _env_names, "api": ("completions", "chat"), "sandbox": SANDBOXES},
     aliases={"k": "ks", "env.": "env_kwargs."},
     examples={"env": "env=gsm8k model=http://127.0.0.1:8000/v1", "model": "model=http://127.0.0.1:8000/v1"},
     value_filters={"ks": _ks},
@@ -59,6 +53,22 @@ def _with_env_model(argv: list[str]) -> list[str]:
     if not any(a.split("=", 1)[0].lstrip("-") == "model" for a in argv) and os.environ.get("OPENAI_BASE_URL"):
         return [*argv, f"model={os.environ['OPENAI_BASE_URL']}"]
     return argv
+
+
+def _run_base(argv: list[str]) -> Any:
+    """For ``model=RUN_DIR`` (a training run with a held-out evaluation): its ``eval/config.json`` as the base."""
+    from omegaconf import OmegaConf
+
+    model = value_of(SPEC, argv, "model")
+    if not model or rundir.run_kind(model) != rundir.TRAIN:
+        return None
+    path = rundir.TrainRun(model).held_out_config
+    if not path.is_file():
+        return None
+    saved = rundir.read_json(path, what="the run's held-out evaluation", fix="evaluate with explicit keys instead")
+    saved["model"] = model
+    print(f"agentrl eval: model={model} is a training run; its held-out evaluation ({path}) is the base config")
+    return OmegaConf.create(saved)
 
 
 async def run_eval(config: EvalConfig, *, progress: bool, console: Console) -> dict[str, Any]:
@@ -96,7 +106,7 @@ def _compare(argv: list[str], console: Console) -> int:
         return fail("agentrl eval", f"--compare takes two run directories, got {len(argv)}; e.g. agentrl eval --compare runs/eval/a runs/eval/b")
     try:
         a, b = load_metrics(argv[0]), load_metrics(argv[1])
-    except FileNotFoundError as exc:
+    except UsageError as exc:
         return fail("agentrl eval", str(exc))
     for warning in compare_warnings(a, b, argv[0], argv[1]):
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
@@ -106,9 +116,15 @@ def _compare(argv: list[str], console: Console) -> int:
 
 def _evaluate(cfg: Any) -> int:
     config = to_object(SPEC, cfg)
+    try:
+        config.check_sources()  # before any model loads
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     console = Console()
     try:
         metrics = run_async(run_eval(config, progress=config.progress, console=console))
+    except UsageError:  # a run directory that cannot be used: one line, exit status 2
+        raise
     except (RuntimeError, ValueError, FileNotFoundError) as exc:
         print(f"agentrl eval: {exc}", file=sys.stderr)
         return 1
@@ -127,4 +143,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--compare" and not is_help(argv):
         return _compare(argv[1:], Console())
-    return run(SPEC, argv, _evaluate, prepare=_with_env_model)
+    return run(SPEC, argv, _evaluate, prepare=_with_env_model, base=_run_base)

@@ -10,7 +10,10 @@ Everything here is a pure function of plain data so it can be checked against ha
   pass@k. It enumerates subsets when there are at most ``exact_limit`` of them and otherwise averages
   a fixed-seed sample of subsets (documented in the result as an estimate).
 - :func:`episode_stats` / :func:`summarize`: tool calls per episode, tool success rate, the error
-  taxonomy, latency and token counts from :class:`~agentrl.harmony.trajectory.Trajectory` records.
+  taxonomy, latency and token counts from :class:`~agentrl.harmony.trajectory.Trajectory` records, whose
+  correctness (:attr:`~agentrl.harmony.trajectory.Trajectory.correct`), error taxonomy and tool statistics
+  are defined once, on the record.
+- :func:`headline`: the figures a training run reports for each held-out evaluation (``summary.json``).
 """
 
 from __future__ import annotations
@@ -19,24 +22,14 @@ import itertools
 import math
 import random
 from collections import Counter
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
-#: Error taxonomy reported by ``agentrl eval``; every episode error maps onto exactly one of these.
-ERROR_KINDS = ("parse_error", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception", "truncation", "reward_error")
+from agentrl.harmony.trajectory import ERROR_KINDS, Trajectory
 
-_TOOL_ERROR_ALIASES = {
-    "unknown_tool": "unknown_tool",
-    "unknown_recipient": "unknown_tool",
-    "bad_arguments": "bad_arguments",
-    "bad_json": "bad_arguments",
-    "tool_timeout": "tool_timeout",
-    "timeout": "tool_timeout",
-    "tool_exception": "tool_exception",
-    "exception": "tool_exception",
-    "truncation": "truncation",
-    "parse_error": "parse_error",
-}
+__all__ = [
+    "ERROR_KINDS", "default_ks", "episode_stats", "headline", "maj_at_k", "mean_and_sem", "pass_at_k", "summarize",
+]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -100,58 +93,38 @@ def default_ks(n: int) -> list[int]:
     return ks if ks[-1] == n else ks + [n]
 
 
-def normalize_error(kind: str | None) -> str | None:
-    """Map an env/tool error string onto :data:`ERROR_KINDS` (unknown kinds keep their own name)."""
-    if kind is None:
-        return None
-    return _TOOL_ERROR_ALIASES.get(kind, kind)
-
-
-def turn_errors(traj: Any) -> Counter[str]:
-    """The error taxonomy recomputed from the turn records: one ``truncation`` per completion cut off
-    (parse error kind ``truncated``), one ``parse_error`` per other parse error, one per failed tool call."""
-    errors: Counter[str] = Counter()
-    for turn in traj.turns:
-        for err in turn.parsed.errors:
-            kind = err.kind.value if hasattr(err.kind, "value") else str(err.kind)
-            errors["truncation" if kind == "truncated" else "parse_error"] += 1
-        errors.update(normalize_error(rec.error) for rec in turn.tools if rec.error)
-    return errors
-
-
-def episode_stats(traj: Any) -> dict[str, Any]:
-    """Per-episode numbers from a :class:`Trajectory`: tool calls, tool errors, error taxonomy counts,
-    generated/prompt tokens, latency (``metadata["latency_s"]``) and model requests.
-
-    Errors are the env's own counts (``metadata["errors"]``, kind -> count, written when the episode
-    ends) or, for trajectories without them, :func:`turn_errors`. An episode cut by a limit
-    (``truncated``) counts as one ``truncation`` unless a truncation was already counted.
-    """
-    tool_calls = sum(len(turn.tools) for turn in traj.turns)
-    tool_ok = sum(1 for turn in traj.turns for rec in turn.tools if rec.error is None)
-    env_errors = traj.metadata.get("errors")
-    if isinstance(env_errors, dict):
-        errors: Counter[str] = Counter()
-        for kind, count in env_errors.items():
-            errors[normalize_error(kind)] += int(count)
-    else:
-        errors = turn_errors(traj)
-    if traj.truncated and not errors["truncation"]:
-        errors["truncation"] += 1
-    meta = traj.metadata
+def episode_stats(traj: Trajectory) -> dict[str, Any]:
+    """Per-episode numbers from a :class:`Trajectory`: tool calls and failed ones (:attr:`Trajectory.tool_calls`,
+    :attr:`Trajectory.tool_errors`), the error taxonomy counts (:meth:`Trajectory.error_counts`), turns,
+    generated/prompt tokens (an API's reported ``usage`` when it has one, else the trajectory's own), latency
+    and model requests."""
+    usage = traj.usage
     return {
-        "tool_calls": tool_calls,
-        "tool_ok": tool_ok,
-        "errors": dict(errors),
-        "gen_tokens": int(meta.get("gen_tokens", sum(traj.response_mask))),
-        "prompt_tokens": int(meta.get("prompt_tokens", len(traj.prompt_ids))),
-        "latency_s": float(meta.get("latency_s", 0.0)),
-        "requests": int(meta.get("requests", traj.num_turns)),
+        "tool_calls": traj.tool_calls,
+        "tool_ok": traj.tool_calls - traj.tool_errors,
+        "errors": dict(traj.error_counts()),
+        "turns": traj.num_turns,
+        "gen_tokens": int(usage.get("completion_tokens", sum(traj.response_mask))),
+        "prompt_tokens": int(usage.get("prompt_tokens", len(traj.prompt_ids))),
+        "latency_s": float(traj.latency_s or 0.0),
+        "requests": int(traj.requests if traj.requests is not None else traj.num_turns),
     }
 
 
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
+
+
+def mean_and_sem(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean (sample std / sqrt(n); 0 for n < 2; NaN for no values)."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = sum(values) / n
+    if n < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
 
 
 def _percentile(xs: Sequence[float], q: float) -> float:
@@ -164,59 +137,69 @@ def _percentile(xs: Sequence[float], q: float) -> float:
 
 
 def summarize(
-    items: dict[Hashable, list[Any]],
+    items: dict[Hashable, list[Trajectory]],
     ks: Sequence[int] | None = None,
     *,
-    success_threshold: float = 1.0,
+    answer: Callable[[Trajectory], Hashable | None] | None = None,
 ) -> dict[str, Any]:
-    """Aggregate metrics over items, each with its list of sampled :class:`Trajectory` records.
+    """Aggregate metrics over items (in the dict's order), each with its list of sampled trajectories.
 
-    A sample is correct if ``metadata["correct"]`` is true, or, when absent, if its reward is at least
-    ``success_threshold``. A ``metadata["answer"]`` key (the comparable answer, ``None`` when the sample
-    gave none) enables maj@k: it is reported whenever answers can be compared, even if none was given. pass@k and
-    maj@k are reported for each ``k`` in ``ks`` not above the smallest per-item sample count.
+    A sample is correct per :attr:`Trajectory.correct`. ``answer`` (a sample's comparable answer, ``None`` when
+    it gave none) enables maj@k: pass it whenever answers can be compared, even if none was given. pass@k and
+    maj@k are reported for each ``k`` in ``ks`` not above the smallest per-item sample count. ``mean_reward``
+    averages the per-item means, ``reward_sem`` is the standard error over episodes, ``tool_call_rate`` the
+    share of episodes with at least one tool call.
     """
     if not items:
         return {"items": 0, "episodes": 0}
     n_min = min(len(v) for v in items.values())
     ks = [k for k in (ks or default_ks(n_min)) if 1 <= k <= n_min]
-    pass_k = {k: [] for k in ks}
+    pass_k: dict[int, list[float]] = {k: [] for k in ks}
     maj_k: dict[int, list[float]] = {k: [] for k in ks}
     maj_exact = True
-    has_answers = False
-    mean_reward, mean_correct = [], []
-    stats = []
+    mean_reward, mean_correct, rewards, stats = [], [], [], []
     for trajs in items.values():
-        correct = [
-            bool(t.metadata["correct"]) if "correct" in t.metadata else t.reward >= success_threshold
-            for t in trajs
-        ]
+        correct = [t.correct for t in trajs]
         for k in ks:
             pass_k[k].append(pass_at_k(len(trajs), sum(correct), k))
-        answers = [t.metadata.get("answer") for t in trajs]
-        if any("answer" in t.metadata for t in trajs):
-            has_answers = True
-        for k in ks:
-            value, exact = maj_at_k([None if a is None else str(a) for a in answers], correct, k)
-            maj_k[k].append(value)
-            maj_exact &= exact
+        if answer is not None:
+            answers = [answer(t) for t in trajs]
+            for k in ks:
+                value, exact = maj_at_k([None if a is None else str(a) for a in answers], correct, k)
+                maj_k[k].append(value)
+                maj_exact &= exact
+        rewards += [t.reward for t in trajs]
         mean_reward.append(_mean([t.reward for t in trajs]))
         mean_correct.append(_mean([float(c) for c in correct]))
         stats += [episode_stats(t) for t in trajs]
-    tool_calls = sum(s["tool_calls"] for s in stats)
-    errors: Counter[str] = Counter({k: 0 for k in ERROR_KINDS})
-    for s in stats:
-        errors.update(s["errors"])
-    latencies = [s["latency_s"] for s in stats]
-    out: dict[str, Any] = {
+    out = {
         "items": len(items),
         "episodes": len(stats),
         "samples_per_item": n_min,
         **{f"pass@{k}": _mean(v) for k, v in pass_k.items()},
         f"mean@{n_min}": _mean(mean_correct),
         "mean_reward": _mean(mean_reward),
+        "reward_sem": mean_and_sem(rewards)[1],
+        **_episode_summary(stats),
+    }
+    if answer is not None:
+        out.update({f"maj@{k}": _mean(v) for k, v in maj_k.items()})
+        out["maj_exact"] = maj_exact
+    return out
+
+
+def _episode_summary(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tool use, error taxonomy, turns, latency and tokens over :func:`episode_stats` records."""
+    tool_calls = sum(s["tool_calls"] for s in stats)
+    errors: Counter[str] = Counter({k: 0 for k in ERROR_KINDS})
+    for s in stats:
+        errors.update(s["errors"])
+    latencies = [s["latency_s"] for s in stats]
+    return {
         "tool_calls_per_episode": tool_calls / len(stats),
+        "tool_call_rate": sum(1 for s in stats if s["tool_calls"]) / len(stats),
         "tool_success_rate": (sum(s["tool_ok"] for s in stats) / tool_calls) if tool_calls else None,
+        "turns_per_episode": _mean([s["turns"] for s in stats]),
         "errors": dict(errors),
         "errors_per_episode": {k: v / len(stats) for k, v in errors.items()},
         "latency_s_mean": _mean(latencies),
@@ -226,7 +209,27 @@ def summarize(
         "prompt_tokens_per_episode": _mean([s["prompt_tokens"] for s in stats]),
         "requests_per_episode": _mean([s["requests"] for s in stats]),
     }
-    if has_answers:
-        out.update({f"maj@{k}": _mean(v) for k, v in maj_k.items()})
-        out["maj_exact"] = maj_exact
+
+
+#: summary.json / eval_history key -> the :func:`summarize` key it reports
+HEADLINE = {
+    "mean": "mean_reward",
+    "sem": "reward_sem",
+    "tool_call_rate": "tool_call_rate",
+    "tool_success_rate": "tool_success_rate",
+    "tool_calls_mean": "tool_calls_per_episode",
+    "turns_mean": "turns_per_episode",
+}
+
+
+def headline(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The figures a training run keeps for each held-out evaluation (``summary.json``'s ``eval_before`` /
+    ``eval_after_sft`` / ``eval_after``) from :func:`summarize`'s metrics: ``mean`` and ``sem`` of the reward,
+    ``tool_call_rate`` (share of episodes with a tool call), ``tool_success_rate`` (share of tool calls without
+    an error kind; ``None`` when no tool was called), ``tool_calls_mean``, ``turns_mean``, plus every
+    ``pass@k`` / ``maj@k`` / ``mean@n``, the ``episodes`` evaluated and the ``errors`` taxonomy counts."""
+    out = {name: metrics.get(key) for name, key in HEADLINE.items()}
+    out.update({k: v for k, v in metrics.items() if k.startswith(("pass@", "maj@", "mean@"))})
+    out["episodes"] = metrics.get("episodes", 0)
+    out["errors"] = dict(metrics.get("errors", {}))
     return out

@@ -16,6 +16,7 @@ from typing import Any
 from agentrl.engines.base import SamplingParams
 from agentrl.episodes import EpisodeJob, EpisodeResult, Policy, TokenPolicy
 from agentrl.evaluation.config import EvalConfig
+from agentrl.harmony.trajectory import Trajectory
 
 
 async def open_runner(cfg: EvalConfig, stack: contextlib.AsyncExitStack) -> EpisodeRunner:
@@ -24,7 +25,7 @@ async def open_runner(cfg: EvalConfig, stack: contextlib.AsyncExitStack) -> Epis
     from agentrl.envs.registry import env_class
 
     cls = env_class(cfg.env)
-    env_kwargs = dict(cfg.env_kwargs)
+    env_kwargs = env_kwargs_of(cfg, cls)
     if "sandbox" in inspect.signature(cls.__init__).parameters and "sandbox" not in env_kwargs:
         from agentrl.envs.sandbox import make_backend
 
@@ -50,8 +51,19 @@ async def open_runner(cfg: EvalConfig, stack: contextlib.AsyncExitStack) -> Epis
     else:
         from agentrl.engines.server import load_local_engine
 
-        engine, fmt, _ = load_local_engine(cfg.model, format=cfg.format, seed=cfg.seed)
+        engine, fmt, _ = load_local_engine(cfg.model, format=cfg.format, seed=cfg.seed, max_batch_size=cfg.max_batch_size)
     return TokenRunner(cls, {**env_kwargs, "format": fmt}, cfg, engine)
+
+
+def env_kwargs_of(cfg: EvalConfig, cls: type) -> dict[str, Any]:
+    """The constructor arguments of the evaluation's envs: ``env_kwargs``, with the boxed-answer bonus of
+    ``format_reward`` on the env's rubric when set."""
+    kwargs = dict(cfg.env_kwargs)
+    if cfg.format_reward:
+        from agentrl.envs.rewards import with_boxed_bonus
+
+        kwargs["rubric"] = with_boxed_bonus(cls.rubric, cfg.format_reward)
+    return kwargs
 
 
 def _endpoint(cfg: EvalConfig, endpoint_cls: Any) -> Any:
@@ -89,9 +101,16 @@ class EpisodeRunner(abc.ABC):
     def policy(self, job: EpisodeJob) -> Policy:
         """The policy of one episode (sample ``job.sample`` is drawn with seed ``cfg.seed + job.sample``)."""
 
-    def describe(self, result: EpisodeResult) -> dict[str, Any]:
-        """Entries for the trajectory's metadata beyond what the policy recorded."""
-        return {}
+    def label(self, result: EpisodeResult) -> Trajectory:
+        """The finished episode's trajectory with what this evaluation knows about it: ``model``,
+        ``latency_s``, ``api`` and ``requests`` (when the policy did not record them)."""
+        traj = result.trajectory
+        traj.model, traj.latency_s = self.cfg.model, result.wall_s
+        if traj.api is None:
+            traj.api = self.cfg.api
+        if traj.requests is None:
+            traj.requests = len(result.steps)
+        return traj
 
 
 class TokenRunner(EpisodeRunner):
@@ -104,17 +123,10 @@ class TokenRunner(EpisodeRunner):
 
     def policy(self, job: EpisodeJob) -> Policy:
         cfg = self.cfg
-        sampling = SamplingParams(
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            stop_token_ids=self.stop_ids,
-            seed=cfg.seed + job.sample,
-        )
+        given = {name: getattr(cfg, name) for name in ("max_new_tokens", "temperature", "top_p", "top_k")}
+        sampling = SamplingParams(**given, stop_token_ids=self.stop_ids, seed=cfg.seed + job.sample)
         return TokenPolicy(self.backend, sampling)
 
-    def describe(self, result: EpisodeResult) -> dict[str, Any]:
-        return {"api": "completions", "env_s": result.env_s, "requests": len(result.steps)}
 
 
 class ChatRunner(EpisodeRunner):

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from agentrl import rundir
 from agentrl.evaluation.metrics import ERROR_KINDS
 
 
 def load_metrics(run: str | Path) -> dict[str, Any]:
-    """``metrics.json`` of a run directory (or the file itself). Raises ``FileNotFoundError`` with a hint."""
+    """``metrics.json`` of an eval directory (or the file itself); RunDirError (one line) when it is missing or
+    damaged."""
     path = Path(run)
-    path = path / "metrics.json" if path.is_dir() else path
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: pass an eval output directory (it holds metrics.json)")
-    return json.loads(path.read_text())
+    path = path / rundir.EVAL_METRICS if path.is_dir() else path
+    return rundir.read_json(path, what="an eval run's metrics",
+                            fix="rerun that agentrl eval command (it rewrites metrics.json) or pass another directory")
 
 
 def compare_warnings(a: dict[str, Any], b: dict[str, Any], name_a: str = "A", name_b: str = "B") -> list[str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import multiprocessing
 import time
@@ -25,17 +24,98 @@ from agentrl.episodes import EnvPool, EpisodeJob, EpisodeResult, collect
 from agentrl.evaluation.answers import answers_comparable, comparable_answer
 from agentrl.evaluation.config import EvalConfig, load_tasks
 from agentrl.evaluation.metrics import summarize
-from agentrl.evaluation.policies import open_runner
+from agentrl.evaluation.policies import EpisodeRunner, open_runner
 from agentrl.evaluation.store import ResultStore, items_digest
 from agentrl.harmony.trajectory import Trajectory
 
-__all__ = ["Evaluation", "run_async"]
+__all__ = ["Evaluation", "eval_jobs", "run_async", "run_jobs", "summarize_items"]
+
+
+def eval_jobs(config: EvalConfig, items: list[tuple[str, dict[str, Any]]], done: set | frozenset = frozenset()) -> list[EpisodeJob]:
+    """The episodes of an evaluation: ``config.n`` samples of each ``(item_id, task)``, sample ``j`` with env
+    seed ``config.seed + j``, in item order; pairs in ``done`` (``(item_id, sample)``) are left out."""
+    return [
+        EpisodeJob(task, config.seed + j, item_id, sample=j)
+        for item_id, task in items
+        for j in range(config.n)
+        if (item_id, j) not in done
+    ]
+
+
+async def run_jobs(
+    runner: EpisodeRunner, jobs: list[EpisodeJob], store: Any, *, concurrency: int,
+    on_progress: Callable[[int, int, int], Any] | None = None, pool: EnvPool | None = None,
+    abort_when_all_fail: bool = True,
+) -> tuple[int, int, float]:
+    """Run ``jobs`` with ``runner`` over a pool of ``concurrency`` envs (:func:`agentrl.episodes.collect`; or over
+    ``pool``, left open, e.g. the trainer's), handing each result to ``store`` as it finishes: a finished
+    episode to ``store.write`` (its trajectory labelled by :meth:`EpisodeRunner.label`), a failed one to
+    ``store.write_error`` (it is not in the metrics; ``agentrl eval`` retries it on the next run). With
+    ``abort_when_all_fail``, stops early when every episode so far failed (``2 * concurrency + 2`` in a row: the
+    model is unreachable) and then raises RuntimeError with the last error. Returns ``(finished, failed,
+    seconds)``, the seconds from the first episode's start to the last one's end."""
+    if not jobs:
+        return 0, 0, 0.0
+    counts = {"done": 0, "failed": 0, "streak": 0}
+    abort_after = 2 * concurrency + 2
+    last_error: list[str] = []
+
+    def finished(result: EpisodeResult) -> None:
+        if result.error is not None:
+            store.write_error(str(result.task_id), result.sample, result.error)
+            last_error[:] = [result.error]
+            counts["failed"] += 1
+            counts["streak"] += 1
+        else:
+            store.write(runner.label(result))
+            counts["done"] += 1
+            counts["streak"] = 0
+        if on_progress:
+            on_progress(counts["done"] + counts["failed"], len(jobs), counts["failed"])
+
+    own = pool is None
+    envs = EnvPool(runner.make_env, min(concurrency, len(jobs))) if own else pool
+    t0 = time.monotonic()
+    try:
+        await collect(
+            envs, runner.policy, jobs, on_episode=finished,
+            should_stop=lambda: abort_when_all_fail and counts["streak"] >= abort_after and counts["done"] == 0,
+        )
+    finally:
+        if own:
+            await envs.aclose()
+    seconds = time.monotonic() - t0
+    if abort_when_all_fail and counts["done"] == 0 and counts["failed"]:
+        raise RuntimeError(f"every episode failed ({counts['failed']}); last error: {last_error[0]}")
+    return counts["done"], counts["failed"], seconds
+
+
+def summarize_items(config: EvalConfig, items: list[tuple[str, dict[str, Any]]], trajectories: list[Trajectory]) -> dict[str, Any]:
+    """Metrics over the finished samples ``0..n-1`` of ``items`` among ``trajectories``, in item order (so that
+    every evaluation of the same episodes gives the same figures, whatever order they finished in)."""
+    from agentrl.envs.registry import env_class
+
+    wanted = {item_id for item_id, _ in items}
+    grouped: dict[str, dict[int, Trajectory]] = defaultdict(dict)
+    for t in trajectories:
+        if t.task_id in wanted and isinstance(t.sample, int) and t.sample < config.n:
+            grouped[t.task_id][t.sample] = t
+    ordered = {i: [grouped[i][j] for j in sorted(grouped[i])] for i, _ in items if grouped.get(i)}
+    cls = env_class(config.env)
+    answer = (lambda t: comparable_answer(cls, t.final_answer)) if answers_comparable(cls) else None
+    metrics = summarize(ordered, config.ks, answer=answer)
+    metrics["env"], metrics["model"], metrics["api"] = config.env, config.model, config.api
+    metrics["items_digest"] = items_digest(items)
+    metrics["incomplete_items"] = len(wanted) - sum(1 for v in grouped.values() if len(v) == config.n)
+    return metrics
 
 
 class Evaluation:
     """One ``agentrl eval`` invocation. ``await run()`` returns the metrics dict (also in ``metrics.json``).
 
-    ``on_progress(done, total, failed)`` is called after each episode.
+    ``on_progress(done, total, failed)`` is called after each episode. ``runner``: the episode runner to use
+    (default: the one ``config.api`` and ``config.model`` give, :func:`~agentrl.evaluation.policies.open_runner`);
+    the trainer passes its own engine's, so its held-out evaluations are this one.
     """
 
     def __init__(
@@ -43,10 +123,12 @@ class Evaluation:
         config: EvalConfig,
         *,
         on_progress: Callable[[int, int, int], Any] | None = None,
+        runner: EpisodeRunner | None = None,
         _child: bool = False,
     ):
         self.config = config
         self.on_progress = on_progress
+        self.runner = runner
         self.window = (0.0, 0.0)  # monotonic start/end of the episodes this process ran
         # the parent opens the directory in run(), once the tasks loaded: a failed start writes nothing
         self.store: ResultStore = ResultStore(config.out_dir(), config, write_config=False) if _child else None  # type: ignore[assignment]
@@ -55,18 +137,18 @@ class Evaluation:
         cfg = self.config
         items = load_tasks(cfg)
         self.store = ResultStore(cfg.out_dir(), cfg)
-        done = {(t.metadata.get("item_id"), t.metadata.get("sample")) for t in self.store.load()}
-        todo = [
-            (item_id, task, j) for item_id, task in items for j in range(cfg.n) if (item_id, j) not in done
-        ]
+        done = {(t.task_id, t.sample) for t in self.store.load()}
+        todo = eval_jobs(cfg, items, done)
         t0 = time.perf_counter()
-        if cfg.processes > 1 and len(todo) > 1:
-            finished, failed, episodes_wall = await self._run_processes(todo)
-        else:
-            finished, failed, episodes_wall = await self._run_all(todo)
+        try:
+            if cfg.processes > 1 and len(todo) > 1 and self.runner is None:
+                finished, failed, episodes_wall = await self._run_processes(todo)
+            else:
+                finished, failed, episodes_wall = await self._run_all(todo)
+        finally:
+            self.store.close()
         wall = time.perf_counter() - t0
-        self.store.close()
-        metrics = self.summary(items)
+        metrics = summarize_items(cfg, items, self.store.load())
         metrics["run"] = {
             "episodes_run": finished,
             "episodes_failed": failed,
@@ -76,80 +158,23 @@ class Evaluation:
             "episodes_per_s": finished / episodes_wall if episodes_wall > 0 and finished else 0.0,
             "unreadable_lines": self.store.unreadable,
         }
-        (self.store.out / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        self.store.write_metrics(metrics)
         return metrics
 
-    def summary(self, items: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-        """Metrics over the finished samples ``0..n-1`` of the configured items."""
-        wanted = {item_id for item_id, _ in items}
-        grouped: dict[str, dict[int, Trajectory]] = defaultdict(dict)
-        for t in self.store.load():
-            item, sample = t.metadata.get("item_id"), t.metadata.get("sample")
-            if item in wanted and isinstance(sample, int) and sample < self.config.n:
-                grouped[item][sample] = t
-        metrics = summarize({k: list(v.values()) for k, v in grouped.items()}, self.config.ks)
-        metrics["env"], metrics["model"], metrics["api"] = self.config.env, self.config.model, self.config.api
-        metrics["items_digest"] = items_digest(items)
-        metrics["incomplete_items"] = len(wanted) - sum(
-            1 for v in grouped.values() if len(v) == self.config.n
-        )
-        return metrics
-
-    async def _run_all(self, todo: list[tuple[str, dict[str, Any], int]]) -> tuple[int, int, float]:
-        """Run ``todo`` over a pool of ``concurrency`` envs (:func:`agentrl.episodes.collect`), writing
-        each episode as it finishes; returns ``(finished, failed, seconds)`` where the seconds count from
-        the first episode's start (after engine/sandbox setup) to the last one's end."""
-        cfg = self.config
+    async def _run_all(self, todo: list[EpisodeJob]) -> tuple[int, int, float]:
+        """Run ``todo`` (:func:`run_jobs`) with this evaluation's runner, opening the default one (and its
+        engine, sandbox, HTTP client) for the duration when none was given."""
         if not todo:
             return 0, 0, 0.0
-        counts = {"done": 0, "failed": 0, "streak": 0}
-        # this many consecutive failures with no success means the model is unreachable: stop
-        abort_after = 2 * cfg.concurrency + 2
         async with contextlib.AsyncExitStack() as stack:
-            runner = await open_runner(cfg, stack)
-            pool = EnvPool(runner.make_env, min(cfg.concurrency, len(todo)))
-            stack.push_async_callback(pool.aclose)
-
-            def finished(result: EpisodeResult) -> None:
-                if result.error is not None:  # recorded, retried on the next run
-                    self.store.write_error(str(result.task_id), result.sample, result.error)
-                    counts["failed"] += 1
-                    counts["streak"] += 1
-                else:
-                    traj = result.trajectory
-                    traj.metadata.update(runner.describe(result))
-                    traj.metadata.update(
-                        item_id=result.task_id,
-                        sample=result.sample,
-                        env_name=cfg.env,
-                        model=cfg.model,
-                        latency_s=result.wall_s,
-                        correct=bool(traj.reward_components.get("correct", traj.reward >= 1.0)),
-                    )
-                    if answers_comparable(runner.cls):  # present (even None) = maj@k is reported
-                        traj.metadata["answer"] = comparable_answer(runner.cls, traj.final_answer)
-                    self.store.write(traj)
-                    counts["done"] += 1
-                    counts["streak"] = 0
-                if self.on_progress:
-                    self.on_progress(counts["done"] + counts["failed"], len(todo), counts["failed"])
-
-            jobs = [EpisodeJob(task, cfg.seed + j, item_id, sample=j) for item_id, task, j in todo]
+            runner = self.runner or await open_runner(self.config, stack)
             self.window = (time.monotonic(), 0.0)
-            await collect(
-                pool, runner.policy, jobs, on_episode=finished,
-                should_stop=lambda: counts["streak"] >= abort_after and counts["done"] == 0,
-            )
+            result = await run_jobs(runner, todo, self.store, concurrency=self.config.concurrency,
+                                    on_progress=self.on_progress)
             self.window = (self.window[0], time.monotonic())
-            seconds = self.window[1] - self.window[0]
-        if counts["done"] == 0 and counts["failed"]:
-            last = self.store.error_path.read_text().strip().splitlines()[-1]
-            raise RuntimeError(
-                f"every episode failed ({counts['failed']}); last error: {json.loads(last)['error']}"
-            )
-        return counts["done"], counts["failed"], seconds
+        return result
 
-    async def _run_processes(self, todo: list[tuple[str, dict[str, Any], int]]) -> tuple[int, int, float]:
+    async def _run_processes(self, todo: list[EpisodeJob]) -> tuple[int, int, float]:
         """Split ``todo`` over ``processes`` child processes (each a client with its share of the
         concurrency), so Python's per-request CPU is spread over cores. Children append to the same
         files; the parent aggregates progress. Returns like :meth:`_run_all`."""
@@ -217,7 +242,7 @@ def run_async(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def _child_main(cfg: EvalConfig, shard: list[tuple[str, dict[str, Any], int]], queue: Any, k: int) -> None:
+def _child_main(cfg: EvalConfig, shard: list[EpisodeJob], queue: Any, k: int) -> None:
     """Entry point of one eval worker process: run ``shard`` and report counts and its time window."""
 
     def progress(done: int, total: int, failed: int) -> None:

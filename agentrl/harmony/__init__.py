@@ -11,11 +11,21 @@ from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.harmony_format import HarmonyFormat
 from agentrl.harmony.harmony_parser import StreamingParser
 from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
-from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
+from agentrl.harmony.trajectory import (
+    ERROR_KINDS,
+    SCHEMA_VERSION,
+    SamplingRecord,
+    ToolRecord,
+    Trajectory,
+    TurnRecord,
+    parse_error_kind,
+)
 from agentrl.harmony.types import Message, ParsedTurn, ParseError, ParseErrorKind, ToolCall, ToolSpec
 
 __all__ = [
+    "ERROR_KINDS",
     "FORMAT_NAMES",
+    "SCHEMA_VERSION",
     "ChatFormat",
     "ChatTemplateFormat",
     "HarmonyFormat",
@@ -23,6 +33,7 @@ __all__ = [
     "ParseError",
     "ParseErrorKind",
     "ParsedTurn",
+    "SamplingRecord",
     "StreamingParser",
     "ToolCall",
     "ToolRecord",
@@ -34,4 +45,5 @@ __all__ = [
     "harmony_hf_tokenizer",
     "load_harmony_encoding_offline",
     "make_format",
+    "parse_error_kind",
 ]

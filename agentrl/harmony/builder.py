@@ -56,9 +56,16 @@ class TrajectoryBuilder:
     - ``prompt_ids``: the rendered prompt (ends with the assistant header).
     - ``analysis``: ``"keep"`` or ``"drop"`` (see the module docstring); Harmony only.
     - ``tools``: declared tools, passed to ``fmt.parse`` so unknown recipients are flagged.
+    - ``episode``: ``True`` for one env episode (what :class:`~agentrl.envs.AgentEnv` builds): it stays one
+      trajectory, every observation extending the stream in place (an env episode is one user turn, so under
+      ``"keep"`` this only differs after a ``<|return|>`` that did not end the episode, which stays in the
+      model's context as sampled), and an empty completion is recorded as an empty model turn (its parse says
+      so) instead of raising, since bad model output never raises in an env.
+    - ``metadata``: user extras copied to every segment.
 
-    Use: ``add_model(ids, logprobs)`` for each completion, ``add_env(obs_ids, tools=...)`` for each
-    observation, ``context_ids`` for the next engine call, ``finish(...)`` for the trajectories.
+    Use: ``add_model(ids, logprobs)`` for each completion, ``add_tools(records)`` for the tool calls it made,
+    ``add_env(obs_ids)`` for each observation, ``context_ids`` for the next engine call, ``finish(...)`` for
+    the trajectories.
     """
 
     def __init__(
@@ -68,6 +75,7 @@ class TrajectoryBuilder:
         *,
         analysis: AnalysisPolicy = "keep",
         tools: Sequence[ToolSpec] | None = None,
+        episode: bool = False,
         metadata: dict[str, Any] | None = None,
     ):
         if analysis not in ("keep", "drop"):
@@ -75,6 +83,7 @@ class TrajectoryBuilder:
         self.fmt = fmt
         self.analysis: AnalysisPolicy = analysis
         self.tools = list(tools) if tools is not None else None
+        self.episode = episode
         self._harmony = getattr(fmt, "tokens", None) if fmt.name == "harmony" else None
         self._header = list(getattr(fmt, "assistant_header_ids", []))
         prompt = [int(t) for t in prompt_ids]
@@ -86,6 +95,8 @@ class TrajectoryBuilder:
             )
         self.metadata = dict(metadata or {})
         self.segments: list[Trajectory] = [Trajectory(prompt_ids=prompt, metadata=dict(self.metadata))]
+        self._logprobs_missing = False
+        self._last_empty = False
         self._last_parsed: ParsedTurn | None = None
         self._expect_model = True
         # The conversation as sampled (past finals written with <|end|>), never with analysis dropped; the
@@ -118,9 +129,9 @@ class TrajectoryBuilder:
         parsed: ParsedTurn | None = None,
     ) -> ParsedTurn:
         """Append the ids the model sampled (mask 1) with their log-probs (natural log, one per id; ``None``
-        stores 0.0 and sets ``metadata["logprobs_missing"]``). Returns the parse (``parsed`` if given)."""
+        stores 0.0 and sets ``logprobs_missing``). Returns the parse (``parsed`` if given)."""
         ids = [int(t) for t in completion_ids]
-        if not ids:
+        if not ids and not self.episode:
             raise ValueError("completion_ids is empty: the engine returned no tokens")
         if not self._expect_model:
             raise ValueError(
@@ -133,8 +144,7 @@ class TrajectoryBuilder:
             )
         if logprobs is None:
             lps = [0.0] * len(ids)
-            self.metadata["logprobs_missing"] = True
-            self.trajectory.metadata["logprobs_missing"] = True
+            self._logprobs_missing = self.trajectory.logprobs_missing = True
         else:
             lps = [float(x) for x in logprobs]
             if len(lps) != len(ids):
@@ -152,8 +162,14 @@ class TrajectoryBuilder:
         end = len(t.response_ids)
         t.turns.append(TurnRecord(model_span=(start, end), env_span=(end, end), parsed=parsed))
         self._last_parsed = parsed
+        self._last_empty = not ids
         self._expect_model = False
         return parsed
+
+    def add_tools(self, records: Sequence[ToolRecord]) -> None:
+        """Attach the tool calls of the last completion (their records) to its turn."""
+        if self.trajectory.turns:
+            self.trajectory.turns[-1].tools.extend(records)
 
     def add_env(self, observation_ids: Sequence[int], tools: Sequence[ToolRecord] = ()) -> None:
         """Append the env's ids (mask 0, log-prob 0.0) and attach ``tools`` to the last turn record.
@@ -169,9 +185,8 @@ class TrajectoryBuilder:
         if self._harmony is not None:
             self._check_harmony_boundary(obs)
         t = self.trajectory
-        if t.turns:
-            t.turns[-1].tools.extend(tools)
-        new_prompt = self._official_context() if self._harmony is not None else None
+        self.add_tools(tools)
+        new_prompt = self._official_context() if self._harmony is not None and not self.episode else None
         self._full.extend(obs)
         if new_prompt is None:
             start = len(t.response_ids)
@@ -181,15 +196,18 @@ class TrajectoryBuilder:
             if t.turns:
                 t.turns[-1].env_span = (start, len(t.response_ids))
         else:
-            meta = dict(self.metadata, segment=len(self.segments))
-            self.segments.append(Trajectory(prompt_ids=new_prompt + obs, metadata=meta))
+            segment = Trajectory(prompt_ids=new_prompt + obs, segment=len(self.segments), metadata=dict(self.metadata))
+            segment.logprobs_missing = self._logprobs_missing
+            self.segments.append(segment)
             self._diverged = len(new_prompt) + len(obs) != len(self._full)
         self._expect_model = True
 
     def _check_harmony_boundary(self, obs: list[int]) -> None:
         tk = self._harmony
         last = self._last_token()
-        if last not in (tk.end, tk.call, tk.return_):
+        if self._last_empty:  # nothing was sampled (an env episode's empty action): nothing to close
+            pass
+        elif last not in (tk.end, tk.call, tk.return_):
             if obs[0] != tk.end:
                 raise ValueError(
                     "the completion was truncated (no <|end|>/<|call|>/<|return|>), so the observation must start "
@@ -228,13 +246,13 @@ class TrajectoryBuilder:
         truncated: bool = False,
     ) -> list[Trajectory]:
         """The episode's segments (usually one), each validated and carrying the episode's reward, flags and
-        ``metadata["num_segments"]``."""
+        ``num_segments``."""
         for seg in self.segments:
             seg.reward = float(reward)
             seg.reward_components = dict(reward_components or {})
             seg.terminated = terminated
             seg.truncated = truncated
-            seg.metadata["num_segments"] = len(self.segments)
+            seg.num_segments = len(self.segments)
             seg.validate()
         return list(self.segments)
 

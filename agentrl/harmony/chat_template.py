@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
-from agentrl.harmony.format import ChatFormat
+from agentrl.harmony.format import ChatFormat, leading_instructions
 from agentrl.harmony.types import Message, ParsedTurn, ParseError, ParseErrorKind, ToolCall, ToolSpec
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -89,13 +89,7 @@ class ChatTemplateFormat(ChatFormat):
     def _hf_messages(
         self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), instructions: str | None = None
     ) -> list[dict[str, Any]]:
-        lead: list[str] = []
-        start = 0
-        while start < len(messages) and messages[start].role in ("system", "developer"):
-            lead.append(messages[start].content)
-            start += 1
-        if instructions:
-            lead.append(instructions)
+        lead, start = leading_instructions(messages, instructions)
         if tools and not self._template_renders_tools:
             lead.append(hermes_tools_prompt(tools))
         out: list[dict[str, Any]] = [{"role": "system", "content": "\n\n".join(lead)}] if lead else []
@@ -258,43 +252,27 @@ class ChatTemplateFormat(ChatFormat):
         return turn
 
     def _call(self, body: str, by_name: dict[str, ToolSpec] | None, turn: ParsedTurn) -> None:
+        def refuse(kind: ParseErrorKind, message: str) -> None:
+            turn.errors.append(ParseError(kind, message))
+
         try:
             obj = json.loads(body)
         except ValueError as exc:
-            turn.errors.append(
-                ParseError(ParseErrorKind.BAD_JSON, f"<tool_call> body is not valid JSON: {exc}")
-            )
-            return
+            return refuse(ParseErrorKind.BAD_JSON, f"<tool_call> body is not valid JSON: {exc}")
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            turn.errors.append(
-                ParseError(
-                    ParseErrorKind.MALFORMED, 'a <tool_call> must hold {"name": ..., "arguments": {...}}'
-                )
-            )
-            return
+            return refuse(ParseErrorKind.MALFORMED, 'a <tool_call> must hold {"name": ..., "arguments": {...}}')
         name = obj["name"]
         args = obj.get("arguments", {})
         if isinstance(args, str):  # some models emit arguments as a JSON string
             try:
                 args = json.loads(args)
             except ValueError as exc:
-                turn.errors.append(
-                    ParseError(ParseErrorKind.BAD_JSON, f"arguments of {name!r} are not JSON: {exc}")
-                )
-                return
+                return refuse(ParseErrorKind.BAD_JSON, f"arguments of {name!r} are not JSON: {exc}")
         if not isinstance(args, dict):
-            turn.errors.append(
-                ParseError(ParseErrorKind.BAD_JSON, f"arguments of {name!r} must be a JSON object")
-            )
-            return
+            return refuse(ParseErrorKind.BAD_JSON, f"arguments of {name!r} must be a JSON object")
         if by_name is not None and name not in by_name:
             known = ", ".join(sorted(by_name)) or "none"
-            turn.errors.append(
-                ParseError(
-                    ParseErrorKind.UNKNOWN_RECIPIENT, f"call to unknown tool {name!r} (declared: {known})"
-                )
-            )
-            return
+            return refuse(ParseErrorKind.UNKNOWN_RECIPIENT, f"call to unknown tool {name!r} (declared: {known})")
         recipient = by_name[name].recipient if by_name is not None else f"functions.{name}"
         turn.tool_calls.append(
             ToolCall(

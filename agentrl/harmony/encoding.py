@@ -99,12 +99,20 @@ def ensure_o200k_file(cache_dir: Path | None = None) -> Path:
             f"rebuilt {O200K_FILENAME} has sha256 {digest}, expected {O200K_SHA256}; "
             "the installed quicktok-v1 is not version 0.4.0"
         )
+    write_cache_file(target, payload)
+    return target
+
+
+def write_cache_file(target: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``target`` in the tokenizer cache atomically (a temporary file in the same
+    directory, fsync, rename), so concurrent processes see the old file or the whole new one. Raises
+    RuntimeError naming ``AGENTRL_CACHE`` when the directory cannot be written."""
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=O200K_FILENAME + ".", suffix=".tmp", dir=cache_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     except OSError as exc:
         raise RuntimeError(
-            f"cannot write the tokenizer cache in {cache_dir}: {exc}. Set AGENTRL_CACHE to a writable directory."
+            f"cannot write the tokenizer cache in {target.parent}: {exc}. Set AGENTRL_CACHE to a writable directory."
         ) from exc
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -115,7 +123,6 @@ def ensure_o200k_file(cache_dir: Path | None = None) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return target
 
 
 def load_harmony_encoding_offline(cache_dir: str | os.PathLike[str] | None = None) -> HarmonyEncoding:

@@ -67,3 +67,14 @@ class ChatFormat(ABC):
     @abstractmethod
     def vocab_size(self) -> int:
         """Number of token ids (including specials); ids are in ``[0, vocab_size)``."""
+
+
+def leading_instructions(messages: Sequence[Message], instructions: str | None = None) -> tuple[list[str], int]:
+    """The texts a format puts in its system/developer preamble: the leading ``system``/``developer``
+    messages' contents, then ``instructions``; and the index of the first message after them."""
+    lead: list[str] = []
+    start = 0
+    while start < len(messages) and messages[start].role in ("system", "developer"):
+        lead.append(messages[start].content)
+        start += 1
+    return (lead + [instructions] if instructions else lead), start

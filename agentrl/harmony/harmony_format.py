@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from agentrl.harmony.encoding import load_harmony_encoding_offline
-from agentrl.harmony.format import ChatFormat
+from agentrl.harmony.format import ChatFormat, leading_instructions
 from agentrl.harmony.harmony_parser import BUILTIN_NAMESPACES, HarmonyTokens, StreamingParser, parse_harmony
 from agentrl.harmony.types import Message, ParsedTurn, ToolSpec
 
@@ -132,21 +132,11 @@ class HarmonyFormat(ChatFormat):
         return oh.Message.from_role_and_content(oh.Role.DEVELOPER, content)
 
     def to_harmony_messages(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[ToolSpec] = (),
-        *,
-        instructions: str | None = None,
+        self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), *, instructions: str | None = None,
         reasoning_effort: str | None = None,
     ) -> list[oh.Message]:
         """The full Harmony message list: system, developer (if any), then the conversation."""
-        leading: list[str] = []
-        start = 0
-        while start < len(messages) and messages[start].role in ("system", "developer"):
-            leading.append(messages[start].content)
-            start += 1
-        if instructions:
-            leading.append(instructions)
+        leading, start = leading_instructions(messages, instructions)
         out = [self.system_message(tools, reasoning_effort=reasoning_effort)]
         dev = self.developer_message(tools, "\n\n".join(leading) if leading else None)
         if dev is not None:
@@ -188,18 +178,14 @@ class HarmonyFormat(ChatFormat):
             conv, oh.Role.ASSISTANT, self._config(analysis)
         )
 
-    def render_training(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[ToolSpec] = (),
-        *,
-        instructions: str | None = None,
-        reasoning_effort: ReasoningEffortName | None = None,
-        analysis: AnalysisPolicy | None = None,
-    ) -> list[int]:
+    def render_training(self, messages: Sequence[Message], tools: Sequence[ToolSpec] = (), **options: Any) -> list[int]:
         """Whole-conversation ids as openai-harmony's ``render_conversation_for_training`` (a trailing final
-        message ends with ``<|return|>``)."""
-        conv = self._conversation(messages, tools, instructions, reasoning_effort)
+        message ends with ``<|return|>``); ``options`` are :meth:`render_prompt`'s (``instructions``,
+        ``reasoning_effort``, ``analysis``)."""
+        analysis = options.pop("analysis", None)
+        conv = self._conversation(messages, tools, options.pop("instructions", None), options.pop("reasoning_effort", None))
+        if options:
+            raise TypeError(f"render_training got unknown options {sorted(options)}")
         return self.encoding.render_conversation_for_training(conv, self._config(analysis))
 
     def render_message(self, message: Message) -> list[int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from agentrl.harmony.encoding import (
     default_cache_dir,
     ensure_o200k_file,
     load_harmony_encoding_offline,
+    write_cache_file,
 )
 
 if TYPE_CHECKING:
@@ -89,15 +89,7 @@ def harmony_hf_tokenizer(cache_dir: str | os.PathLike[str] | None = None) -> Pre
                 ) from exc
             payload = _build_tokenizer_json(ensure_o200k_file(cache))
             json.loads(payload)  # sanity: the backend serialised valid JSON
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=_CACHE_NAME + ".", suffix=".tmp", dir=cache)
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    fh.write(payload)
-                os.replace(tmp, target)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_cache_file(target, payload.encode("utf-8"))
     return PreTrainedTokenizerFast(
         tokenizer_file=str(target),
         bos_token="<|startoftext|>",

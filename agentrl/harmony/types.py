@@ -14,8 +14,19 @@ from typing import Any
 Role = str  # "system" | "developer" | "user" | "assistant" | "tool"
 
 
+class PlainRecord:
+    """``to_dict`` / ``from_dict`` of a dataclass whose fields are JSON values."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        return cls(**data)
+
+
 @dataclass
-class Message:
+class Message(PlainRecord):
     """One conversation message, Harmony-shaped but format-neutral.
 
     - ``role``: who wrote it. Tool outputs use role ``"tool"`` and ``name`` = the tool's recipient
@@ -34,16 +45,9 @@ class Message:
     name: str | None = None
     content_type: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Message:
-        return cls(**data)
-
 
 @dataclass
-class ToolCall:
+class ToolCall(PlainRecord):
     """A tool call the model made.
 
     ``recipient`` is the full address (``"functions.lookup"``, ``"python"``); ``name`` is the tool
@@ -57,13 +61,6 @@ class ToolCall:
     raw_arguments: str
     channel: str | None = None
     call_id: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ToolCall:
-        return cls(**data)
 
 
 class ParseErrorKind(str, Enum):
@@ -141,7 +138,7 @@ class ParsedTurn:
 
 
 @dataclass
-class ToolSpec:
+class ToolSpec(PlainRecord):
     """What the model is told about a tool: its name, description and JSON-schema parameters.
 
     ``namespace`` is ``"functions"`` for ordinary function tools; the built-in Harmony python tool
@@ -156,6 +153,3 @@ class ToolSpec:
     @property
     def recipient(self) -> str:
         return self.name if self.namespace == self.name else f"{self.namespace}.{self.name}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -304,6 +305,68 @@ def _check_cu(name: str, cu: torch.Tensor, total: int, device) -> torch.Tensor:
     return cu.to(torch.int32).contiguous()
 
 
+def _check_inputs(q: Any, k: Any, v: Any, sinks: Any, *, causal: bool, window: int | None,
+                  packed: bool) -> tuple[int, int, int, int | None]:
+    """Check :func:`sink_attention`'s tensors and window; returns ``(head_dim, Hq, Hkv, window)``."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise TypeError("q, k and v must be torch tensors")
+    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.is_cuda or _interpreting()):
+        raise RuntimeError("sink_attention runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1, "
+                           "for tests); use sink_attention_reference for CPU tensors otherwise")
+    if window is not None:
+        if not causal:
+            raise ValueError("window needs causal=True (a sliding window here is causal by definition)")
+        if int(window) < 1:
+            raise ValueError(f"window must be a positive number of keys; got {window}")
+        window = int(window)
+    want_dims = 3 if packed else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want_dims:
+            layout = "[total, H, D] with cu_seqlens" if packed else "[B, H, N, D]"
+            raise ValueError(f"{name} must be {layout}; got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    head_dim = q.shape[-1]
+    if k.shape[-1] != head_dim or head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim must be one of 16, 32, 64, 128, 256 and equal for q and k; got "
+                         f"{head_dim} and {k.shape[-1]}")
+    hq, hkv = q.shape[-2 if packed else 1], k.shape[-2 if packed else 1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"the number of KV heads ({hkv}) must divide the number of query heads ({hq})")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != hq):
+        raise ValueError(f"sinks must have shape [{hq}] (one logit per query head); got {tuple(sinks.shape)}")
+    devices = {t.device for t in (q, k, v) + ((sinks,) if sinks is not None else ())}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v and sinks must be on one device; got {sorted(map(str, devices))}")
+    return head_dim, hq, hkv, window
+
+
+def _layout(q: torch.Tensor, k: torch.Tensor, heads: tuple[int, int, int], *, causal: bool, cu_seqlens: Any,
+            cu_seqlens_k: Any, max_seqlen: int | None, max_seqlen_k: int | None) -> tuple[_Layout, Any, Any]:
+    """The call's :class:`_Layout` and checked ``(cu_q, cu_k)`` (None for the dense layout); ``heads`` is
+    ``(Hq, Hkv, head_dim)``."""
+    if cu_seqlens is not None:
+        cu_q = _check_cu("cu_seqlens", cu_seqlens, q.shape[0], q.device)
+        cu_k = cu_q if cu_seqlens_k is None else _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+        if cu_k.numel() != cu_q.numel():
+            raise ValueError("cu_seqlens and cu_seqlens_k must describe the same number of sequences")
+        if max_seqlen is None:
+            max_seqlen = int((cu_q[1:] - cu_q[:-1]).max())
+        if max_seqlen_k is None:
+            max_seqlen_k = max_seqlen if cu_seqlens_k is None else int((cu_k[1:] - cu_k[:-1]).max())
+        return _Layout(True, cu_q.numel() - 1, int(max_seqlen), int(max_seqlen_k), *heads), cu_q, cu_k
+    if cu_seqlens_k is not None:
+        raise ValueError("cu_seqlens_k needs cu_seqlens (packed layout)")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
+    if causal and q.shape[2] > k.shape[2]:
+        raise ValueError(f"causal attention needs Nq <= Nk (queries are the last Nq positions); got "
+                         f"Nq={q.shape[2]}, Nk={k.shape[2]}")
+    return _Layout(False, q.shape[0], q.shape[2], k.shape[2], *heads), None, None
+
+
 def sink_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -352,60 +415,11 @@ def sink_attention(
         a ``[B, N, H, D]`` tensor seen as ``[B, H, N, D]``), or ``(out, lse)`` with ``return_lse``.
         A query row that sees no key returns ``out = 0`` and ``L = sigma``.
     """
-    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-        raise TypeError("q, k and v must be torch tensors")
-    if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share one dtype among fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.is_cuda or _interpreting()):
-        raise RuntimeError("sink_attention runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1, "
-                           "for tests); use sink_attention_reference for CPU tensors otherwise")
-    if window is not None:
-        if not causal:
-            raise ValueError("window needs causal=True (a sliding window here is causal by definition)")
-        if int(window) < 1:
-            raise ValueError(f"window must be a positive number of keys; got {window}")
-        window = int(window)
     packed = cu_seqlens is not None
-    want_dims = 3 if packed else 4
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != want_dims:
-            layout = "[total, H, D] with cu_seqlens" if packed else "[B, H, N, D]"
-            raise ValueError(f"{name} must be {layout}; got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
-    head_dim = q.shape[-1]
-    if k.shape[-1] != head_dim or head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head_dim must be one of 16, 32, 64, 128, 256 and equal for q and k; got "
-                         f"{head_dim} and {k.shape[-1]}")
-    hq, hkv = q.shape[-2 if packed else 1], k.shape[-2 if packed else 1]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"the number of KV heads ({hkv}) must divide the number of query heads ({hq})")
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != hq):
-        raise ValueError(f"sinks must have shape [{hq}] (one logit per query head); got {tuple(sinks.shape)}")
-    devices = {t.device for t in (q, k, v) + ((sinks,) if sinks is not None else ())}
-    if len(devices) != 1:
-        raise ValueError(f"q, k, v and sinks must be on one device; got {sorted(map(str, devices))}")
+    head_dim, hq, hkv, window = _check_inputs(q, k, v, sinks, causal=causal, window=window, packed=packed)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    if packed:
-        cu_q = _check_cu("cu_seqlens", cu_seqlens, q.shape[0], q.device)
-        cu_k = cu_q if cu_seqlens_k is None else _check_cu("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-        if cu_k.numel() != cu_q.numel():
-            raise ValueError("cu_seqlens and cu_seqlens_k must describe the same number of sequences")
-        if max_seqlen is None:
-            max_seqlen = int((cu_q[1:] - cu_q[:-1]).max())
-        if max_seqlen_k is None:
-            max_seqlen_k = max_seqlen if cu_seqlens_k is None else int((cu_k[1:] - cu_k[:-1]).max())
-        lay = _Layout(True, cu_q.numel() - 1, int(max_seqlen), int(max_seqlen_k), hq, hkv, head_dim)
-    else:
-        if cu_seqlens_k is not None:
-            raise ValueError("cu_seqlens_k needs cu_seqlens (packed layout)")
-        if q.shape[0] != k.shape[0]:
-            raise ValueError(f"q and k batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
-        if causal and q.shape[2] > k.shape[2]:
-            raise ValueError(f"causal attention needs Nq <= Nk (queries are the last Nq positions); got "
-                             f"Nq={q.shape[2]}, Nk={k.shape[2]}")
-        cu_q = cu_k = None
-        lay = _Layout(False, q.shape[0], q.shape[2], k.shape[2], hq, hkv, head_dim)
+    lay, cu_q, cu_k = _layout(q, k, (hq, hkv, head_dim), causal=causal, cu_seqlens=cu_seqlens,
+                              cu_seqlens_k=cu_seqlens_k, max_seqlen=max_seqlen, max_seqlen_k=max_seqlen_k)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, sinks))

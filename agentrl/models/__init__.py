@@ -8,7 +8,6 @@
 - :mod:`agentrl.models.lora`: LoRA adapters through PEFT, injected in place (targets per architecture, the
   adapters-off reference, adapter-only state, merge for serving).
 - :mod:`agentrl.models.routing`: MoE routing record (at sampling) and replay (in the training forward).
-- :mod:`agentrl.models.checkpoints`: where a run keeps its checkpoints (no torch needed).
 
-Nothing is imported here, so ``agentrl.models.checkpoints`` stays torch-free.
+Where a run keeps its checkpoints is :mod:`agentrl.rundir` (torch-free). Nothing is imported here.
 """

@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from agentrl.models.checkpoints import ADAPTER_DIR, is_run_dir, latest_checkpoint
 from agentrl.models.conversion_cache import cached_conversion
 from agentrl.models.names import BUILTIN_MODELS, check_model_name
+from agentrl.rundir import ADAPTER_DIR, is_run_dir, latest_checkpoint
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

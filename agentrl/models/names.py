@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 
-from agentrl.models.checkpoints import is_run_dir
+from agentrl.rundir import is_run_dir
 
 BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss", "gpt-oss-20b-random")
 _KINDS = (

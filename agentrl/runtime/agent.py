@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.engines.base import AsyncClosing
 from agentrl.engines.openai_engine import ChatClient
 from agentrl.episodes import STOP_REASONS as EPISODE_STOP_REASONS
 from agentrl.episodes import EpisodeLimits, Step, run_episode
@@ -42,7 +43,7 @@ class AgentResult:
     - ``messages``: the OpenAI-shaped transcript (system, user, assistant with tool calls, tool results).
     - ``tool_calls``: every tool invocation (name, arguments, result, latency, error kind).
     - ``trajectory``: the env's record of the episode, in the env's format (tokens rendered from the
-      replies, so log-probs are 0; ``metadata["api"] == "chat"``).
+      replies, so log-probs are 0; ``trajectory.api == "chat"``).
     - ``reward``: the env's reward when the run was scored (:meth:`Agent.run_task`), else ``None``.
     - ``usage``: summed ``prompt_tokens`` / ``completion_tokens`` reported by the endpoint;
       ``requests``: chat requests made; ``latency_s``: wall time of the run.
@@ -87,7 +88,7 @@ def _no_reward(ctx: Any) -> tuple[float, dict[str, float]]:
     return 0.0, {}
 
 
-class Agent:
+class Agent(AsyncClosing):
     """Runs an env's tools against a served chat model for one request at a time.
 
     Args:
@@ -123,12 +124,6 @@ class Agent:
         self.limits = EpisodeLimits(time_s=time_limit_s, max_turns=max_turns, max_tool_calls=max_tool_calls)
         self.sampling = dict(sampling or {})
         self._lock = asyncio.Lock()
-
-    async def __aenter__(self) -> Agent:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the env (releasing tool sessions) and the client if the Agent built it."""
@@ -204,7 +199,7 @@ class Agent:
                     del self.env.reward
             policy.sync(result.steps)
             traj = result.trajectory
-            traj.metadata["latency_s"] = result.wall_s
+            traj.latency_s = result.wall_s
             answer = traj.final_answer
             return AgentResult(
                 answer=answer if result.stop_reason == "answer" else None,

@@ -17,6 +17,7 @@ from typing import Any
 
 from agentrl.engines.openai_engine import ChatClient, ChatResult
 from agentrl.episodes import Action, EpisodeState, Step
+from agentrl.harmony.trajectory import SamplingRecord
 from agentrl.runtime.bridge import observation_to_openai, prompt_to_openai, reply_to_steps, tools_to_openai
 
 
@@ -30,8 +31,8 @@ class ChatPolicy:
 
     After the episode, :attr:`messages` is the transcript (call :meth:`sync` with the episode's steps to
     add the last observations), :attr:`requests` the chat requests made and :attr:`usage` the summed
-    ``prompt_tokens`` / ``completion_tokens`` the endpoint reported; the trajectory's metadata records
-    them too (``api="chat"``, ``requests``, ``gen_tokens``, ``prompt_tokens``).
+    ``prompt_tokens`` / ``completion_tokens`` the endpoint reported; the trajectory records them too
+    (``api="chat"``, ``requests``, ``usage``, and the ``sampling``).
     """
 
     def __init__(
@@ -73,12 +74,9 @@ class ChatPolicy:
         self.requests += 1
         for key in self.usage:
             self.usage[key] += int(reply.usage.get(key) or 0)
-        episode.trajectory.metadata.update(
-            api="chat",
-            requests=self.requests,
-            gen_tokens=self.usage["completion_tokens"],
-            prompt_tokens=self.usage["prompt_tokens"],
-        )
+        traj = episode.trajectory
+        traj.api, traj.requests, traj.usage = "chat", self.requests, dict(self.usage)
+        traj.sampling = SamplingRecord.of(self.sampling)
         calls = [
             dict(c, id=c.get("id") or f"call_{self.requests}_{i}") for i, c in enumerate(reply.tool_calls)
         ]

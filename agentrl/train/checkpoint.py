@@ -1,6 +1,6 @@
 """Atomic checkpoints: model, optimizer, RNG states, data position and step.
 
-Layout (read by :mod:`agentrl.models.checkpoints`, which finds the latest one)::
+Layout (:mod:`agentrl.rundir`, which also finds the latest one)::
 
     RUN_DIR/checkpoints/step_000007/{model.pt, optimizer.pt, rng.pt, state.json}
     RUN_DIR/checkpoints/latest          # text: "step_000007"
@@ -32,7 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentrl.models.checkpoints import ADAPTER_DIR, checkpoint_root, list_checkpoints
+from agentrl.rundir import (
+    ADAPTER_DIR,
+    checkpoint_name,
+    checkpoint_root,
+    list_checkpoints,
+    read_checkpoint_state,
+    write_atomic,
+)
 
 
 def rng_state() -> dict[str, Any]:
@@ -105,7 +112,7 @@ def save_checkpoint(
     an object whose ``state_dict()`` is the full state, or :class:`~agentrl.models.lora.AdapterWeights`."""
     root = checkpoint_root(run_dir)
     os.makedirs(root, exist_ok=True)
-    name = f"step_{step:06d}" if sft_step is None else f"sft_{sft_step:06d}"
+    name = checkpoint_name(step, sft_step)
     final = os.path.join(root, name)
     tmp = os.path.join(root, f".tmp-{name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -121,12 +128,7 @@ def save_checkpoint(
     if os.path.exists(final):  # re-saving a step (e.g. after a resume) replaces it
         shutil.rmtree(final)
     os.rename(tmp, final)
-    latest_tmp = os.path.join(root, ".latest.tmp")
-    with open(latest_tmp, "w", encoding="utf-8") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(latest_tmp, os.path.join(root, "latest"))
+    write_atomic(os.path.join(root, "latest"), name)
     _fsync_dir(root)
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
@@ -206,5 +208,4 @@ def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim
         optimizer_state = optimizer_state_by_index(optimizer_state, model=model, optimizer=optimizer, source=path)
     optimizer.load_state_dict(optimizer_state)
     set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=False))
-    with open(os.path.join(path, "state.json"), encoding="utf-8") as f:
-        return json.load(f)
+    return read_checkpoint_state(path)

@@ -4,11 +4,12 @@
 verl command and resolved config without launching); ``trainer.n_gpus=N`` (N > 1) re-launches under
 torchrun with FSDP2 (:func:`agentrl.train.trainer.run_distributed`).
 
-``resume=RUN_DIR`` continues a run from its latest checkpoint with the run's saved ``config.yaml``
-(further overrides, e.g. a larger ``trainer.total_steps``, apply on top). A run directory is written
-only once the run starts (env, model and engine ready); one that already holds a run is refused unless
-``resume=`` continues it or ``overwrite=true`` starts it afresh. Exit codes: 0 done, 2 bad config or
-arguments (one line, no traceback), 1 training failed.
+``resume=RUN_DIR`` (or ``--resume RUN_DIR``) continues a run from its latest checkpoint with the run's saved
+``config.yaml`` (further overrides, e.g. a larger ``trainer.total_steps``, apply on top). A run directory is
+written only once the run starts (env, model and engine ready); one that already holds a run is refused
+unless ``resume=`` continues it or ``overwrite=true`` starts it afresh, and another command's directory (an
+``agentrl eval`` one) is refused. Exit codes: 0 done, 2 bad config, arguments or run directory (one line, no
+traceback), 1 training failed (one line naming the first exception).
 """
 
 from __future__ import annotations
@@ -18,36 +19,37 @@ import os
 import shutil
 import sys
 
-from omegaconf import OmegaConf
+from agentrl import rundir
+from agentrl.cli_args import CommandSpec, UsageError, fail, is_help, split_args
+from agentrl.train.config import SPEC, ConfigError, build_config, help_text
 
-from agentrl.cli_args import UsageError, fail, is_help
-from agentrl.train.config import SPEC, ConfigError, build_config, help_text  # noqa: F401 (SPEC: the CLI's keys)
 
-
-def load_run_config(argv: list[str]):
-    """Resolve the config for ``argv`` (handles ``resume=RUN_DIR``); raises ConfigError."""
-    resume = next((a.split("=", 1)[1] for a in argv if a.startswith("resume=")), None)
+def load_run_config(argv: list[str], *, spec: CommandSpec = SPEC, profile: str | None = None):
+    """Resolve the config for ``argv`` (``resume=RUN_DIR`` in any spelling: the run's saved config plus the
+    other overrides); raises ConfigError or RunDirError (one line)."""
+    overrides, bare = split_args(spec, argv)
+    resume = next((t.split("=", 1)[1] for t in reversed(overrides) if t.startswith("resume=")), None)
     if not resume:
-        return build_config(argv)
-    saved = os.path.join(resume, "config.yaml")
-    if not os.path.exists(saved):
-        raise ConfigError(f"resume={resume}: no config.yaml there; point resume= at a run directory")
-    base = OmegaConf.load(saved)
-    overrides = [a for a in argv if not a.startswith(("resume=", "run_dir="))]
-    return build_config(overrides + [f"resume={resume}", f"run_dir={resume}"], base=base)
+        return build_config(argv, spec=spec, profile=profile)
+    base = rundir.read_config_yaml(resume, fix="point resume= at a directory written by agentrl train")
+    kept = [t for t in overrides if not t.startswith(("resume=", "run_dir="))]
+    return build_config([*kept, *bare, f"resume={resume}", f"run_dir={resume}"], base=base, spec=spec)
 
 
 def check_run_dir(cfg) -> None:
     """Refuse a ``run_dir`` that holds a run unless ``resume=`` continues it or ``overwrite=true`` removes
-    it (only a directory holding a run's ``config.yaml`` is ever removed)."""
+    it (only a directory holding a training run's ``config.yaml`` is ever removed), and one written by another
+    command."""
     if cfg.resume or not cfg.run_dir or not os.path.isdir(cfg.run_dir):
         return
-    holds_run = os.path.exists(os.path.join(cfg.run_dir, "config.yaml"))
+    kind = rundir.run_kind(cfg.run_dir)
+    if kind == rundir.EVAL:
+        raise ConfigError(f"run_dir={cfg.run_dir} is an `agentrl eval` directory, not a training run; choose another run_dir=")
     if cfg.overwrite:
-        if not holds_run and os.listdir(cfg.run_dir):
+        if kind is None and os.listdir(cfg.run_dir):
             raise ConfigError(f"overwrite=true: run_dir={cfg.run_dir} is not a run directory (no config.yaml); not removing it")
         shutil.rmtree(cfg.run_dir)
-    elif holds_run:
+    elif kind == rundir.TRAIN:
         raise ConfigError(
             f"run_dir={cfg.run_dir} holds a run already: resume={cfg.run_dir} continues it, "
             "overwrite=true starts it afresh, or choose another run_dir="
@@ -71,18 +73,30 @@ def main(argv: list[str] | None = None) -> int:
 
         return verl_main(cfg, dry_run=dry_run)
     if dry_run:
-        print("agentrl train: --dry-run applies to backend=verl only", file=sys.stderr)
-        return 2
+        return fail("agentrl train", "--dry-run applies to backend=verl only")
     if cfg.trainer.n_gpus > 1:
         from agentrl.train.trainer import run_distributed
 
         return run_distributed(cfg, argv)
-    from agentrl.train.trainer import Trainer
+    return run_trainer(cfg, "agentrl train")
+
+
+def run_trainer(cfg, prog: str, failures: tuple[type[BaseException], ...] = ()) -> int:
+    """Build the trainer for ``cfg``, train, print the summary. A bad model, device or run directory is one
+    line and exit status 2; a run stopped by its failure budget (:class:`~agentrl.train.trainer.TrainingFailed`)
+    or by one of ``failures`` is one line and exit status 1."""
+    from agentrl.train.trainer import Trainer, TrainingFailed
 
     try:
         trainer = Trainer(cfg)
     except (ValueError, RuntimeError, OSError) as exc:  # bad model/device names and missing packages
-        return fail("agentrl train", str(exc))
-    summary = trainer.fit()
+        return fail(prog, str(exc))
+    try:
+        summary = trainer.fit()
+    except UsageError as exc:  # a damaged run directory found on resume
+        return fail(prog, str(exc))
+    except (TrainingFailed, *failures) as exc:
+        print(f"{prog}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        return 1
     print(json.dumps(summary, indent=2))
     return 0

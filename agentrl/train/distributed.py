@@ -195,9 +195,10 @@ def check_config(cfg: Any, n_procs: int) -> None:
             f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by trainer.n_gpus={n_procs} "
             "(each rank rolls out whole task groups)"
         )
-    from agentrl.train.teachers import SCRIPTED_TEACHERS
+    from agentrl.envs.registry import env_class
 
-    if cfg.sft.steps and (cfg.sft.data or cfg.sft.teacher != "auto" or cfg.env in SCRIPTED_TEACHERS):
+    has_teacher = env_class(cfg.env).scripted_teacher() is not None
+    if cfg.sft.steps and (cfg.sft.data or cfg.sft.teacher != "auto" or has_teacher):
         raise ValueError(
             f"sft.steps={cfg.sft.steps} with trainer.n_gpus={n_procs}: the SFT stage runs in the single-process "
             "trainer only; run `agentrl sft ...` first and pass model=runs/<sft run> sft.steps=0"

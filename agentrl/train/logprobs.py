@@ -9,6 +9,8 @@ fp32 buffers plus the weight gradient (``V x H``), independent of ``N``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 IGNORE_INDEX = -100
@@ -166,13 +168,20 @@ def backbone_token_logprobs(
     labels = input_ids[:, start:].clone()
     if attention_mask is not None:
         labels = labels.masked_fill(attention_mask[:, start:] == 0, IGNORE_INDEX)
+    return lm_head_logprobs(model, hidden, labels, chunk_size=chunk_size, temperature=temperature,
+                            compute_entropy=compute_entropy)
+
+
+def lm_head_logprobs(
+    model: Any, hidden: torch.Tensor, labels: torch.Tensor, *, chunk_size: int, temperature: float,
+    compute_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`chunked_logprobs` of ``labels`` ``[B, T]`` (``IGNORE_INDEX``: log-prob 0) given the backbone's
+    ``hidden`` states ``[B, T, H]`` that predict them, through ``model.lm_head``; ``([B, T], [B, T] or None)``."""
     weight = model.lm_head.weight
     lp, ent = chunked_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype),
-        weight,
-        labels.reshape(-1),
-        chunk_size=chunk_size,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
+        hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype), weight, labels.reshape(-1),
+        chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy,
     )
-    return lp.view(bsz, -1), (None if ent is None else ent.view(bsz, -1))
+    shape = labels.shape
+    return lp.view(shape), (None if ent is None else ent.view(shape))

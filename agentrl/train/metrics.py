@@ -5,9 +5,12 @@ Names follow verl where the concept is the same: ``critic/score/mean`` (episode 
 ``actor/ppo_kl``, ``actor/kl_loss``, ``rollout_corr/*``, ``timing_s/*``, ``perf/*``. Ours:
 ``reward/<component>/mean``, ``episode/turns_mean``, ``episode/tool_calls_mean``,
 ``episode/tool_call_rate`` (episodes with at least one tool call / episodes), ``episode/tool_error_rate``
-(tool calls with an error kind / tool calls; a python exception inside sandboxed code is the code's result,
-not a tool error, as in ``agentrl eval``), ``episode/parse_error_rate`` (model turns with a parse error /
-model turns), ``episode/truncated_frac``, ``episode/rollout_errors``.
+(tool calls with an error kind / tool calls: the record's own tool statistics,
+:attr:`~agentrl.harmony.trajectory.Trajectory.tool_errors`, as in ``agentrl eval``), ``episode/parse_error_rate``
+(model turns with a parse error / model turns), ``episode/truncated_frac``, ``episode/rollout_errors``.
+Held-out evaluations are ``agentrl eval``'s metrics (:mod:`agentrl.train.heldout`), logged as ``eval/*``.
+
+Files go through :mod:`agentrl.rundir`: each record is one appended line of ``RUN_DIR/metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -19,19 +22,11 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl import rundir
 from agentrl.episodes import EpisodeResult
+from agentrl.evaluation.metrics import mean_and_sem
 
-
-def mean_and_sem(values: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error of the mean (sample std / sqrt(n); 0 for n < 2)."""
-    n = len(values)
-    if n == 0:
-        return float("nan"), float("nan")
-    mean = sum(values) / n
-    if n < 2:
-        return mean, 0.0
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return mean, math.sqrt(var / n)
+__all__ = ["MetricsSink", "NullSink", "episode_metrics", "mean_and_sem"]
 
 
 def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict[str, float]:
@@ -45,7 +40,7 @@ def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict
     model_tokens = [sum(t.response_mask) for t in trajs]
     env_tokens = [len(t.response_mask) - sum(t.response_mask) for t in trajs]
     turns = [len(t.turns) for t in trajs]
-    tool_records = [rec for t in trajs for turn in t.turns for rec in turn.tools]
+    tool_calls = sum(t.tool_calls for t in trajs)
     model_turns = [turn for t in trajs for turn in t.turns]
     mean_r, sem_r = mean_and_sem(rewards)
     out: dict[str, float] = {
@@ -58,11 +53,9 @@ def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict
         "response_length/env_tokens_mean": sum(env_tokens) / len(trajs),
         "prompt_length/mean": sum(len(t.prompt_ids) for t in trajs) / len(trajs),
         "episode/turns_mean": sum(turns) / len(trajs),
-        "episode/tool_calls_mean": len(tool_records) / len(trajs),
-        "episode/tool_call_rate": sum(1 for t in trajs if any(turn.tools for turn in t.turns)) / len(trajs),
-        "episode/tool_error_rate": (
-            sum(1 for r in tool_records if r.error) / len(tool_records) if tool_records else 0.0
-        ),
+        "episode/tool_calls_mean": tool_calls / len(trajs),
+        "episode/tool_call_rate": sum(1 for t in trajs if t.tool_calls) / len(trajs),
+        "episode/tool_error_rate": sum(t.tool_errors for t in trajs) / tool_calls if tool_calls else 0.0,
         "episode/parse_error_rate": (
             sum(1 for turn in model_turns if turn.parsed.errors) / len(model_turns) if model_turns else 0.0
         ),
@@ -77,22 +70,6 @@ def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict
     for name, values in sorted(components.items()):
         out[f"reward/{name}/mean"] = sum(values) / len(values)
     return {f"{prefix}{k}": v for k, v in out.items()}
-
-
-def eval_summary(metrics: dict[str, float], prefix: str = "eval/") -> dict[str, Any]:
-    """The headline numbers of one evaluation (``metrics`` from :func:`episode_metrics` with ``prefix``):
-    ``mean`` and ``sem`` of the reward, ``tool_call_rate`` (share of episodes with at least one tool call),
-    ``tool_success_rate`` (share of tool calls without an error kind; ``None`` when no tool was called),
-    ``tool_calls_mean`` and ``turns_mean``."""
-    calls = metrics[f"{prefix}episode/tool_calls_mean"]
-    return {
-        "mean": metrics[f"{prefix}critic/score/mean"],
-        "sem": metrics[f"{prefix}critic/score/sem"],
-        "tool_call_rate": metrics[f"{prefix}episode/tool_call_rate"],
-        "tool_success_rate": (1.0 - metrics[f"{prefix}episode/tool_error_rate"]) if calls > 0 else None,
-        "tool_calls_mean": calls,
-        "turns_mean": metrics[f"{prefix}episode/turns_mean"],
-    }
 
 
 class NullSink:
@@ -118,7 +95,7 @@ class MetricsSink:
     was logged but not checkpointed is not duplicated)."""
 
     def __init__(self, run_dir: str, *, tensorboard: bool, wandb: bool, wandb_project: str, config: dict[str, Any]) -> None:
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = os.path.join(run_dir, rundir.METRICS)
         self._tb = None
         self._wandb = None
         self.warnings: list[str] = []
@@ -135,19 +112,11 @@ class MetricsSink:
                 self._wandb = wandb_mod.init(project=wandb_project, dir=run_dir, config=config, resume="allow")
 
     def truncate_after(self, step: int) -> None:
-        if not os.path.exists(self.path):
-            return
-        with open(self.path, encoding="utf-8") as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
+        rundir.truncate_metrics(self.path, step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        rundir.append_lines(self.path, [json.dumps(record)])
         if self._tb is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
@@ -167,17 +136,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """Records of ``RUN_DIR/metrics.jsonl`` sorted by step, one per step (the last one wins)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: is {run_dir!r} a training run directory?")
-    by_step: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                record = json.loads(line)
-                by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step)]

@@ -173,8 +173,8 @@ class FSDP2Parallel(SingleProcess):
         def load(name: str) -> Any:
             return torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
 
-        from agentrl.models.checkpoints import ADAPTER_DIR
         from agentrl.models.lora import has_lora
+        from agentrl.rundir import ADAPTER_DIR
 
         if has_lora(model) or os.path.isdir(os.path.join(path, ADAPTER_DIR)):
             from agentrl.train.checkpoint import load_model_state

@@ -14,16 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.cli_args import CommandSpec, UsageError, run
-from agentrl.train.metrics import read_metrics
+from agentrl.rundir import read_metrics
 
 #: panel file stem -> (title, candidate metric keys in order of preference)
 PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
     "reward": ("mean reward (train batch)", ("critic/score/mean",)),
-    "eval_reward": ("held-out reward (eval)", ("eval/critic/score/mean",)),
+    "eval_reward": ("held-out reward (eval)", ("eval/mean_reward", "eval/critic/score/mean")),
     "tool_calls": ("tool calls per episode (train batch)", ("episode/tool_calls_mean",)),
     "tool_error_rate": ("tool error rate (failed calls / calls)", ("episode/tool_error_rate",)),
     "turns": ("turns per episode (train batch)", ("episode/turns_mean",)),
-    "eval_tool_call_rate": ("held-out: share of episodes with a tool call", ("eval/episode/tool_call_rate",)),
+    "eval_tool_call_rate": ("held-out: share of episodes with a tool call",
+                            ("eval/tool_call_rate", "eval/episode/tool_call_rate")),
     "kl": ("KL to reference (or PPO KL)", ("actor/kl_loss", "actor/ppo_kl")),
     "entropy": ("entropy (nats/token)", ("actor/entropy",)),
     "grad_norm": ("grad norm (before clipping)", ("actor/grad_norm",)),
@@ -32,10 +33,10 @@ PANELS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 #: held-out panels: the evaluation before the SFT stage (logged at step 0 beside the after-SFT one), drawn as
-#: its own point so a run with a cold start shows before -> after SFT -> after RL
-BEFORE_SFT: dict[str, str] = {
-    "eval_reward": "eval_before/critic/score/mean",
-    "eval_tool_call_rate": "eval_before/episode/tool_call_rate",
+#: its own point so a run with a cold start shows before -> after SFT -> after RL (older runs' names second)
+BEFORE_SFT: dict[str, tuple[str, ...]] = {
+    "eval_reward": ("eval_before/mean_reward", "eval_before/critic/score/mean"),
+    "eval_tool_call_rate": ("eval_before/tool_call_rate", "eval_before/episode/tool_call_rate"),
 }
 
 
@@ -70,7 +71,7 @@ def plot_runs(run_dirs: list[str], out_dir: str, *, dpi: int = 80) -> list[str]:
             key, steps, values = found
             for target in (ax, ax_all):
                 target.plot(steps, values, marker="o", markersize=3, label=f"{label} ({key})" if len(keys) > 1 else label)
-            before = _series(records, (BEFORE_SFT[stem],)) if stem in BEFORE_SFT else None
+            before = _series(records, BEFORE_SFT[stem]) if stem in BEFORE_SFT else None
             if before is not None:
                 for target in (ax, ax_all):
                     target.plot(before[1], before[2], marker="x", markersize=7, linestyle="none",
@@ -119,12 +120,9 @@ def _plot(cfg: Any) -> int:
     runs = list(cfg.runs)
     if not runs:
         raise UsageError("no run directory given; e.g. agentrl plot runs/retool-20261130-133143")
-    try:
-        if cfg.dpi < 10:
-            raise UsageError(f"dpi must be >= 10, got {cfg.dpi}; e.g. dpi=80")
-        paths = plot_runs(runs, cfg.out or os.path.join(runs[0], "plots"), dpi=cfg.dpi)
-    except FileNotFoundError as exc:
-        raise UsageError(f"{exc}; pass run directories that hold metrics.jsonl") from None
+    if cfg.dpi < 10:
+        raise UsageError(f"dpi must be >= 10, got {cfg.dpi}; e.g. dpi=80")
+    paths = plot_runs(runs, cfg.out or os.path.join(runs[0], "plots"), dpi=cfg.dpi)  # RunDirError: one line
     for path in paths:
         print(path)
     return 0

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from agentrl.train.batch import Batch
-from agentrl.train.logprobs import IGNORE_INDEX, chunked_logprobs
+from agentrl.train.logprobs import IGNORE_INDEX, lm_head_logprobs
 
 
 def supports_prefix_sharing(model: Any) -> bool:
@@ -86,13 +86,5 @@ def shared_prefix_logprobs(
     index = (start[:, None] + torch.arange(resp_width, device=device)[None, :]).clamp(max=width - 1)
     picked = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
     labels = batch.responses.masked_fill(~real[:, width_p:], IGNORE_INDEX)
-    weight = model.lm_head.weight
-    lp, ent = chunked_logprobs(
-        picked.reshape(-1, picked.shape[-1]).to(weight.dtype),
-        weight,
-        labels.reshape(-1),
-        chunk_size=chunk_size,
-        temperature=temperature,
-        compute_entropy=compute_entropy,
-    )
-    return lp.view(b, resp_width), None if ent is None else ent.view(b, resp_width)
+    return lm_head_logprobs(model, picked, labels, chunk_size=chunk_size, temperature=temperature,
+                            compute_entropy=compute_entropy)

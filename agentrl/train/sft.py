@@ -177,18 +177,18 @@ class SFTStage:
         }
 
 
-def build_teacher(sft: Any, env_name: str, stop_token_ids: Sequence[int] = ()) -> Any:
-    """The :class:`~agentrl.train.teachers.Teacher` that ``sft.teacher`` names for ``env_name`` (see
-    :class:`~agentrl.train.config.SFTConfig`), or None for ``auto`` on an env without a scripted teacher.
-    ``stop_token_ids``: the student format's, for a completions teacher. Raises TeacherError for
-    ``scripted`` on an env without one."""
-    from agentrl.train.teachers import SCRIPTED_TEACHERS, chat_teacher, engine_teacher, scripted_teacher
+def build_teacher(sft: Any, env_cls: type, stop_token_ids: Sequence[int] = ()) -> Any:
+    """The :class:`~agentrl.train.teachers.Teacher` that ``sft.teacher`` names for envs of ``env_cls`` (see
+    :class:`~agentrl.train.config.SFTConfig`), or None for ``auto`` on an env without a scripted teacher
+    (:meth:`AgentEnv.scripted_teacher <agentrl.envs.AgentEnv.scripted_teacher>`). ``stop_token_ids``: the
+    student format's, for a completions teacher. Raises TeacherError for ``scripted`` on an env without one."""
+    from agentrl.train.teachers import chat_teacher, engine_teacher, scripted_teacher
 
     teacher = str(sft.teacher)
     if teacher == "auto":
-        return scripted_teacher(env_name) if env_name in SCRIPTED_TEACHERS else None
+        return scripted_teacher(env_cls) if env_cls.scripted_teacher() is not None else None
     if teacher == "scripted":
-        return scripted_teacher(env_name)
+        return scripted_teacher(env_cls)
     from agentrl.engines.openai_engine import ChatClient, Endpoint, OpenAIEngine
 
     endpoint = Endpoint(teacher, model=sft.teacher_model, max_concurrency=max(int(sft.concurrency), 1))
@@ -208,7 +208,7 @@ def build_teacher(sft: Any, env_name: str, stop_token_ids: Sequence[int] = ()) -
 async def prepare_data(
     sft: Any,
     *,
-    env_name: str | None,
+    env_cls: type | None,
     make_env: Any,
     task: Any,
     vocab_size: int | None,
@@ -217,18 +217,18 @@ async def prepare_data(
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """The SFT data of config section ``sft``: trajectories from ``sft.data`` (filtered), or ``sft.num_demos``
     teacher demonstrations on tasks ``task(0) .. task(num_demos - 1)`` (``task`` maps an index to a training
-    task) in envs from ``make_env``. Returns ``(trajectories, info)``; ``info`` says where they came from and
-    how many were kept. Empty when ``sft.teacher=auto`` and the env has no scripted teacher."""
+    task) in envs of ``env_cls`` from ``make_env``. Returns ``(trajectories, info)``; ``info`` says where they
+    came from and how many were kept. Empty when ``sft.teacher=auto`` and the env has no scripted teacher."""
     if sft.data:
         trajs, counts = load_trajectories(
             str(sft.data), min_reward=sft.min_reward, correct_only=bool(sft.correct_only), vocab_size=vocab_size
         )
         return trajs, {"source": str(sft.data), **counts}
-    if env_name is None:
+    if env_cls is None:
         raise ValueError("SFT needs data: sft.data=PATH (trajectories JSONL / run dir) or env=NAME with a teacher")
-    teacher = build_teacher(sft, env_name, stop_token_ids)
+    teacher = build_teacher(sft, env_cls, stop_token_ids)
     if teacher is None:
-        return [], {"source": f"none (env {env_name!r} has no scripted teacher and sft.data is not set)"}
+        return [], {"source": f"none ({env_cls.__name__} has no scripted teacher and sft.data is not set)"}
     try:
         tasks = [task(i) for i in range(int(sft.num_demos))]
         demos = await generate_demonstrations(

@@ -1,81 +1,83 @@
-"""SFT data files: trajectories JSONL written by ``agentrl eval`` / ``agentrl train``, read with filters, and
-written back (torch-free; :mod:`agentrl.train.sft` trains on them)."""
+"""SFT data: trajectories written by ``agentrl eval`` / ``agentrl train`` (read through :mod:`agentrl.rundir`),
+filtered for supervised fine-tuning (torch-free; :mod:`agentrl.train.sft` trains on them)."""
 
 from __future__ import annotations
 
-import glob
-import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
+from agentrl import rundir
 from agentrl.harmony.trajectory import Trajectory
-from agentrl.train.teachers import is_correct, keep_trajectory
 
 
-def trajectory_files(path: str) -> list[str]:
-    """The JSONL files a data path names: a file, or a directory holding ``trajectories.jsonl`` (an eval run)
-    or ``trajectories/*.jsonl`` (a training run; training-rollout files ``step_*.jsonl`` only, not the
-    evaluation episodes). Raises FileNotFoundError saying what was looked for."""
-    if os.path.isfile(path):
-        return [path]
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "trajectories.jsonl")):
-            return [os.path.join(path, "trajectories.jsonl")]
-        files = sorted(glob.glob(os.path.join(path, "trajectories", "step_*.jsonl")))
-        if files:
-            return files
-        raise FileNotFoundError(
-            f"{path!r} holds neither trajectories.jsonl (an `agentrl eval` run) nor trajectories/step_*.jsonl "
-            "(an `agentrl train` run)"
-        )
-    raise FileNotFoundError(f"sft.data={path!r} does not exist; give a trajectories JSONL file or a run directory")
+def data_paths(paths: str | Sequence[str]) -> list[str]:
+    """The comma-separated data paths of ``sft.data`` (or a list of them)."""
+    return [p for p in paths.split(",") if p] if isinstance(paths, str) else list(paths)
+
+
+def check_data(paths: str | Sequence[str]) -> None:
+    """Raise :class:`~agentrl.rundir.RunDirError` (one line) unless every path names trajectories SFT can read:
+    a JSONL file, an ``agentrl eval`` directory or an ``agentrl train`` run (its training episodes)."""
+    for path in data_paths(paths):
+        rundir.trajectory_files(path, "train")
+
+
+def keep_trajectory(traj: Trajectory, *, min_reward: float | None = None, correct_only: bool = False) -> bool:
+    """The SFT data filter: usable (no rollout or reward error, at least one model token), reward >= ``min_reward``
+    when given, and correct (:attr:`~agentrl.harmony.trajectory.Trajectory.correct`) when ``correct_only``
+    (rejection sampling)."""
+    if traj.error or traj.reward_error or not any(traj.response_mask):
+        return False
+    if min_reward is not None and traj.reward < min_reward:
+        return False
+    return not correct_only or traj.correct
 
 
 def load_trajectories(
     paths: str | Sequence[str], *, min_reward: float | None = None, correct_only: bool = False,
     vocab_size: int | None = None,
 ) -> tuple[list[Trajectory], dict[str, int]]:
-    """Trajectories from JSONL files/run dirs (comma-separated string or list), filtered by
-    :func:`~agentrl.train.teachers.keep_trajectory`. Returns ``(kept, counts)`` with counts ``read``,
-    ``kept``, ``unreadable`` (lines that are not trajectories). ``vocab_size``: refuse token ids outside
-    the student's vocabulary (trajectories of another tokenizer) with a ValueError naming the file."""
-    if isinstance(paths, str):
-        paths = [p for p in paths.split(",") if p]
+    """Trajectories from JSONL files / run directories (comma-separated string or list; a training run gives
+    its training episodes, not its evaluations), filtered by :func:`keep_trajectory`. Returns ``(kept,
+    counts)`` with counts ``read``, ``kept``, ``unreadable`` (lines that are not trajectories). ``vocab_size``:
+    refuse token ids outside the student's vocabulary (trajectories of another tokenizer) with a ValueError
+    naming the file and line. Raises RunDirError for a path without trajectories."""
     kept: list[Trajectory] = []
     counts = {"read": 0, "kept": 0, "unreadable": 0}
-    for path in paths:
-        for file in trajectory_files(path):
-            with open(file, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        traj = Trajectory.from_json(line)
-                        traj.validate()
-                    except (ValueError, KeyError, TypeError):
-                        counts["unreadable"] += 1
-                        continue
-                    counts["read"] += 1
-                    if vocab_size is not None:
-                        top = max([*traj.prompt_ids, *traj.response_ids], default=0)
-                        if top >= vocab_size:
-                            raise ValueError(
-                                f"{file}:{lineno}: token id {top} is outside the model's vocabulary ({vocab_size}); "
-                                "these trajectories were written with another tokenizer/format (SFT needs the "
-                                "student's own tokens: run `agentrl eval` with the student's format)"
-                            )
-                    if keep_trajectory(traj, min_reward=min_reward, correct_only=correct_only):
-                        kept.append(traj)
+    for path in data_paths(paths):
+        loaded = rundir.load_trajectories(path, "train")
+        counts["unreadable"] += len(loaded.problems)
+        for source, traj in loaded.items:
+            counts["read"] += 1
+            top = max([*traj.prompt_ids, *traj.response_ids], default=0)
+            if vocab_size is not None and top >= vocab_size:
+                raise ValueError(
+                    f"{path}/{source}: token id {top} is outside the model's vocabulary ({vocab_size}); these "
+                    "trajectories were written with another tokenizer/format (SFT needs the student's own tokens: "
+                    "run `agentrl eval` with the student's format)"
+                )
+            if keep_trajectory(traj, min_reward=min_reward, correct_only=correct_only):
+                kept.append(traj)
     counts["kept"] = len(kept)
     return kept, counts
 
 
-def save_trajectories(path: str, trajectories: Iterable[Trajectory]) -> None:
-    """Write ``trajectories`` as JSONL atomically (temp file + rename)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        for t in trajectories:
-            f.write(t.to_json() + "\n")
-    os.replace(path + ".tmp", path)
+def infer_env(paths: str | Sequence[str]) -> str | None:
+    """The registered env name recorded by the first trajectory of ``paths`` (schema-1 files of the trainer
+    recorded the env class; it is mapped to its registered name), or None."""
+    import agentrl.envs.registry as registry
+
+    for path in data_paths(paths):
+        loaded = rundir.load_trajectories(path, "train")
+        if loaded.items:
+            env = loaded.items[0][1].env
+            names = registry.registered()
+            if env in names:
+                return env
+            for name in names:
+                if env and registry.env_class(name).__name__ == env:
+                    return name
+            return None
+    return None
 
 
 def describe(trajectories: Sequence[Trajectory]) -> dict[str, float]:
@@ -85,6 +87,6 @@ def describe(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "sft_data/trajectories": float(len(trajectories)),
         "sft_data/model_tokens_mean": sum(sum(t.response_mask) for t in trajectories) / n,
         "sft_data/env_tokens_mean": sum(len(t.response_mask) - sum(t.response_mask) for t in trajectories) / n,
-        "sft_data/tool_calls_mean": sum(len(turn.tools) for t in trajectories for turn in t.turns) / n,
-        "sft_data/correct_frac": sum(is_correct(t) for t in trajectories) / n,
+        "sft_data/tool_calls_mean": sum(t.tool_calls for t in trajectories) / n,
+        "sft_data/correct_frac": sum(t.correct for t in trajectories) / n,
     }

@@ -9,9 +9,9 @@ afterwards; the trajectory is the env's record.
 
 A teacher is an :class:`agentrl.episodes.Policy` run by the one episode loop (:func:`agentrl.episodes.collect`):
 
-- :class:`ReToolScriptedTeacher` (``teacher=scripted`` for ``retool``): writes the python that solves the
-  task (the generator's ``task["code"]``), reads the tool's output from the env's record of the call and
-  answers ``The answer is \\boxed{<output>}.``;
+- the env's own scripted teacher (``teacher=scripted``, or ``auto`` when the env has one: the
+  :meth:`AgentEnv.scripted_teacher <agentrl.envs.AgentEnv.scripted_teacher>` hook; retool's writes the python
+  that solves the task and answers with its boxed output);
 - :func:`engine_teacher`: :class:`agentrl.episodes.TokenPolicy` on any engine with the student's tokenizer,
   e.g. a bigger model of the same family behind an OpenAI-compatible completions endpoint
   (``teacher_api=completions``);
@@ -19,7 +19,8 @@ A teacher is an :class:`agentrl.episodes.Policy` run by the one episode loop (:f
   hosted APIs; ``teacher_api=chat``), whose replies are rendered into the env's format.
 
 :func:`generate_demonstrations` runs a teacher over tasks and keeps the episodes that pass a filter
-(:func:`keep_trajectory`: correct ones by default), in task order whatever the concurrency.
+(:func:`~agentrl.train.sft_data.keep_trajectory`: correct ones by default), in task order whatever the
+concurrency.
 """
 
 from __future__ import annotations
@@ -30,56 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
+from agentrl.envs.env import TeacherError
 from agentrl.harmony.trajectory import Trajectory
-from agentrl.harmony.types import Message
-
-
-class TeacherError(RuntimeError):
-    """A teacher cannot act on this env or task; the message says why and what to use instead."""
-
-
-def _python_spec(env: Any) -> Any:
-    spec = next((s for s in env.toolbox.specs if s.name == "python"), None)
-    if spec is None:
-        raise TeacherError(f"{type(env).__name__} has no python tool; the scripted retool teacher needs one")
-    return spec
-
-
-class ReToolScriptedTeacher:
-    """The scripted retool teacher, an :class:`agentrl.episodes.Policy`: one python call with the task's
-    program, then the boxed tool output.
-
-    Turn 1: a call of the env's ``python`` tool with ``task["code"]`` (tasks from the retool generator and the
-    arithmetic task source carry it; other tasks raise :class:`TeacherError`). Turn 2: ``The answer is
-    \\boxed{<last line of the tool output>}.``, read from the env's own record of turn 1's tool call. A program
-    that fails makes a wrong demonstration, which the default filter (correct episodes only) drops.
-    Stateless: one instance serves any number of concurrent episodes.
-    """
-
-    name = "scripted"
-
-    def __init__(self, answer_template: str = "The answer is \\boxed{{{output}}}.") -> None:
-        self.answer_template = answer_template
-
-    async def act(self, episode: Any) -> list[list[int]]:
-        from agentrl.runtime.bridge import reply_to_steps
-
-        env, task = episode.env, episode.task
-        results = [rec for step in episode.steps for rec in step.turn.tools]
-        if not results:
-            code = task.get("code")
-            if not code:
-                raise TeacherError(
-                    f"task {task.get('id')!r} has no 'code'; the scripted retool teacher solves generated retool "
-                    "tasks only (use an endpoint teacher, teacher=http://..., for other tasks)"
-                )
-            spec = _python_spec(env)
-            call = {"function": {"name": spec.name, "arguments": {"code": code}}}
-            (step,) = reply_to_steps({"content": None, "tool_calls": [call]}, env.toolbox.specs)
-            return [list(env.format.render_completion(step))]
-        lines = results[-1].result.strip().splitlines() or [""]
-        answer = self.answer_template.format(output=lines[-1].strip())
-        return [list(env.format.render_completion([Message("assistant", answer, channel="final")]))]
+from agentrl.train.sft_data import keep_trajectory
 
 
 @dataclass
@@ -117,35 +71,16 @@ def chat_teacher(client: Any, sampling: dict[str, Any] | None = None, name: str 
     return Teacher(name, policy, client.aclose)
 
 
-#: env name -> scripted teacher policy class
-SCRIPTED_TEACHERS: dict[str, Callable[[], Any]] = {"retool": ReToolScriptedTeacher}
-
-
-def scripted_teacher(env_name: str) -> Teacher:
-    """The scripted teacher of a built-in env; raises :class:`TeacherError` naming the envs that have one."""
-    if env_name not in SCRIPTED_TEACHERS:
+def scripted_teacher(env_cls: type) -> Teacher:
+    """The env's own scripted teacher (:meth:`AgentEnv.scripted_teacher <agentrl.envs.AgentEnv.scripted_teacher>`);
+    raises :class:`~agentrl.envs.TeacherError` naming what to use instead when it has none."""
+    policy = env_cls.scripted_teacher()
+    if policy is None:
         raise TeacherError(
-            f"env {env_name!r} has no scripted teacher (envs with one: {', '.join(sorted(SCRIPTED_TEACHERS))}); "
-            "use an endpoint teacher (teacher=http://HOST:PORT/v1) or trajectories from `agentrl eval` (data=PATH)"
+            f"{env_cls.__name__} has no scripted teacher (AgentEnv.scripted_teacher); use an endpoint teacher "
+            "(teacher=http://HOST:PORT/v1) or trajectories from `agentrl eval` (data=PATH)"
         )
-    return Teacher("scripted", SCRIPTED_TEACHERS[env_name]())
-
-
-def is_correct(traj: Trajectory) -> bool:
-    """The episode's ``correct`` reward component if it has one, else ``reward >= 1``."""
-    if "correct" in traj.reward_components:
-        return traj.reward_components["correct"] >= 1.0
-    return traj.reward >= 1.0
-
-
-def keep_trajectory(traj: Trajectory, *, min_reward: float | None = None, correct_only: bool = False) -> bool:
-    """The SFT data filter: usable (no rollout or reward error, at least one model token), reward >= ``min_reward``
-    when given, and correct (:func:`is_correct`) when ``correct_only`` (rejection sampling)."""
-    if traj.metadata.get("rollout_error") or traj.metadata.get("reward_error") or not any(traj.response_mask):
-        return False
-    if min_reward is not None and traj.reward < min_reward:
-        return False
-    return not correct_only or is_correct(traj)
+    return Teacher("scripted", policy)
 
 
 @dataclass
@@ -198,8 +133,7 @@ async def generate_demonstrations(
     for r in results:
         if r.error:
             continue
-        r.trajectory.metadata.setdefault("task_id", r.task_id)
-        r.trajectory.metadata["teacher"] = teacher.name
+        r.trajectory.model = f"teacher {teacher.name}"
         if keep_trajectory(r.trajectory, min_reward=min_reward, correct_only=correct_only):
             kept.append(r.trajectory)
     return Demonstrations(kept, len(tasks), len(errors), time.perf_counter() - t0, errors)

@@ -32,6 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from agentrl.train.algorithms import (
     compute_advantages,
     is_on_policy,
     kl_penalty,
+    onpolicy_old_log_prob,
     policy_loss,
     rollout_correction,
 )
@@ -184,7 +186,56 @@ def _denominator(mode: str, tokens: torch.Tensor, rows: torch.Tensor) -> torch.T
     return None if mode == "token-sum" else rows
 
 
-def update_policy(
+@dataclass
+class Update:
+    """What one policy update did: ``metrics`` (see :func:`update_policy`) and ``old_log_prob``, the ``[B, R]``
+    fp32 log-probs of the sampled tokens under the weights that sampled them (the old-policy log-probs the
+    PPO ratio was taken against; 0 on env and padding tokens), or None when no optimizer step was planned."""
+
+    metrics: dict[str, float]
+    old_log_prob: torch.Tensor | None
+
+
+@dataclass
+class _Run:
+    """The state one update shares between its steps (see :func:`run_update`)."""
+
+    model: Any
+    optimizer: torch.optim.Optimizer
+    batch: Batch
+    actor: Any
+    temperature: float
+    routing: list[torch.Tensor] | None
+    rc_options: dict[str, Any]
+    advantages: torch.Tensor
+    on_policy: bool
+    old_log_prob: torch.Tensor | None = None  # the separate pass's, or (on-policy) filled step by step
+    ref_log_prob: torch.Tensor | None = None
+    is_weights: torch.Tensor | None = None
+    train_mask: torch.Tensor | None = None
+    collected: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    totals: dict[str, float] = field(default_factory=lambda: {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0})
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"optimizer_steps": 0, "zero_grad_steps_skipped": 0, "nonfinite_grad_steps_skipped": 0}
+    )
+    timing: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    trained_tokens: int = 0
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def update_policy(**arguments: Any) -> dict[str, float]:
+    """Run the planned optimizer steps (see the module docstring) on ``batch`` (already on the model's device)
+    and return their metrics: verl's names plus ``actor/optimizer_steps`` (steps taken),
+    ``actor/zero_grad_steps_skipped`` and ``actor/nonfinite_grad_steps_skipped`` (steps whose gradient was all
+    zero or not finite: no update). ``arguments`` are :func:`run_update`'s, which also returns the old-policy
+    log-probs."""
+    return run_update(**arguments).metrics
+
+
+def run_update(
     *,
     model: Any,
     optimizer: torch.optim.Optimizer,
@@ -194,165 +245,188 @@ def update_policy(
     ref_model: Any | None = None,
     generator: torch.Generator | None = None,
     routing: list[torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """Run the planned optimizer steps (see the module docstring) on ``batch`` (already on the model's
-    device). ``cfg`` is the full train config. ``ref_model``: the KL reference (with ``actor.use_kl_loss``):
-    a frozen model, or ``model`` itself when it carries a LoRA adapter (its base model: adapters disabled
-    for the reference pass). ``routing``: per-row rollout MoE routing to replay in every policy forward
-    (routing replay), or None. Returns step metrics (verl names) plus
-    ``actor/optimizer_steps`` (steps taken), ``actor/zero_grad_steps_skipped`` and
-    ``actor/nonfinite_grad_steps_skipped`` (steps whose gradient was all zero or not finite: no update)."""
-    actor, algo = cfg.actor, cfg.algorithm
+) -> Update:
+    """One policy update (:func:`update_policy`) in small steps: advantages, the step plan and the on-policy
+    decision, the separate old-policy and reference passes when needed, each planned optimizer step, the
+    metrics. ``cfg`` is the full train config. ``ref_model``: the KL reference (with ``actor.use_kl_loss``): a
+    frozen model, or ``model`` itself when it carries a LoRA adapter (its base model: adapters disabled for the
+    reference pass). ``routing``: per-row rollout MoE routing to replay in every policy forward (routing
+    replay), or None."""
     if ref_model is model and not has_lora(model):
         raise ValueError("ref_model is the policy itself but it carries no LoRA adapter: the KL would be 0; "
                          "pass a frozen copy as the reference")
+    actor, algo = cfg.actor, cfg.algorithm
     rc = algo.rollout_correction
-    metrics: dict[str, float] = {}
-    timing: dict[str, float] = defaultdict(float)
-    mask = batch.response_mask
-    advantages, _ = compute_advantages(
-        algo.adv_estimator,
-        token_level_rewards=batch.token_level_rewards,
-        response_mask=mask,
-        index=batch.index,
-        gamma=algo.gamma,
-        lam=algo.lam,
-        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-        epsilon=algo.epsilon,
-    )
     steps = _plan_steps(batch, actor, generator)
-    on_policy = bool(actor.onpolicy_fix) and is_on_policy(optimizer_steps=len(steps))
-    metrics["actor/on_policy"] = float(on_policy)
-    chunk, micro = actor.logprob_chunk_size, actor.micro_batch_size
-    share = actor.share_prompt_prefix
-    mode = actor.loss_agg_mode
-    rc_options = dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-                      rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold)
-
-    old_log_prob = None
-    is_weights = None
-    train_mask = mask
-    if not on_policy and steps:
-        t0 = time.perf_counter()
-        old_log_prob = batched_logprobs(model, batch, micro_batch_size=micro, chunk_size=chunk, temperature=temperature,
-                                        routing=routing, share_prefix=share)
-        timing["timing_s/old_log_prob"] = time.perf_counter() - t0
-        if mask.any():
-            is_weights, train_mask, _ = rollout_correction(
-                old_log_prob=old_log_prob, rollout_log_prob=batch.rollout_log_probs, response_mask=mask,
-                with_metrics=False, **rc_options,
-            )
-    ref_log_prob = None
-    if ref_model is not None and steps:
-        t0 = time.perf_counter()
-        with adapters_disabled(model) if ref_model is model else nullcontext():
-            ref_log_prob = batched_logprobs(ref_model, batch, micro_batch_size=micro, chunk_size=chunk,
-                                            temperature=temperature, share_prefix=share)
-        timing["timing_s/ref"] = time.perf_counter() - t0
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    collected: dict[str, list[float]] = defaultdict(list)
-    fixed_old = torch.zeros_like(batch.rollout_log_probs) if on_policy else None
-    totals = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
-    counts = {"optimizer_steps": 0, "zero_grad_steps_skipped": 0, "nonfinite_grad_steps_skipped": 0}
-    t0 = time.perf_counter()
-    trained_tokens = 0
-    for step_rows in steps:
-        optimizer.zero_grad(set_to_none=True)
-        pre = mask[step_rows.to(mask.device)]
-        # totals before rollout correction (this rank's share of the global ones under torchrun)
-        tokens_before = distributed.global_share(pre.sum()).clamp(min=1)
-        rows_before = distributed.global_share((pre.sum(-1) > 0).sum()).clamp(min=1)
-        agg = {"batch_num_tokens": tokens_before, "global_batch_size": rows_before}
-        tokens_after = torch.zeros((), dtype=torch.float64, device=mask.device)
-        rows_after = torch.zeros((), dtype=torch.float64, device=mask.device)
-        partial = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
-        for mb in _micro_batches(step_rows, micro):
-            rows = mb.to(mask.device)
-            sub = batch.select(mb)
-            sub_mask = train_mask[rows]
-            if not mask[rows].any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
-                continue
-            # routing replay stays on through the backward: gradient checkpointing re-runs the routers there
-            with replayed(model, sub, _rows(routing, mb)):
-                log_prob, entropy = forward_logprobs(model, sub, chunk_size=chunk, temperature=temperature,
-                                                     compute_entropy=True, share_prefix=share and routing is None)
-                sub_weights = None if is_weights is None else is_weights[rows]
-                if on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
-                    sub_old = log_prob.detach()
-                    fixed_old[rows] = sub_old
-                    if sub_mask.any():
-                        sub_weights, sub_mask, _ = rollout_correction(
-                            old_log_prob=sub_old, rollout_log_prob=sub.rollout_log_probs, response_mask=sub_mask,
-                            with_metrics=False, **rc_options,
-                        )
-                else:
-                    sub_old = old_log_prob[rows]
-                tokens_after += sub_mask.sum()
-                rows_after += (sub_mask.sum(-1) > 0).sum()
-                pg_loss, pg_metrics = policy_loss(
-                    actor.policy_loss,
-                    old_log_prob=sub_old,
-                    log_prob=log_prob,
-                    advantages=advantages[rows],
-                    response_mask=sub_mask,
-                    loss_agg_mode=mode,
-                    clip_ratio=actor.clip_ratio,
-                    clip_ratio_low=actor.clip_ratio_low,
-                    clip_ratio_high=actor.clip_ratio_high,
-                    clip_ratio_c=actor.clip_ratio_c,
-                    rollout_is_weights=sub_weights,
-                    **agg,
-                )
-                loss = pg_loss
-                entropy_loss = agg_loss(entropy, sub_mask, mode, **agg)
-                if actor.entropy_coeff:
-                    loss = loss - actor.entropy_coeff * entropy_loss
-                if ref_log_prob is not None:
-                    kl = kl_penalty(log_prob, ref_log_prob[rows], actor.kl_loss_type)
-                    kl_loss = agg_loss(kl, sub_mask, mode, **agg)
-                    loss = loss + actor.kl_loss_coef * kl_loss
-                    partial["kl_loss"] += kl_loss.item()
-                loss.backward()
-            trained_tokens += int(sub.attention_mask.sum())
-            partial["pg_loss"] += pg_loss.item()
-            partial["entropy"] += entropy_loss.item()
-            for k, v in pg_metrics.items():
-                collected[k].append(v)
-        # re-normalise from the totals before rollout correction to the totals after it
-        before = _denominator(mode, tokens_before, rows_before)
-        after = _denominator(mode, distributed.global_share(tokens_after), distributed.global_share(rows_after))
-        factor = 1.0 if before is None or float(after) == 0.0 else float(before) / float(after)
-        if factor != 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(factor)
-        for k in totals:
-            totals[k] += partial[k] * factor
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, actor.grad_clip) if params else torch.tensor(0.0)
-        if not torch.isfinite(grad_norm):
-            counts["nonfinite_grad_steps_skipped"] += 1
-        elif float(grad_norm) == 0.0:
-            # no learning signal (e.g. every GRPO group scored alike): stepping Adam anyway would keep
-            # moving the weights along its stale momentum, so the step is skipped
-            counts["zero_grad_steps_skipped"] += 1
-        else:
-            optimizer.step()
-            counts["optimizer_steps"] += 1
-        collected["actor/grad_norm"].append(distributed.full_value(grad_norm))
-    timing["timing_s/update_actor"] = time.perf_counter() - t0
-
+    run = _Run(
+        model=model, optimizer=optimizer, batch=batch, actor=actor, temperature=temperature, routing=routing,
+        rc_options=dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+                        rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold),
+        advantages=_advantages(batch, algo),
+        on_policy=bool(actor.onpolicy_fix) and is_on_policy(optimizer_steps=len(steps)),
+        train_mask=batch.response_mask,
+    )
     if steps:
-        old_for_metrics = fixed_old if on_policy else old_log_prob
-        metrics.update(_global_rollout_metrics(old_for_metrics, batch.rollout_log_probs, mask, rc_options))
-    metrics.update(_mean_metrics(collected))
-    n_steps = max(len(steps), 1)
-    metrics["actor/pg_loss"] = totals["pg_loss"] / n_steps
-    metrics["actor/entropy"] = totals["entropy"] / n_steps
-    if ref_log_prob is not None:
-        metrics["actor/kl_loss"] = totals["kl_loss"] / n_steps
-    metrics["actor/lr"] = optimizer.param_groups[0]["lr"]
-    metrics.update({f"actor/{k}": float(v) for k, v in counts.items()})
-    metrics["perf/train_tokens_per_s"] = trained_tokens / max(timing["timing_s/update_actor"], 1e-9)
-    metrics.update(timing)
+        _old_policy_pass(run)
+        _reference_pass(run, ref_model)
+    if run.on_policy:
+        run.old_log_prob = torch.zeros_like(batch.rollout_log_probs)  # filled by each step's own forward
+    t0 = time.perf_counter()
+    for step_rows in steps:
+        _optimizer_step(run, step_rows)
+    run.timing["timing_s/update_actor"] = time.perf_counter() - t0
+    return Update(_metrics(run, len(steps)), run.old_log_prob if steps else None)
+
+
+def _advantages(batch: Batch, algo: Any) -> torch.Tensor:
+    options = {name: getattr(algo, name) for name in ("gamma", "lam", "norm_adv_by_std_in_grpo", "epsilon")}
+    advantages, _ = compute_advantages(algo.adv_estimator, token_level_rewards=batch.token_level_rewards,
+                                       response_mask=batch.response_mask, index=batch.index, **options)
+    return advantages
+
+
+def _no_grad_pass(run: _Run, model: Any, name: str, routing: list[torch.Tensor] | None) -> torch.Tensor:
+    """``[B, R]`` log-probs of the batch under ``model`` without gradients, timed as ``timing_s/<name>``."""
+    actor = run.actor
+    t0 = time.perf_counter()
+    out = batched_logprobs(model, run.batch, micro_batch_size=actor.micro_batch_size,
+                           chunk_size=actor.logprob_chunk_size, temperature=run.temperature, routing=routing,
+                           share_prefix=actor.share_prompt_prefix)
+    run.timing[f"timing_s/{name}"] = time.perf_counter() - t0
+    return out
+
+
+def _old_policy_pass(run: _Run) -> None:
+    """Off-policy: the separate no-grad old-log-prob pass, and rollout correction against it."""
+    if run.on_policy:
+        return
+    batch, mask = run.batch, run.batch.response_mask
+    run.old_log_prob = _no_grad_pass(run, run.model, "old_log_prob", run.routing)
+    if mask.any():
+        run.is_weights, run.train_mask, _ = rollout_correction(
+            old_log_prob=run.old_log_prob, rollout_log_prob=batch.rollout_log_probs, response_mask=mask,
+            with_metrics=False, **run.rc_options,
+        )
+
+
+def _reference_pass(run: _Run, ref_model: Any | None) -> None:
+    """The frozen reference's log-probs for the KL loss (when there is one)."""
+    if ref_model is not None:
+        with adapters_disabled(run.model) if ref_model is run.model else nullcontext():
+            run.ref_log_prob = _no_grad_pass(run, ref_model, "ref", None)
+
+
+def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
+    """One planned optimizer step: the micro-batches' losses and backwards, the re-normalisation from the
+    totals before rollout correction to those after it, the clipped step (skipped on a zero or non-finite
+    gradient)."""
+    mask = run.batch.response_mask
+    run.optimizer.zero_grad(set_to_none=True)
+    pre = mask[step_rows.to(mask.device)]
+    # totals before rollout correction (this rank's share of the global ones under torchrun)
+    tokens_before = distributed.global_share(pre.sum()).clamp(min=1)
+    rows_before = distributed.global_share((pre.sum(-1) > 0).sum()).clamp(min=1)
+    agg = {"batch_num_tokens": tokens_before, "global_batch_size": rows_before}
+    after = {"tokens": torch.zeros((), dtype=torch.float64, device=mask.device),
+             "rows": torch.zeros((), dtype=torch.float64, device=mask.device)}
+    partial = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
+    for mb in _micro_batches(step_rows, run.actor.micro_batch_size):
+        _micro_batch(run, mb, agg, after, partial)
+    mode = run.actor.loss_agg_mode
+    before = _denominator(mode, tokens_before, rows_before)
+    later = _denominator(mode, distributed.global_share(after["tokens"]), distributed.global_share(after["rows"]))
+    factor = 1.0 if before is None or float(later) == 0.0 else float(before) / float(later)
+    if factor != 1.0:
+        for p in run.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+    for k in run.totals:
+        run.totals[k] += partial[k] * factor
+    params = run.params
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, run.actor.grad_clip) if params else torch.tensor(0.0)
+    if not torch.isfinite(grad_norm):
+        run.counts["nonfinite_grad_steps_skipped"] += 1
+    elif float(grad_norm) == 0.0:
+        # no learning signal (e.g. every GRPO group scored alike): stepping Adam anyway would keep
+        # moving the weights along its stale momentum, so the step is skipped
+        run.counts["zero_grad_steps_skipped"] += 1
+    else:
+        run.optimizer.step()
+        run.counts["optimizer_steps"] += 1
+    run.collected["actor/grad_norm"].append(distributed.full_value(grad_norm))
+
+
+def _micro_batch(run: _Run, mb: torch.Tensor, agg: dict[str, Any], after: dict[str, torch.Tensor],
+                 partial: dict[str, float]) -> None:
+    """Forward, loss and backward of one micro-batch of a step (adds to ``after`` and ``partial``). Routing
+    replay stays on through the backward: gradient checkpointing re-runs the routers there."""
+    mask = run.batch.response_mask
+    if not mask[mb.to(mask.device)].any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
+        return
+    sub = run.batch.select(mb)
+    with replayed(run.model, sub, _rows(run.routing, mb)):
+        _micro_batch_loss(run, mb, sub, agg, after, partial)
+
+
+def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, Any], after: dict[str, torch.Tensor],
+                      partial: dict[str, float]) -> None:
+    actor, mask = run.actor, run.batch.response_mask
+    rows = mb.to(mask.device)
+    sub_mask = run.train_mask[rows]
+    log_prob, entropy = forward_logprobs(run.model, sub, chunk_size=actor.logprob_chunk_size,
+                                         temperature=run.temperature, compute_entropy=True,
+                                         share_prefix=actor.share_prompt_prefix and run.routing is None)
+    sub_weights = None if run.is_weights is None else run.is_weights[rows]
+    if run.on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
+        sub_old = onpolicy_old_log_prob(log_prob, optimizer_steps=1)
+        run.old_log_prob[rows] = sub_old
+        if sub_mask.any():
+            sub_weights, sub_mask, _ = rollout_correction(
+                old_log_prob=sub_old, rollout_log_prob=sub.rollout_log_probs, response_mask=sub_mask,
+                with_metrics=False, **run.rc_options,
+            )
+    else:
+        sub_old = run.old_log_prob[rows]
+    after["tokens"] += sub_mask.sum()
+    after["rows"] += (sub_mask.sum(-1) > 0).sum()
+    mode = actor.loss_agg_mode
+    pg_loss, pg_metrics = policy_loss(
+        actor.policy_loss, old_log_prob=sub_old, log_prob=log_prob, advantages=run.advantages[rows],
+        response_mask=sub_mask, loss_agg_mode=mode, clip_ratio=actor.clip_ratio,
+        clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+        clip_ratio_c=actor.clip_ratio_c, rollout_is_weights=sub_weights, **agg,
+    )
+    loss = pg_loss
+    entropy_loss = agg_loss(entropy, sub_mask, mode, **agg)
+    if actor.entropy_coeff:
+        loss = loss - actor.entropy_coeff * entropy_loss
+    if run.ref_log_prob is not None:
+        kl_loss = agg_loss(kl_penalty(log_prob, run.ref_log_prob[rows], actor.kl_loss_type), sub_mask, mode, **agg)
+        loss = loss + actor.kl_loss_coef * kl_loss
+        partial["kl_loss"] += kl_loss.item()
+    loss.backward()
+    run.trained_tokens += int(sub.attention_mask.sum())
+    partial["pg_loss"] += pg_loss.item()
+    partial["entropy"] += entropy_loss.item()
+    for k, v in pg_metrics.items():
+        run.collected[k].append(v)
+
+
+def _metrics(run: _Run, n_steps: int) -> dict[str, float]:
+    """The update's metrics: rollout-correction gap metrics over the whole batch, the means of what the
+    steps collected, losses, counts, throughput and timings."""
+    metrics: dict[str, float] = {"actor/on_policy": float(run.on_policy)}
+    if n_steps:
+        metrics.update(_global_rollout_metrics(run.old_log_prob, run.batch.rollout_log_probs,
+                                               run.batch.response_mask, run.rc_options))
+    metrics.update(_mean_metrics(run.collected))
+    steps = max(n_steps, 1)
+    metrics["actor/pg_loss"] = run.totals["pg_loss"] / steps
+    metrics["actor/entropy"] = run.totals["entropy"] / steps
+    if run.ref_log_prob is not None:
+        metrics["actor/kl_loss"] = run.totals["kl_loss"] / steps
+    metrics["actor/lr"] = run.optimizer.param_groups[0]["lr"]
+    metrics.update({f"actor/{k}": float(v) for k, v in run.counts.items()})
+    metrics["perf/train_tokens_per_s"] = run.trained_tokens / max(run.timing["timing_s/update_actor"], 1e-9)
+    metrics.update(run.timing)
     return metrics

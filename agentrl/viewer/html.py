@@ -1,14 +1,15 @@
 """Write the trajectory viewer: trajectories + token texts as JSON inside one HTML file with inline CSS/JS.
 
-Input: a trajectory JSONL file (one :class:`~agentrl.harmony.trajectory.Trajectory` per line, as written
-by ``agentrl eval`` or the trainer) or a run directory (every ``*.jsonl`` under it that holds trajectories).
-Lines that are not trajectories are kept and listed in the page as load errors, never silently dropped.
+Input: a trajectory JSONL file (one :class:`~agentrl.harmony.trajectory.Trajectory` per line, any schema
+version, as written by ``agentrl eval`` or the trainer) or a run directory (its trajectory files,
+:func:`agentrl.rundir.trajectory_files`). Lines that are not trajectories are kept and listed in the page as
+load errors, never silently dropped (a torn last line, a writer killed mid-line, is skipped).
 
 Per trajectory the page shows the turns (role, Harmony channel and recipient), tool calls with
 arguments, results, latency and error kind, the prompt and response token strips coloured by loss mask
 (model token / env token / prompt), and, when the trajectory carries training log-probs
-(``metadata["train_logprobs"]`` or ``metadata["old_logprobs"]``, one per response token), a heat map of
-``|rollout - train|`` per model token.
+(``train_logprobs``, one per response token: the trainer records them for every episode it trained on), a
+heat map of ``|rollout - train|`` per model token.
 
 Token texts come from a :class:`~agentrl.harmony.format.ChatFormat` (``format=harmony``, the default,
 or ``format=none`` to show raw ids).
@@ -18,66 +19,27 @@ from __future__ import annotations
 
 import html
 import json
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from agentrl import rundir
 from agentrl.cli_args import CommandSpec, UsageError, run
-from agentrl.evaluation.metrics import turn_errors
 from agentrl.harmony.trajectory import Trajectory
-
-TRAIN_LOGPROB_KEYS = ("train_logprobs", "old_logprobs")
-
-
-def _jsonl_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
-        if files:
-            return files
-        raise FileNotFoundError(f"no .jsonl files under {path}")
-    raise FileNotFoundError(f"{path} does not exist")
 
 
 def load_trajectories(path: str | Path) -> tuple[list[tuple[str, Trajectory]], list[dict[str, Any]]]:
-    """Read trajectories from a JSONL file or run directory.
+    """Read trajectories from a JSONL file or a run directory (every trajectory file of an ``agentrl eval`` or
+    ``agentrl train`` run, :func:`agentrl.rundir.trajectory_files`), any schema version.
 
     Returns ``(trajectories, problems)``: ``trajectories`` as ``(source "file:line", Trajectory)``;
-    ``problems`` one ``{"source", "error", "line"}`` per line that is not a valid trajectory. JSONL files
-    whose first valid-JSON line is not a trajectory (metrics, configs) are skipped in directories.
+    ``problems`` one ``{"source", "error", "line"}`` per line that is not a valid trajectory (a torn last line
+    is skipped). Raises :class:`~agentrl.rundir.RunDirError` for a path without trajectories.
     """
-    root = Path(path)
-    out: list[tuple[str, Trajectory]] = []
-    problems: list[dict[str, Any]] = []
-    for f in _jsonl_files(root):
-        rel = f.name if f == root else str(f.relative_to(root))
-        file_items: list[tuple[str, Trajectory]] = []
-        file_problems: list[dict[str, Any]] = []
-        with f.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    traj = Trajectory.from_json(line)
-                    traj.validate()
-                    file_items.append((f"{rel}:{lineno}", traj))
-                except (ValueError, KeyError, TypeError) as exc:
-                    file_problems.append(
-                        {
-                            "source": f"{rel}:{lineno}",
-                            "error": f"{type(exc).__name__}: {exc}",
-                            "line": line[:2000],
-                        }
-                    )
-        if f != root and not file_items:
-            continue  # a non-trajectory JSONL inside a run directory (metrics, configs)
-        out += file_items
-        problems += file_problems
-    return out, problems
+    loaded = rundir.load_trajectories(path)
+    return loaded.items, [p.to_dict() for p in loaded.problems]
 
 
 class _TokenText:
@@ -98,28 +60,14 @@ class _TokenText:
         return self.cache[tid]
 
 
-def _errors_of(traj: Trajectory) -> list[str]:
-    kinds = {k for k, n in turn_errors(traj).items() if n}
-    env_errors = traj.metadata.get("errors")
-    if isinstance(env_errors, dict):
-        kinds.update(k for k, n in env_errors.items() if n)
-    if traj.truncated:
-        kinds.add("truncation")
-    return sorted(kinds)
-
-
-def _item_of(meta: dict[str, Any]) -> str:
-    task = meta.get("task")
-    item = meta.get("item_id", task.get("id") if isinstance(task, dict) else None)
+def _item_of(traj: Trajectory) -> str:
+    item = traj.task_id if traj.task_id is not None else (traj.task or {}).get("id")
     return "" if item is None else str(item)
 
 
-def _train_logprobs(traj: Trajectory) -> list[float] | None:
-    for key in TRAIN_LOGPROB_KEYS:
-        values = traj.metadata.get(key)
-        if isinstance(values, list) and len(values) == len(traj.response_ids):
-            return [float(v) for v in values]
-    return None
+#: typed fields shown in the page's metadata panel (with the user's ``metadata``)
+_SHOWN = ("stop_reason", "error", "task", "group", "sample", "policy_version", "sampling", "model", "api",
+          "requests", "latency_s", "usage")
 
 
 def build_payload(items: Sequence[tuple[str, Trajectory]], fmt: Any | None) -> list[dict[str, Any]]:
@@ -131,7 +79,7 @@ def build_payload(items: Sequence[tuple[str, Trajectory]], fmt: Any | None) -> l
     text = _TokenText(fmt)
     records = []
     for i, (source, t) in enumerate(items):
-        train = _train_logprobs(t)
+        train = t.train_logprobs
         response = []
         for j, tid in enumerate(t.response_ids):
             model = t.response_mask[j] == 1
@@ -144,18 +92,19 @@ def build_payload(items: Sequence[tuple[str, Trajectory]], fmt: Any | None) -> l
                     None if gap is None else round(gap, 6),
                 ]
             )
-        meta = {k: v for k, v in t.metadata.items() if k not in TRAIN_LOGPROB_KEYS}
+        shown = t.to_dict()
+        meta = {**{k: shown[k] for k in _SHOWN if shown[k] not in (None, {}, [])}, **t.metadata}
         records.append(
             {
                 "id": i,
                 "source": source,
-                "env": str(meta.get("env_name") or meta.get("env", "")),
-                "item": _item_of(meta),
+                "env": t.env or "",
+                "item": _item_of(t),
                 "reward": t.reward,
                 "reward_components": t.reward_components,
                 "terminated": t.terminated,
                 "truncated": t.truncated,
-                "errors": _errors_of(t),
+                "errors": sorted(t.error_counts()),
                 "turns": [tr.to_dict() for tr in t.turns],
                 "prompt": [[text(tid), "p", 0.0, None] for tid in t.prompt_ids],
                 "response": response,
@@ -245,11 +194,7 @@ def _view(cfg: Any) -> int:
     src = Path(cfg.src)
     if cfg.limit is not None and cfg.limit < 1:
         raise UsageError(f"limit must be >= 1, got {cfg.limit}; e.g. limit=20")
-    try:
-        items, problems = load_trajectories(src)
-    except FileNotFoundError as exc:
-        print(f"agentrl view: {exc}", file=sys.stderr)
-        return 1
+    items, problems = load_trajectories(src)  # a RunDirError is a usage error: one line, exit 2
     if cfg.limit is not None:
         items = items[: cfg.limit]
     try:

@@ -27,13 +27,14 @@ GRPO group, so its policy gradient is not zero.
 
 Every generated task carries ``key`` (the problem's identity, the same for every paraphrase of one
 problem, e.g. ``mul:4821:90713``), ``op``, ``template`` and ``code`` (a python program that prints the
-answer, used by the scripted teacher, :mod:`agentrl.train.teachers`). Train and test splits are disjoint by
+answer, used by the env's scripted teacher, :class:`ReToolScriptedTeacher`). Train and test splits are disjoint by
 ``key``: a problem belongs to the test split iff ``crc32(key) % 10 == 0``, so no paraphrase of an evaluation
 problem is ever a training problem, whatever the seeds.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrl.envs.env import AgentEnv, EnvLimits
+from agentrl.envs.env import AgentEnv, EnvLimits, TeacherError
 from agentrl.envs.rewards import MathAnswer, Rubric
 from agentrl.envs.rewards.base import RewardContext
 from agentrl.envs.rewards.math import answer_closeness
@@ -49,6 +50,7 @@ from agentrl.envs.sandbox.base import SandboxBackend
 from agentrl.envs.tasks import load_hf_rows, load_math, math_row_to_task
 from agentrl.envs.tools.base import Tool
 from agentrl.envs.tools.python import PythonTool
+from agentrl.harmony.types import Message
 
 INSTRUCTIONS = (
     "Solve the math problem. You can run Python code with the python tool to compute exact values; its "
@@ -357,6 +359,10 @@ class ReToolEnv(AgentEnv):
         return total, components
 
     @classmethod
+    def scripted_teacher(cls) -> ReToolScriptedTeacher:
+        return ReToolScriptedTeacher()
+
+    @classmethod
     def load_tasks(cls, path: str) -> list[dict[str, Any]]:
         return load_math(path)
 
@@ -366,3 +372,48 @@ class ReToolEnv(AgentEnv):
     ) -> list[dict[str, Any]]:
         """DAPO-Math-17k (or any ``{problem, answer}`` dataset) from the HF hub; needs network."""
         return [math_row_to_task(r, i) for i, r in enumerate(load_hf_rows(repo, split))]
+
+
+class ReToolScriptedTeacher:
+    """The scripted retool teacher, an :class:`agentrl.episodes.Policy`: one python call with the task's
+    program, then the boxed tool output.
+
+    Turn 1: a call of the env's ``python`` tool with ``task["code"]`` (tasks from the retool generator and the
+    arithmetic task source carry it; other tasks raise :class:`~agentrl.envs.env.TeacherError`), written the
+    way the student's format writes a call (``format.render_completion``). Turn 2: ``The answer is
+    \\boxed{<last line of the tool output>}.``, read from the env's own record of turn 1's tool call. A program
+    that fails makes a wrong demonstration, which the default filter (correct episodes only) drops.
+    Stateless: one instance serves any number of concurrent episodes.
+    """
+
+    name = "scripted"
+
+    def __init__(self, answer_template: str = "The answer is \\boxed{{{output}}}.") -> None:
+        self.answer_template = answer_template
+
+    async def act(self, episode: Any) -> list[list[int]]:
+        env, task = episode.env, episode.task
+        results = [rec for step in episode.steps for rec in step.turn.tools]
+        if not results:
+            code = task.get("code")
+            if not code:
+                raise TeacherError(
+                    f"task {task.get('id')!r} has no 'code'; the scripted retool teacher solves generated retool "
+                    "tasks only (use an endpoint teacher, teacher=http://..., for other tasks)"
+                )
+            return [list(env.format.render_completion([_python_call(env, code)]))]
+        lines = results[-1].result.strip().splitlines() or [""]
+        answer = self.answer_template.format(output=lines[-1].strip())
+        return [list(env.format.render_completion([Message("assistant", answer, channel="final")]))]
+
+
+def _python_call(env: AgentEnv, code: str) -> Message:
+    """An assistant message calling ``env``'s python tool with ``code``: free-text code in the analysis channel
+    for the Harmony built-in, JSON arguments in the commentary channel for a function tool."""
+    spec = next((s for s in env.toolbox.specs if s.name == "python"), None)
+    if spec is None:
+        raise TeacherError(f"{type(env).__name__} has no python tool; the scripted retool teacher needs one")
+    if spec.namespace != "functions":
+        return Message("assistant", code, channel="analysis", recipient=spec.recipient, content_type="code")
+    return Message("assistant", json.dumps({"code": code}), channel="commentary", recipient="functions.python",
+                   content_type="json")

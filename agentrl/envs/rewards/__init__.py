@@ -3,7 +3,14 @@
 
 from agentrl.envs.rewards.base import RewardContext, Rubric, Verifier
 from agentrl.envs.rewards.common import ChannelToolCallCount, ErrorCount, ExactMatch, normalize_answer
-from agentrl.envs.rewards.math import MathAnswer, NumericAnswer, extract_boxed, math_equal, numeric_equal
+from agentrl.envs.rewards.math import (
+    MathAnswer,
+    NumericAnswer,
+    extract_boxed,
+    math_equal,
+    numeric_equal,
+    with_boxed_bonus,
+)
 
 __all__ = [
     "ChannelToolCallCount",
@@ -18,4 +25,5 @@ __all__ = [
     "math_equal",
     "normalize_answer",
     "numeric_equal",
+    "with_boxed_bonus",
 ]

@@ -63,5 +63,5 @@ class ErrorCount:
         self.kinds, self.name = kinds, name
 
     def __call__(self, ctx: Any) -> float:
-        errors = ctx.trajectory.metadata.get("errors", {})
+        errors = ctx.trajectory.errors
         return float(sum(n for k, n in errors.items() if self.kinds is None or k in self.kinds))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
@@ -125,3 +126,16 @@ class NumericAnswer:
 
     def __call__(self, ctx: Any) -> float:
         return float(bool(ctx.final) and numeric_equal(ctx.final, str(ctx.task[self.key])))
+
+
+def with_boxed_bonus(rubric: Callable[[Any], tuple[float, dict[str, float]]] | None, weight: float) -> Callable:
+    """Wrap an env rubric: adds component ``boxed`` (1.0 if the final answer contains a ``\\boxed{...}``)
+    with ``weight`` to the total (``data.format_reward`` of ``agentrl train``). ``rubric`` returns
+    ``(total, components)``; None counts as 0."""
+
+    def reward(ctx: Any) -> tuple[float, dict[str, float]]:
+        total, components = rubric(ctx) if rubric is not None else (0.0, {})
+        boxed = float(bool(ctx.final) and extract_boxed(ctx.final) is not None)
+        return total + weight * boxed, {**components, "boxed": boxed}
+
+    return reward

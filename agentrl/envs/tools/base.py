@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.envs.tools.schema import parse_docstring, schema_from_signature
+from agentrl.harmony.trajectory import ERROR_KINDS  # the taxonomy of ToolRecord.error and step infos
 from agentrl.harmony.types import ToolSpec
 
-#: Error kinds recorded in :class:`~agentrl.harmony.trajectory.ToolRecord.error` and in step infos.
-ERROR_KINDS = ("parse_error", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception", "truncation")
+__all__ = ["ERROR_KINDS", "StatefulTool", "Tool", "ToolError", "ToolOutput"]
 
 
 @dataclass

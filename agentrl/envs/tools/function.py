@@ -139,27 +139,11 @@ class FunctionTool(Tool):
         return f"FunctionTool({self.name!r})"
 
 
-def tool(
-    fn: Callable[..., Any] | None = None,
-    *,
-    name: str | None = None,
-    description: str | None = None,
-    timeout_s: float | None = None,
-    inline: bool = False,
-    run_in: str = "process",
-    max_workers: int | None = None,
-) -> Any:
-    """Decorator: ``@tool`` or ``@tool(name=..., timeout_s=..., run_in=...)`` -> :class:`FunctionTool`."""
+def tool(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """Decorator: ``@tool`` or ``@tool(name=..., timeout_s=..., run_in=...)`` -> :class:`FunctionTool` (``options``
+    are its keyword arguments: ``name``, ``description``, ``timeout_s``, ``inline``, ``run_in``, ``max_workers``)."""
 
     def wrap(f: Callable[..., Any]) -> FunctionTool:
-        return FunctionTool(
-            f,
-            name=name,
-            description=description,
-            timeout_s=timeout_s,
-            inline=inline,
-            run_in=run_in,
-            max_workers=max_workers,
-        )
+        return FunctionTool(f, **options)
 
     return wrap(fn) if fn is not None else wrap

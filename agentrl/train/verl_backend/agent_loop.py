@@ -30,8 +30,8 @@ The env's episode budget is set to ``len(prompt) + rollout.response_length`` tok
 always fits verl's padded width; a prompt longer than ``rollout.prompt_length`` raises.
 
 With ``trajectory_dir`` in the spec, each finished episode is appended as one JSON line
-(``Trajectory.to_json``, metadata ``task_id``, ``group`` = verl's prompt ``uid``, ``global_steps`` = the
-weights version it was sampled with) to ``<trajectory_dir>/step_<NNNNNN>-<pid>.jsonl`` (validation rows:
+(``Trajectory.to_json``: ``task_id``, ``group`` = verl's prompt ``uid``, ``policy_version`` = the weights
+version it was sampled with, verl's ``global_steps``) to ``<trajectory_dir>/step_<NNNNNN>-<pid>.jsonl`` (validation rows:
 ``eval_step_...``), where ``NNNNNN`` is the training step the sample was drawn for (verl's
 ``global_steps`` of the row, else the weights version + 1); one file per worker process, so concurrent
 workers never interleave lines. A failed write is logged, never raised.
@@ -47,10 +47,11 @@ from uuid import uuid4
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 
+from agentrl import rundir
 from agentrl.episodes import Action, EpisodeLimits, EpisodeState, run_episode
 from agentrl.harmony import FORMAT_NAMES, make_format
 from agentrl.harmony.format import ChatFormat
-from agentrl.harmony.trajectory import Trajectory
+from agentrl.harmony.trajectory import SamplingRecord, Trajectory
 from agentrl.train.verl_backend.config_map import AGENT_NAME
 
 SPEC_COLUMN = "agentrl"
@@ -139,7 +140,7 @@ def make_env(spec: dict[str, Any], fmt: ChatFormat) -> Any:
         cls = env_class(name)
     env_kwargs = dict(spec.get("env_kwargs") or {})
     if spec.get("format_reward"):
-        from agentrl.train.tasks import with_boxed_bonus
+        from agentrl.envs.rewards import with_boxed_bonus
 
         env_kwargs["rubric"] = with_boxed_bonus(cls.rubric, float(spec["format_reward"]))
     return agentrl.make(name, format=fmt, **env_kwargs)
@@ -157,20 +158,16 @@ def trajectory_file(directory: str, row: dict[str, Any], server_fields: dict[str
 
 
 def save_trajectory(directory: str, traj: Trajectory, row: dict[str, Any], server_fields: dict[str, Any]) -> None:
-    """Append ``traj`` as one JSON line (see module docstring); errors are logged, not raised."""
-    traj.metadata.setdefault("task_id", str((row.get("task") or {}).get("id", row.get("index", ""))))
-    traj.metadata["group"] = str(row.get("uid", row.get("index", "")))
+    """Append ``traj`` as one JSON line (see module docstring; :func:`agentrl.rundir.append_lines`); errors are
+    logged, not raised."""
+    if traj.task_id is None:
+        traj.task_id = str((row.get("task") or {}).get("id", row.get("index", "")))
+    traj.group = str(row.get("uid", row.get("index", "")))
     version = server_fields.get("global_steps")
-    traj.metadata["global_steps"] = None if version is None else int(version)
+    traj.policy_version = None if version is None else int(version)
     path = trajectory_file(directory, row, server_fields)
     try:
-        os.makedirs(directory, exist_ok=True)
-        line = (traj.to_json() + "\n").encode("utf-8")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        rundir.append_lines(path, [traj.to_json()])
     except OSError as exc:
         logger.warning("agentrl agent loop: could not save a trajectory to %s: %s", path, exc)
 
@@ -214,6 +211,7 @@ class VerlServerPolicy:
             self.routed_experts = out.routed_experts
         self.record(dict(out.extra_fields or {}))
         logprobs = None if out.log_probs is None else [float(x) for x in out.log_probs]
+        episode.trajectory.sampling = SamplingRecord.of(dict(self.params, max_new_tokens=self.max_new_tokens))
         return [Action([int(t) for t in out.token_ids], logprobs)]
 
     def record(self, fields: dict[str, Any]) -> None:

@@ -7,8 +7,9 @@ order; :func:`verl_overrides` renders them as the Hydra override strings ``verl.
 followed by the user's raw ``verl.overrides``. Only our cross-field checks run here (:func:`check_ours`);
 verl's own validation runs in :mod:`agentrl.train.verl_backend.validate`.
 
-Names follow verl where the concept is the same, so most keys map one to one (:data:`MAPPING`), including
-``actor.policy_loss`` -> ``policy_loss.loss_mode``. The derived ones: ``actor.num_mini_batches`` ->
+Names follow verl where the concept is the same, so most keys map one to one (:data:`MAPPING`, derived from the
+keys declared with ``verl=`` in :mod:`agentrl.train.config`), including ``actor.policy_loss`` ->
+``policy_loss.loss_mode``. The ones computed here: ``actor.num_mini_batches`` ->
 ``ppo_mini_batch_size = rollout.batch_size / num_mini_batches``; ``rollout.top_k=0`` -> ``-1``;
 ``attn_implementation`` (default ``agentrl_sink`` for GPT-OSS models) -> ``override_config``;
 ``actor_rollout_ref.model.use_remove_padding`` (verl's packed training rows) is on exactly when the attention
@@ -49,7 +50,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentrl.train.config import VerlSection
+from agentrl.train.config import TrainConfig, VerlSection
 from agentrl.train.verl_backend.rollout_backend import ROLLOUT_NAME, RolloutChoice, choose_rollout
 
 AGENT_NAME = "agentrl"
@@ -76,86 +77,32 @@ PACKED_ATTENTION = (SINK_ATTENTION, "flash_attention_2", "flash_attention_3")
 """Attention implementations that keep sequences packed into one row apart (through ``position_ids``), so
 verl may train on packed rows (``use_remove_padding``); eager and sdpa would attend across sequences."""
 
-STRATEGIES = ("fsdp", "fsdp2")
 
 
 class VerlConfigError(ValueError):
     """A config that verl would reject (or that we know cannot work), found before launch."""
 
 
-def _top_k(value: Any) -> int:
-    return -1 if int(value) <= 0 else int(value)
+def _derived_mapping() -> list[tuple[str, str, Callable[[Any], Any]]]:
+    """``(our key, verl key, transform)`` for every key declared with ``verl=`` in
+    :class:`~agentrl.train.config.TrainConfig`: its ``verl_value=``, else the conversion to the key's type
+    (``bool``, ``int``, ``float``, ``str``; other values pass as they are)."""
+    from agentrl.cli_args import declarations, field_type
+
+    out = []
+    for ours, meta in declarations(TrainConfig).items():
+        targets = meta.get("verl")
+        if not targets:
+            continue
+        tp = field_type(TrainConfig, ours)
+        transform = meta.get("verl_value") or (tp if tp in (bool, int, float, str) else (lambda v: v))
+        out += [(ours, theirs, transform) for theirs in ((targets,) if isinstance(targets, str) else targets)]
+    return out
 
 
-def _one_of(key: str, choices: Sequence[str]) -> Callable[[Any], str]:
-    def check(value: Any) -> str:
-        if value not in choices:
-            raise VerlConfigError(f"{key}={value!r} is not valid; use one of {', '.join(choices)}")
-        return str(value)
-
-    return check
-
-
-def _floats(value: Any) -> list[float]:
-    return [float(v) for v in value]
-
-
-# (our key, verl key, transform). A value of None keeps verl's default.
-MAPPING: list[tuple[str, str, Callable[[Any], Any]]] = [
-    ("model", "actor_rollout_ref.model.path", str),
-    ("seed", "data.seed", int),
-    ("rollout.batch_size", "data.train_batch_size", int),
-    ("rollout.n", "actor_rollout_ref.rollout.n", int),
-    ("rollout.temperature", "actor_rollout_ref.rollout.temperature", float),
-    ("rollout.top_p", "actor_rollout_ref.rollout.top_p", float),
-    ("rollout.top_k", "actor_rollout_ref.rollout.top_k", _top_k),
-    ("algorithm.adv_estimator", "algorithm.adv_estimator", str),
-    ("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std_in_grpo", bool),
-    ("algorithm.gamma", "algorithm.gamma", float),
-    ("algorithm.lam", "algorithm.lam", float),
-    ("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is", str),
-    ("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold",
-     lambda v: v),
-    ("algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs", str),
-    ("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold",
-     lambda v: v),
-    ("actor.lr", "actor_rollout_ref.actor.optim.lr", float),
-    ("actor.weight_decay", "actor_rollout_ref.actor.optim.weight_decay", float),
-    ("actor.betas", "actor_rollout_ref.actor.optim.betas", _floats),
-    ("actor.grad_clip", "actor_rollout_ref.actor.grad_clip", float),
-    ("actor.ppo_epochs", "actor_rollout_ref.actor.ppo_epochs", int),
-    ("actor.policy_loss", LOSS_MODE_KEY, str),
-    ("actor.loss_agg_mode", "actor_rollout_ref.actor.loss_agg_mode", str),
-    ("actor.clip_ratio", "actor_rollout_ref.actor.clip_ratio", float),
-    ("actor.clip_ratio_low", "actor_rollout_ref.actor.clip_ratio_low", float),
-    ("actor.clip_ratio_high", "actor_rollout_ref.actor.clip_ratio_high", float),
-    ("actor.clip_ratio_c", "actor_rollout_ref.actor.clip_ratio_c", float),
-    ("actor.entropy_coeff", "actor_rollout_ref.actor.entropy_coeff", float),
-    ("actor.use_kl_loss", "actor_rollout_ref.actor.use_kl_loss", bool),
-    ("actor.kl_loss_coef", "actor_rollout_ref.actor.kl_loss_coef", float),
-    ("actor.kl_loss_type", "actor_rollout_ref.actor.kl_loss_type", str),
-    ("actor.gradient_checkpointing", "actor_rollout_ref.model.enable_gradient_checkpointing", bool),
-    ("trainer.total_steps", "trainer.total_training_steps", int),
-    ("trainer.save_every", "trainer.save_freq", int),
-    ("trainer.wandb_project", "trainer.project_name", str),
-    ("trainer.n_gpus_per_node", "trainer.n_gpus_per_node", int),
-    ("trainer.nnodes", "trainer.nnodes", int),
-    ("verl.tensor_parallel", "actor_rollout_ref.rollout.tensor_model_parallel_size", int),
-    ("verl.gpu_memory_utilization", "actor_rollout_ref.rollout.gpu_memory_utilization", float),
-    ("verl.agent_workers", "actor_rollout_ref.rollout.agent.num_workers", int),
-    ("verl.max_prompt_length", "data.max_prompt_length", int),
-    ("verl.max_response_length", "data.max_response_length", int),
-    ("verl.ulysses_sp", "actor_rollout_ref.actor.ulysses_sequence_parallel_size", int),
-    ("verl.ulysses_sp", "actor_rollout_ref.ref.ulysses_sequence_parallel_size", int),
-    ("verl.strategy", "actor_rollout_ref.actor.strategy", _one_of("verl.strategy", STRATEGIES)),
-    ("verl.param_offload", "actor_rollout_ref.actor.fsdp_config.param_offload", bool),
-    ("verl.optimizer_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload", bool),
-    ("verl.use_dynamic_bsz", "actor_rollout_ref.actor.use_dynamic_bsz", bool),
-    ("verl.max_tokens_per_gpu", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", int),
-    ("verl.micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", int),
-    ("verl.micro_batch_size_per_gpu", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", int),
-    ("verl.micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", int),
-]
+#: (our key, verl key, transform), from the declarations (``verl=`` in :mod:`agentrl.train.config`). A value
+#: of None keeps verl's default.
+MAPPING: list[tuple[str, str, Callable[[Any], Any]]] = _derived_mapping()
 
 # Keys we always set, because verl's default does not fit an agentrl run.
 FIXED: dict[str, Any] = {

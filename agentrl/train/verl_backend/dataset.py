@@ -16,7 +16,7 @@ Columns (``RLHFDataset`` passes every column of a row to the agent loop as a key
   it; the reward itself is the env's, computed in the agent loop);
 - ``extra_info``: ``{"index": i, "split": split}`` (verl reads ``index`` from it).
 
-Tasks come from :class:`agentrl.train.tasks.TaskSource` (``data.tasks``: the env's generator, arithmetic,
+Tasks come from :class:`agentrl.envs.task_source.TaskSource` (``data.tasks``: the env's generator, arithmetic,
 or a task file), exactly as for the embedded trainer.
 """
 
@@ -107,10 +107,10 @@ def write_env_dataset(
     """Write ``train.parquet`` (training-stream tasks ``0..n_train-1``) and ``val.parquet`` (the ``n_val``
     held-out tasks) for ``env`` under ``out_dir``; returns their paths. ``tasks``, ``seed``, ``level`` and
     ``eval_seed`` mean what ``data.tasks``, ``seed``, ``data.level`` and the eval seed mean to the embedded
-    trainer (:class:`agentrl.train.tasks.TaskSource`), so both backends see the same task streams.
+    trainer (:class:`agentrl.envs.task_source.TaskSource`), so both backends see the same task streams.
     ``trajectory_dir``: where the agent loop saves episodes (None: nowhere)."""
     from agentrl.envs import env_class
-    from agentrl.train.tasks import TaskSource
+    from agentrl.envs.task_source import TaskSource
 
     source = TaskSource(env_class(env), tasks, seed=seed, level=level, eval_seed=eval_seed)
     common = dict(env_kwargs=env_kwargs, format=format, max_new_tokens=max_new_tokens, format_reward=format_reward,

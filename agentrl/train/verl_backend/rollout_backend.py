@@ -32,11 +32,12 @@ import importlib.util
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
-ROLLOUT_NAME = "agentrl"
+from agentrl.train.config import VERL_ROLLOUTS as ROLLOUT_CHOICES
+
+ROLLOUT_NAME = ROLLOUT_CHOICES[-1]
 """The name our rollout registers under in verl (``actor_rollout_ref.rollout.name=agentrl``)."""
 
-SERVER_ENGINES = ("vllm", "sglang")
-ROLLOUT_CHOICES = ("auto", *SERVER_ENGINES, ROLLOUT_NAME)
+SERVER_ENGINES = ROLLOUT_CHOICES[1:-1]
 
 ADAPTER_PATH = "agentrl.train.verl_backend.rollout.AgentrlRollout"
 """Dotted path verl imports the server adapter from (``get_rollout_class``)."""

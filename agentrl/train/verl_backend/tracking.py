@@ -10,7 +10,7 @@ every verl process) adds ``agentrl`` to ``Tracking.supported_backend`` and wraps
 - ``RUN_DIR/metrics.jsonl``: one record per logged step, ``{"step": s, <verl metric>: value, ...}``
   under verl's metric names (``timing_s/*``, ``perf/*``, ``actor/*``, ``critic/score/*``,
   ``rollout_corr/*``, ``training/rollout_probs_diff_*``, ...), read back by
-  :func:`agentrl.train.metrics.read_metrics` and ``agentrl plot``;
+  :func:`agentrl.rundir.read_metrics` and ``agentrl plot``;
 - ``RUN_DIR/tensorboard/``: the same scalars (with ``trainer.tensorboard``).
 
 Where it writes comes from the verl config the tracker is built with (``launch`` sets these keys):

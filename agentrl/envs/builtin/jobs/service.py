@@ -23,6 +23,13 @@ from agentrl.envs.builtin.jobs.data import Dataset, make_dataset
 MAX_PAGE_SIZE = 20
 
 
+def _one(table: dict[str, dict[str, Any]], kind: str, key: str) -> dict[str, Any]:
+    """The record ``key`` of ``table``, or a 404 naming the ``kind`` of record."""
+    if key not in table:
+        raise HTTPException(404, f"no {kind} with id {key!r}")
+    return table[key]
+
+
 def _page(items: list[dict[str, Any]], page: int, page_size: int) -> dict[str, Any]:
     start = (page - 1) * page_size
     return {
@@ -78,10 +85,8 @@ def create_app(data: Dataset, *, faults: bool = False) -> FastAPI:
 
     @app.get("/companies/{company_id}", summary="One company, with its number of open postings.")
     def get_company(company_id: str) -> dict[str, Any]:
-        if company_id not in companies:
-            raise HTTPException(404, f"no company with id {company_id!r}")
         n = sum(1 for p in data.postings if p["company_id"] == company_id)
-        return {**companies[company_id], "open_postings": n}
+        return {**_one(companies, "company", company_id), "open_postings": n}
 
     @app.get("/postings", summary="List job postings (summaries), filtered and sorted; paginated.")
     def list_postings(
@@ -122,9 +127,7 @@ def create_app(data: Dataset, *, faults: bool = False) -> FastAPI:
 
     @app.get("/postings/{posting_id}", summary="Full details of one posting.")
     def get_posting(posting_id: str) -> dict[str, Any]:
-        if posting_id not in postings:
-            raise HTTPException(404, f"no posting with id {posting_id!r}")
-        return postings[posting_id]
+        return _one(postings, "posting", posting_id)
 
     @app.get("/people", summary="List people, filtered; paginated.")
     def list_people(
@@ -147,9 +150,7 @@ def create_app(data: Dataset, *, faults: bool = False) -> FastAPI:
 
     @app.get("/people/{person_id}", summary="One person's profile.")
     def get_person(person_id: str) -> dict[str, Any]:
-        if person_id not in people:
-            raise HTTPException(404, f"no person with id {person_id!r}")
-        return people[person_id]
+        return _one(people, "person", person_id)
 
     @app.get("/search", summary="Keyword search over postings (BM25).")
     def search(

@@ -1,13 +1,15 @@
-"""Task sources for training and held-out evaluation, and the optional boxed-answer reward bonus.
+"""Task streams for training and held-out evaluation: :class:`TaskSource`.
 
-``data.tasks`` picks where tasks come from:
+The trainer (``data.tasks``) and ``agentrl eval`` (``tasks=``) draw their tasks here, so a training run's
+held-out evaluation and ``agentrl eval model=RUN_DIR`` evaluate the same problems. The source is:
 
 - ``env``: the env's own offline generator (``EnvClass.generate_task(rng, split)``);
-- ``arithmetic``: short integer arithmetic questions (``What is 7 + 5?``) at ``data.level`` 1-3, for
+- ``arithmetic``: short integer arithmetic questions (``What is 7 + 5?``) at ``level`` 1-3, for
   small models that cannot solve the env's own tasks yet; any math env (retool, gsm8k) scores them,
-  since a task is just ``{"id", "prompt", "answer"}``;
-- a path to a JSONL/parquet file in the env's task format (``EnvClass.load_tasks``): its first
-  ``eval.num_tasks`` rows are held out for evaluation, the rest are the training stream (cycled).
+  since a task is just ``{"id", "prompt", "answer"}`` (plus the ``code`` a scripted teacher runs);
+- a shipped dataset's name (``gsm8k``, ``ifeval``, ...; :mod:`agentrl.data`) or a path to a JSONL/parquet
+  file in the env's task format (``EnvClass.load_tasks``): its first ``num_held_out`` rows are held out for
+  evaluation, the rest are the training stream (cycled).
 
 Task ``i`` of the training stream is a pure function of ``(seed, i)``, so a resumed run continues the
 stream exactly. Held-out tasks use another seed stream (generators) or rows (files), and a generated
@@ -19,13 +21,11 @@ held-out problem is redrawn too), else its prompt.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from agentrl.envs.rewards import extract_boxed
-
+#: the generated sources (anything else names a dataset or a task file)
 TASK_SOURCES = ("env", "arithmetic")
 
 
@@ -46,7 +46,7 @@ def arithmetic_task(rng: np.random.Generator, level: int = 1) -> dict[str, Any]:
         expr = f"{a} {ops[0]} {b} {ops[1]} {c}"
         value = eval(expr)  # noqa: S307 - ints and operators only
     else:
-        raise ValueError(f"data.level must be 1, 2 or 3, got {level}")
+        raise ValueError(f"the arithmetic level must be 1, 2 or 3, got {level}")
     return {"id": f"arith{level}-{expr.replace(' ', '')}", "prompt": f"What is {expr}?", "answer": str(value),
             "code": f"print({expr})"}
 
@@ -72,9 +72,9 @@ class TaskSource:
             try:
                 self._rows = list(env_cls.load_tasks(source))
             except FileNotFoundError:
-                raise ValueError(f"data.tasks={source!r}: no such file; use env, arithmetic or a task file path") from None
+                raise ValueError(f"tasks {source!r}: no such file; use env, arithmetic, a dataset name or a task file path") from None
             if not self._rows:
-                raise ValueError(f"data.tasks={source!r} holds no tasks")
+                raise ValueError(f"tasks {source!r}: the file holds no tasks")
         self._excluded: dict[int, set[str]] = {}
         if num_held_out and self._rows is None:  # fail early if there are not enough distinct tasks
             self._excluded[num_held_out] = {task_identity(t) for t in self.held_out()}
@@ -99,7 +99,7 @@ class TaskSource:
             if task_identity(task) not in self._excluded[n]:
                 return task
         raise ValueError(
-            f"could not draw a training task outside the {n} held-out ones; lower eval.num_tasks or raise data.level"
+            f"could not draw a training task outside the {n} held-out ones; lower the held-out task count (eval.num_tasks, limit=) or raise the level"
         )
 
     def held_out(self, n: int | None = None) -> list[dict[str, Any]]:
@@ -119,17 +119,5 @@ class TaskSource:
                 seen.add(task_identity(task))
                 tasks.append(task)
         if len(tasks) < n:
-            raise ValueError(f"only {len(tasks)} distinct held-out tasks exist here; lower eval.num_tasks to that")
+            raise ValueError(f"only {len(tasks)} distinct held-out tasks exist here; lower the held-out task count (eval.num_tasks, limit=) to that")
         return tasks
-
-
-def with_boxed_bonus(rubric: Callable[[Any], tuple[float, dict[str, float]]] | None, weight: float) -> Callable:
-    """Wrap an env rubric: adds component ``boxed`` (1.0 if the final answer contains a ``\\boxed{...}``)
-    with ``weight`` to the total. ``rubric`` returns ``(total, components)``; None counts as 0."""
-
-    def reward(ctx: Any) -> tuple[float, dict[str, float]]:
-        total, components = rubric(ctx) if rubric is not None else (0.0, {})
-        boxed = float(bool(ctx.final) and extract_boxed(ctx.final) is not None)
-        return total + weight * boxed, {**components, "boxed": boxed}
-
-    return reward

@@ -1,4 +1,5 @@
-"""A deterministic scripted :class:`~agentrl.engines.base.RolloutEngine` for dry runs, tests and benchmarks.
+"""A deterministic scripted :class:`~agentrl.engines.base.RolloutEngine` for tests and ``benchmarks/eval_bench.py``
+(not part of the package: nothing in agentrl runs it).
 
 It answers with assistant messages chosen by a Python function instead of a neural network, rendered
 token-exactly by the format (``format.render_completion``, e.g. :class:`~agentrl.harmony.HarmonyFormat`).

@@ -1,0 +1,120 @@
+"""What a run reports: the console (start line, progress bar, one line per step and per evaluation), the metrics
+sinks (``RUN_DIR/metrics.jsonl``, TensorBoard, W&B; :mod:`agentrl.train.metrics`) and ``RUN_DIR/summary.json``.
+
+``summary.json`` holds the run's headline figures: ``eval_before`` (the first held-out evaluation),
+``eval_after_sft`` (after the SFT stage, when it ran), ``eval_after`` (the last one; :func:`agentrl.evaluation.
+metrics.headline`: ``mean``, ``sem``, ``tool_call_rate``, ``tool_success_rate``, ``tool_calls_mean``,
+``turns_mean``, ``pass@k``, ``episodes``, ``errors``, and the ``step`` it was taken at), ``eval_tasks``, the SFT
+stage's ``sft`` info, steps, data position and wall times.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from agentrl import rundir
+from agentrl.train.metrics import MetricsSink, NullSink
+
+#: step-line label -> metric key
+_STEP_LINE = (
+    ("reward", "critic/score/mean"), ("len", "response_length/mean"), ("tools/ep", "episode/tool_calls_mean"),
+    ("tool err", "episode/tool_error_rate"), ("turns", "episode/turns_mean"), ("ent", "actor/entropy"),
+    ("gnorm", "actor/grad_norm"), ("clip", "actor/pg_clipfrac"), ("|Δlp|", "rollout_corr/logprob_abs_diff_mean"),
+    ("s", "timing_s/step"),
+)
+
+
+class Reporter:
+    """The console and the metrics sinks of one run (only rank 0 writes: other ranks get a quiet console and a
+    :class:`~agentrl.train.metrics.NullSink`)."""
+
+    def __init__(self, cfg: DictConfig, run_dir: str, *, is_main: bool, console: Any = None) -> None:
+        from rich.console import Console
+
+        self.cfg, self.run = cfg, rundir.TrainRun(run_dir)
+        self.console = console or Console(soft_wrap=True, quiet=not is_main)
+        self.is_main = is_main
+        self.sink: MetricsSink | NullSink = NullSink()
+
+    def open(self) -> None:
+        """The run starts: open the metrics sinks (rank 0), print their warnings."""
+        if self.is_main:
+            cfg = self.cfg
+            self.sink = MetricsSink(
+                str(self.run.root), tensorboard=cfg.trainer.tensorboard, wandb=cfg.trainer.wandb,
+                wandb_project=cfg.trainer.wandb_project, config=OmegaConf.to_container(cfg, resolve=True),
+            )
+        for warning in self.sink.warnings:
+            self.print(f"[yellow]warning:[/] {warning}")
+
+    def print(self, text: str, **kwargs: Any) -> None:
+        self.console.print(text, **kwargs)
+        self.console.file.flush()
+
+    def progress(self) -> Any:
+        """A rich progress bar (a null context when ``trainer.progress=false``)."""
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        if not self.cfg.trainer.progress:
+            return nullcontext(None)
+        return Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TimeRemainingColumn(), console=self.console)
+
+    def step_line(self, step: int, metrics: dict[str, float]) -> None:
+        """Print step ``step``'s line (its headline metrics)."""
+        parts = [f"step {step}/{self.cfg.trainer.total_steps}"]
+        parts += [f"{label} {metrics[key]:.3g}" for label, key in _STEP_LINE if key in metrics]
+        self.print("  ".join(parts))
+
+    def evaluation(self, figures: dict[str, Any], label: str, seconds: float) -> None:
+        """Print one held-out evaluation's headline figures."""
+        success = "-" if figures["tool_success_rate"] is None else f"{figures['tool_success_rate']:.2f}"
+        self.print(
+            f"eval {label}: reward {figures['mean']:.3f} ± {figures['sem']:.3f} (n={figures['episodes']})  "
+            f"tool calls {figures['tool_call_rate']:.2f} of episodes, {figures['tool_calls_mean']:.2f}/episode, "
+            f"success {success}  turns {figures['turns_mean']:.2f}  {seconds:.0f} s"
+        )
+
+    def summary(self, state: Any, *, wall_s: float, t_created: float, load_s: float, stopped_early: bool) -> dict[str, Any]:
+        """The run's summary (module docstring), written to ``summary.json`` by rank 0."""
+        summary: dict[str, Any] = {
+            "run_dir": str(self.run.root), "steps": state.step, "data_position": state.data_position,
+            "wall_s_this_process": time.perf_counter() - t_created, "fit_s": wall_s,
+            "model_load_s": load_s, "stopped_early_by_max_wall_s": stopped_early,
+        }
+        if state.sft_info:
+            summary["sft"] = state.sft_info
+        summary.update(_eval_figures(state.eval_history))
+        if state.eval_history:
+            summary["eval_tasks"] = self.cfg.eval.num_tasks
+        if self.is_main:
+            rundir.write_json(self.run.summary, summary)
+        return summary
+
+    def close(self) -> None:
+        self.sink.close()
+
+
+def _eval_figures(history: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``eval_before`` / ``eval_after_sft`` / ``eval_after`` from the labelled evaluations of a run."""
+    if not history:
+        return {}
+    steps = sorted((v["step"], k) for k, v in history.items() if k not in ("before", "after_sft"))
+    first = "before" if "before" in history else ("after_sft" if "after_sft" in history else steps[0][1])
+    out = {"eval_before": history[first]}
+    if "after_sft" in history:
+        out["eval_after_sft"] = history["after_sft"]
+    # no RL step evaluated (an SFT-only run, or total_steps=0): the latest evaluation is the last one
+    latest = "after_sft" if "after_sft" in history else first
+    out["eval_after"] = history[steps[-1][1]] if steps else history[latest]
+    return out

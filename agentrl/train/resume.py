@@ -1,0 +1,105 @@
+"""What a run must remember to continue exactly: :class:`RunState`, saved with every checkpoint and restored on
+resume, and :class:`Checkpoints`, which saves and restores it with the model and the right optimizer.
+
+A checkpoint written inside the SFT stage (``sft_<k>``) holds the SFT optimizer's state; one written after it
+(``step_<n>``, step 0 included) holds RL's. Resuming from an SFT-stage checkpoint therefore restores a fresh SFT
+optimizer (:attr:`Checkpoints.sft_optimizer`, which the SFT stage then continues with), and the RL optimizer
+starts fresh when the stage ends, exactly as in an uninterrupted run. After the SFT stage, the KL reference is
+the SFT'd policy, kept in ``RUN_DIR/sft/reference.pt`` for resumed runs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentrl import rundir
+from agentrl.train.checkpoint import save_checkpoint
+
+
+@dataclass
+class RunState:
+    """``step``: RL steps done; ``data_position``: the next training task index; ``update_generator``: the
+    mini-batch shuffling RNG; ``eval_history``: label (``before``, ``after_sft``, ``step_N``) -> the held-out
+    evaluation's headline figures; ``sft_done``, ``sft_step`` (SFT steps done), ``sft_info`` (where its data came
+    from, its last loss)."""
+
+    seed: int
+    step: int = 0
+    data_position: int = 0
+    sft_done: bool = False
+    sft_step: int = 0
+    sft_info: dict[str, Any] = field(default_factory=dict)
+    eval_history: dict[str, dict[str, Any]] = field(default_factory=dict)
+    update_generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.update_generator = torch.Generator().manual_seed(self.seed)
+
+    def to_state(self, *, in_sft: bool) -> dict[str, Any]:
+        """The entries of ``state.json`` beyond step and data position."""
+        return {
+            "update_generator": self.update_generator.get_state().tolist(),
+            "eval_history": self.eval_history,
+            "sft_done": not in_sft and self.sft_done,
+            "sft_step": self.sft_step,
+            "sft_info": self.sft_info,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.data_position = int(state["data_position"])
+        self.update_generator.set_state(torch.tensor(state["update_generator"], dtype=torch.uint8))
+        self.eval_history = dict(state.get("eval_history", {}))
+        self.sft_done = bool(state.get("sft_done", True))
+        self.sft_step = int(state.get("sft_step", 0))
+        self.sft_info = dict(state.get("sft_info", {}))
+
+
+class Checkpoints:
+    """Saves and restores a run's checkpoints (model, the optimizer of its stage, RNGs, :class:`RunState`)."""
+
+    def __init__(self, run_dir: str, cfg: Any, parallel: Any, actor: Any, state: RunState) -> None:
+        self.run_dir, self.cfg, self.parallel, self.actor, self.state = run_dir, cfg, parallel, actor, state
+        self.sft_optimizer: torch.optim.Optimizer | None = None  # restored from an SFT-stage checkpoint
+        self.reference = os.path.join(run_dir, rundir.SFT_DIR, "reference.pt")
+
+    def save(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Write an atomic checkpoint of the current step (rank 0 writes the gathered full states);
+        ``optimizer``: the SFT optimizer inside the SFT stage (an ``sft_<k>`` checkpoint), else RL's is saved."""
+        in_sft = optimizer is not None
+        model, optim, extra = self.parallel.checkpoint_states(self.actor.model, optimizer or self.actor.optimizer)
+        if self.parallel.is_main:
+            save_checkpoint(
+                self.run_dir, step=self.state.step, data_position=self.state.data_position, model=model,
+                optimizer=optim, sft_step=self.state.sft_step if in_sft else None,
+                extra={**self.state.to_state(in_sft=in_sft), **extra}, keep=self.cfg.trainer.keep_checkpoints,
+            )
+        self.parallel.barrier()
+
+    def resume(self) -> str | None:
+        """Restore the run's latest checkpoint, if any (model, optimizer, RNGs, :class:`RunState`, the KL
+        reference after SFT); returns its directory. Raises RunDirError for a damaged ``state.json``."""
+        ckpt = rundir.latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return None
+        if not rundir.read_checkpoint_state(ckpt).get("sft_done", True):  # its optimizer state is SFT's
+            self.sft_optimizer = self.actor.sft_optimizer()
+        state = self.parallel.load_checkpoint(ckpt, self.actor.model, self.sft_optimizer or self.actor.optimizer)
+        self.state.restore(state)
+        ref = self.actor.ref_model
+        if ref is not None and self.state.sft_done and os.path.exists(self.reference):
+            ref.load_state_dict(torch.load(self.reference, map_location=self.actor.model.device, weights_only=True))
+        return ckpt
+
+    def keep_reference(self) -> None:
+        """After the SFT stage: the KL reference becomes the SFT'd policy (saved for resumed runs)."""
+        if self.actor.ref_model is None:
+            return
+        self.actor.ref_model.load_state_dict(self.actor.model.state_dict())
+        if self.parallel.is_main:
+            os.makedirs(os.path.dirname(self.reference), exist_ok=True)
+            torch.save(self.actor.model.state_dict(), self.reference)

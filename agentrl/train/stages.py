@@ -1,0 +1,216 @@
+"""The stages of a training run, in order: the held-out evaluation before anything, the SFT stage (cold start)
+with its evaluation, then the RL stage: steps, evaluations, checkpoints, within the time and failure budgets.
+
+Step 0 (:func:`before_rl`): the evaluation ``before``, then, when ``sft.steps > 0``, the SFT stage
+(:func:`sft_stage`: teacher demonstrations through the env, or trajectories from ``sft.data``; its own AdamW,
+dropped afterwards) and a second evaluation (``after_sft``), then a checkpoint at step 0. The metrics record of
+step 0 holds the evaluation RL starts from as ``eval/*`` and, when SFT ran, the first one as ``eval_before/*``
+plus ``sft/*``; SFT's own per-step records are in ``RUN_DIR/sft/metrics.jsonl``.
+
+The RL stage (:func:`rl_stage`) runs :meth:`Trainer.train_step <agentrl.train.trainer.Trainer.train_step>` to
+``trainer.total_steps``. A step starts only if it and the final evaluation still fit ``trainer.max_wall_s``;
+after ``trainer.max_failed_steps`` consecutive steps in which every episode failed, the run stops with
+:class:`TrainingFailed` naming the first exception.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from agentrl import rundir
+from agentrl.episodes import EnvPool
+
+_DEMO_OFFSET = 1_000_000_000  # SFT demonstrations use training tasks from this index on (RL starts at 0)
+
+
+class TrainingFailed(RuntimeError):
+    """The run cannot go on (every episode of several consecutive steps failed); the message names the first
+    exception."""
+
+
+class FailureBudget:
+    """Counts consecutive RL steps in which every episode failed; raises :class:`TrainingFailed` at ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.streak, self.first = limit, 0, ""
+
+    def record(self, step: int, episodes: list[Any]) -> None:
+        """Account for step ``step``'s episodes (all ranks')."""
+        if any(e.usable for e in episodes) or not episodes:
+            self.streak, self.first = 0, ""
+            return
+        if not self.streak:
+            self.first = f"step {step}, task {episodes[0].task_id}: {episodes[0].error}"
+        self.streak += 1
+        if self.streak >= self.limit:
+            raise TrainingFailed(
+                f"every episode failed in {self.streak} consecutive steps (trainer.max_failed_steps={self.limit}); "
+                f"the first exception: {self.first}"
+            )
+
+
+async def run_stages(trainer: Any) -> dict[str, Any]:
+    """The whole run from where ``trainer.state`` stands; returns the summary."""
+    from agentrl.train.heldout import pool_size
+
+    pool = EnvPool(trainer.make_env, pool_size(trainer.cfg))
+    t_start = time.perf_counter()
+    try:
+        if trainer.state.step == 0 and not trainer.state.sft_done:
+            await before_rl(trainer, pool)
+        await rl_stage(trainer, pool)
+    finally:
+        await pool.aclose()
+        trainer.reporter.close()
+    return trainer.reporter.summary(
+        trainer.state, wall_s=time.perf_counter() - t_start, t_created=trainer.t_created,
+        load_s=trainer.actor.load_s, stopped_early=trainer.stopped_early,
+    )
+
+
+async def before_rl(trainer: Any, pool: EnvPool) -> None:
+    """Step 0: evaluation before anything, the SFT stage with its evaluation, a checkpoint."""
+    cfg, state = trainer.cfg, trainer.state
+    evaluating = bool(cfg.eval.num_tasks)
+    record: dict[str, float] = {}
+    if evaluating and cfg.eval.before and "before" not in state.eval_history:
+        record = await trainer.evaluate(pool, "before")
+    sft_metrics = await sft_stage(trainer)
+    if sft_metrics:
+        record = {f"eval_before/{k[len('eval/'):]}": v for k, v in record.items()}
+        record.update(sft_metrics)
+        if evaluating:
+            record.update(await trainer.evaluate(pool, "after_sft"))
+    state.sft_done = True
+    if sft_metrics:
+        trainer.checkpoints.keep_reference()  # RL's KL reference is the policy SFT produced
+        if cfg.trainer.save_every:
+            trainer.checkpoints.save()
+    if record:
+        trainer.reporter.sink.log(0, record)
+
+
+async def rl_stage(trainer: Any, pool: EnvPool) -> None:
+    """RL steps to ``trainer.total_steps`` with evaluations and checkpoints (module docstring)."""
+    cfg, state, reporter = trainer.cfg, trainer.state, trainer.reporter
+    budget = FailureBudget(cfg.trainer.max_failed_steps)
+    with reporter.progress() as progress:
+        bar = progress.add_task("training", total=cfg.trainer.total_steps, completed=state.step) if progress else None
+        slowest = 0.0
+        while state.step < cfg.trainer.total_steps:
+            t_step = time.perf_counter()
+            metrics, episodes = await trainer.train_step(pool)
+            slowest = max(slowest, time.perf_counter() - t_step)
+            out_of_time = _out_of_time(trainer, slowest)
+            last = state.step == cfg.trainer.total_steps or out_of_time
+            if cfg.eval.num_tasks and ((cfg.eval.every and state.step % cfg.eval.every == 0) or (last and cfg.eval.after)):
+                metrics.update(await trainer.evaluate(pool))
+            reporter.sink.log(state.step, metrics)  # before the checkpoint: resume cuts records after it
+            if cfg.trainer.save_every and (state.step % cfg.trainer.save_every == 0 or last):
+                trainer.checkpoints.save()  # before the step line: a printed step is a saved step
+            reporter.step_line(state.step, metrics)
+            if progress:
+                progress.update(bar, completed=state.step)
+            budget.record(state.step, episodes)
+            if out_of_time:
+                trainer.stopped_early = True
+                reporter.print(
+                    f"trainer.max_wall_s={cfg.trainer.max_wall_s:g} reached: stopping after step {state.step} "
+                    "(trainer.max_wall_s=0 removes the limit)"
+                )
+                break
+
+
+def _out_of_time(trainer: Any, slowest_step: float) -> bool:
+    """True if another step plus the final evaluation would overrun ``trainer.max_wall_s``."""
+    cfg = trainer.cfg
+    if not cfg.trainer.max_wall_s:
+        return False
+    eval_s = trainer.heldout.seconds if cfg.eval.after and cfg.eval.num_tasks else 0.0
+    return time.perf_counter() - trainer.t_created + slowest_step + eval_s > cfg.trainer.max_wall_s
+
+
+async def sft_stage(trainer: Any) -> dict[str, float]:
+    """The SFT stage (``sft.*``): data (kept in ``RUN_DIR/sft/data.jsonl``), then ``sft.steps`` optimizer steps
+    with a fresh AdamW (or the one restored from an SFT-stage checkpoint), checkpointed every ``sft.save_every``
+    steps. Resumes at ``state.sft_step``. Returns ``sft/*`` summary metrics ({} when there is no SFT stage)."""
+    from agentrl.train.sft import SFTStage
+    from agentrl.train.sft_data import describe
+
+    cfg, sft, state = trainer.cfg, trainer.cfg.sft, trainer.state
+    if sft.steps == 0:
+        return {}
+    t0 = time.perf_counter()
+    trajectories = await _sft_data(trainer)
+    if not trajectories:
+        return {}
+    data_s = time.perf_counter() - t0
+    actor = trainer.actor
+    optimizer = trainer.checkpoints.sft_optimizer or actor.sft_optimizer()
+    trainer.checkpoints.sft_optimizer = None
+    stage = SFTStage(
+        actor.model, optimizer, trajectories, batch_size=sft.batch_size, micro_batch_size=sft.micro_batch_size,
+        pad_token_id=actor.pad_token_id, seed=cfg.seed, grad_clip=sft.grad_clip,
+        chunk_size=cfg.actor.logprob_chunk_size, share_prefix=cfg.actor.share_prompt_prefix,
+    )
+    losses = _sft_steps(trainer, stage, optimizer)
+    state.sft_info.update(steps=sft.steps)
+    if losses:
+        state.sft_info.update(loss_last=losses[-1])
+    return {
+        **describe(trajectories), "sft/steps": float(sft.steps), "sft/loss_last": losses[-1] if losses else float("nan"),
+        "timing_s/sft_data": data_s, "timing_s/sft": time.perf_counter() - t0,
+    }
+
+
+async def _sft_data(trainer: Any) -> list[Any]:
+    """The SFT data: the saved ``sft/data.jsonl`` when resumed inside the stage, else :func:`prepare_data`
+    (saved there). Raises ValueError when the filters leave nothing."""
+    from agentrl.train.sft import prepare_data
+
+    cfg, state, reporter = trainer.cfg, trainer.state, trainer.reporter
+    data_path = os.path.join(trainer.run_dir, rundir.SFT_DIR, "data.jsonl")
+    if state.sft_step > 0 and os.path.exists(data_path):  # resumed inside the stage: the same data
+        return rundir.load_trajectories(data_path).records
+    trajectories, info = await prepare_data(
+        cfg.sft, env_cls=trainer.env_cls, make_env=trainer.make_env,
+        task=lambda i: trainer.train_task(_DEMO_OFFSET + i)[1], vocab_size=trainer.format.vocab_size,
+        seed=cfg.seed + 31_337, stop_token_ids=list(trainer.format.stop_token_ids),
+    )
+    state.sft_info = {"data": info}
+    if not trajectories:
+        if "none" in str(info.get("source")):
+            reporter.print(f"no SFT stage: {info['source']}")
+            return []
+        raise ValueError(f"the SFT data is empty after filtering ({info}); check sft.data, sft.teacher and the filters")
+    rundir.write_trajectories(data_path, trajectories)
+    reporter.print(f"SFT data: {len(trajectories)} trajectories ({info})")
+    return trajectories
+
+
+def _sft_steps(trainer: Any, stage: Any, optimizer: Any) -> list[float]:
+    """Run the SFT steps from ``state.sft_step`` to ``sft.steps``; returns their losses."""
+    from agentrl.train.metrics import MetricsSink
+
+    cfg, sft, state = trainer.cfg, trainer.cfg.sft, trainer.state
+    sink = MetricsSink(os.path.join(trainer.run_dir, rundir.SFT_DIR), tensorboard=cfg.trainer.tensorboard, wandb=False,
+                       wandb_project=cfg.trainer.wandb_project, config={})
+    sink.truncate_after(state.sft_step)
+    losses: list[float] = []
+    try:
+        while state.sft_step < sft.steps:
+            m = stage.step(state.sft_step)
+            state.sft_step += 1
+            losses.append(m["sft/loss"])
+            sink.log(state.sft_step, m)
+            if sft.save_every and state.sft_step % sft.save_every == 0 and state.sft_step < sft.steps:
+                trainer.checkpoints.save(optimizer=optimizer)  # before the line below: a printed step is saved
+            trainer.reporter.print(
+                f"sft {state.sft_step}/{sft.steps}  loss {m['sft/loss']:.4g}  gnorm {m['sft/grad_norm']:.3g}  "
+                f"s {m['timing_s/sft_step']:.3g}"
+            )
+    finally:
+        sink.close()
+    return losses
