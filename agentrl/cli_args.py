@@ -335,8 +335,11 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def parse(spec: CommandSpec, argv: Sequence[str], *, base: DictConfig | None = None) -> DictConfig:
-    """The schema's defaults (or ``base`` merged over them) with ``argv`` applied; raises :class:`UsageError`.
+def parse(
+    spec: CommandSpec, argv: Sequence[str], *, base: DictConfig | None = None, base_name: str = "the saved config"
+) -> DictConfig:
+    """The schema's defaults (or ``base`` merged over them; ``base_name`` names it in errors, e.g. its file) with
+    ``argv`` applied; raises :class:`UsageError`.
 
     Checks keys, types, enum values and required keys; cross-field rules stay with the command."""
     overrides, bare = _normalise(spec, argv)
@@ -361,7 +364,7 @@ def parse(spec: CommandSpec, argv: Sequence[str], *, base: DictConfig | None = N
     try:
         cfg = OmegaConf.merge(schema, base) if base is not None else schema
     except OmegaConfBaseException as exc:
-        raise UsageError(f"the saved config does not fit this version: {str(exc).splitlines()[0]}") from None
+        raise UsageError(f"{base_name} does not fit this version: {str(exc).splitlines()[0]}") from None
     for item in dotlist:  # one at a time, so an error names the exact key and value
         key, _, value = item.partition("=")
         try:

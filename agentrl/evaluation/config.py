@@ -94,6 +94,8 @@ class EvalConfig:
     env_kwargs: dict[str, Any] = key({}, "env constructor arguments (env.KEY=VALUE)")
     overwrite: bool = key(False, "replace the results already in out instead of resuming them")
     progress: bool = key(True, "show a progress bar")
+    progress_interval_s: float = key(30.0, "stdout not a terminal: seconds between plain progress lines (0: none)",
+                                     min=0)
 
     def __post_init__(self) -> None:
         check_declared(self)

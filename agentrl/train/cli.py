@@ -33,7 +33,8 @@ def load_run_config(argv: list[str], *, spec: CommandSpec = SPEC, profile: str |
         return build_config(argv, spec=spec, profile=profile)
     base = rundir.read_config_yaml(resume, fix="point resume= at a directory written by agentrl train")
     kept = [t for t in overrides if not t.startswith(("resume=", "run_dir="))]
-    return build_config([*kept, *bare, f"resume={resume}", f"run_dir={resume}"], base=base, spec=spec)
+    return build_config([*kept, *bare, f"resume={resume}", f"run_dir={resume}"], base=base, spec=spec,
+                        base_name=str(rundir.TrainRun(resume).config))
 
 
 def check_run_dir(cfg) -> None:

@@ -243,6 +243,8 @@ class TrainerConfig:
     wandb: bool = key(False, "log to Weights & Biases (when installed)")
     wandb_project: str = key("agentrl", "W&B project", verl="trainer.project_name")
     progress: bool = key(True, "show a progress bar")
+    progress_interval_s: float = key(30.0, "stdout not a terminal: seconds between plain progress lines of a long "
+                                     "phase (evaluation, rollout, SFT data; 0: none)", min=0)
     save_trajectories: bool = key(True, "write every episode to RUN_DIR/trajectories")
     n_gpus: int = key(1, "GPUs of the embedded trainer (> 1: torchrun with FSDP2)", min=1)
     n_gpus_per_node: int = key(8, "GPUs per node of a verl run", min=1, verl="trainer.n_gpus_per_node")
@@ -370,7 +372,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.sft.data:
         from agentrl.train.sft_data import check_data
 
-        check_data(str(cfg.sft.data))
+        check_data(str(cfg.sft.data), min_reward=cfg.sft.min_reward, correct_only=cfg.sft.correct_only)
 
 
 def _sft_aliases() -> dict[str, str]:
@@ -406,7 +408,8 @@ def all_keys() -> list[str]:
 
 
 def build_config(
-    overrides: list[str], base: DictConfig | None = None, *, spec: CommandSpec = SPEC, profile: str | None = None
+    overrides: list[str], base: DictConfig | None = None, *, spec: CommandSpec = SPEC, profile: str | None = None,
+    base_name: str = "the saved config",
 ) -> DictConfig:
     """The declared defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``,
     parsed and validated once (:func:`agentrl.cli_args.parse`); raises :class:`ConfigError`. A fresh run (no
@@ -415,7 +418,7 @@ def build_config(
     try:
         if base is None:
             base = _profile_defaults(normalise(spec, overrides), profile)
-        return parse(spec, overrides, base=base)
+        return parse(spec, overrides, base=base, base_name=base_name)
     except UsageError as exc:
         raise ConfigError(str(exc)) from None
 

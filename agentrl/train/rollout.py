@@ -14,6 +14,7 @@ from typing import Any
 
 from agentrl.engines.base import SamplingParams
 from agentrl.episodes import EnvPool, EpisodeResult, TokenPolicy, collect, grouped_jobs
+from agentrl.progress import ProgressLines
 
 
 @dataclass
@@ -34,12 +35,23 @@ async def rollout(
     tasks: Sequence[tuple[str, dict[str, Any]]],
     n: int,
     seed: int,
+    progress_interval_s: float = 0.0,
 ) -> RolloutResult:
     """Run ``n`` episodes per ``(task_id, task)`` with ``engine`` (which keeps ``stats["generate_s"]`` and
-    ``stats["generated_tokens"]``); sample ``k`` of task ``g`` gets env seed ``seed + g*n + k``."""
+    ``stats["generated_tokens"]``); sample ``k`` of task ``g`` gets env seed ``seed + g*n + k``. When stdout is
+    not a terminal, a progress line every ``progress_interval_s`` seconds (:class:`~agentrl.progress.ProgressLines`)."""
     t0 = time.perf_counter()
     gen0, tok0 = engine.stats["generate_s"], engine.stats["generated_tokens"]
-    episodes = await collect(pool, TokenPolicy(engine, sampling), grouped_jobs(tasks, n, seed))
+    jobs = grouped_jobs(tasks, n, seed)
+    with ProgressLines("rollout", len(jobs), interval_s=progress_interval_s) as lines:
+        finished = [0, 0]  # episodes, failed ones
+
+        def count(result: EpisodeResult) -> None:
+            finished[0] += 1
+            finished[1] += result.error is not None
+            lines.update(finished[0], failed=finished[1])
+
+        episodes = await collect(pool, TokenPolicy(engine, sampling), jobs, on_episode=count)
     return RolloutResult(
         episodes=episodes,
         wall_s=time.perf_counter() - t0,

@@ -214,11 +214,13 @@ async def prepare_data(
     vocab_size: int | None,
     seed: int,
     stop_token_ids: Sequence[int] = (),
+    progress_interval_s: float = 0.0,
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """The SFT data of config section ``sft``: trajectories from ``sft.data`` (filtered), or ``sft.num_demos``
     teacher demonstrations on tasks ``task(0) .. task(num_demos - 1)`` (``task`` maps an index to a training
     task) in envs of ``env_cls`` from ``make_env``. Returns ``(trajectories, info)``; ``info`` says where they
-    came from and how many were kept. Empty when ``sft.teacher=auto`` and the env has no scripted teacher."""
+    came from and how many were kept. Empty when ``sft.teacher=auto`` and the env has no scripted teacher.
+    ``progress_interval_s``: see :func:`~agentrl.train.teachers.generate_demonstrations`."""
     if sft.data:
         trajs, counts = load_trajectories(
             str(sft.data), min_reward=sft.min_reward, correct_only=bool(sft.correct_only), vocab_size=vocab_size
@@ -233,7 +235,7 @@ async def prepare_data(
         tasks = [task(i) for i in range(int(sft.num_demos))]
         demos = await generate_demonstrations(
             make_env, teacher, tasks, seed=seed, concurrency=int(sft.concurrency), min_reward=sft.min_reward,
-            correct_only=bool(sft.correct_only),
+            correct_only=bool(sft.correct_only), progress_interval_s=progress_interval_s,
         )
     finally:
         await teacher.aclose()

@@ -178,6 +178,7 @@ async def _sft_data(trainer: Any) -> list[Any]:
         cfg.sft, env_cls=trainer.env_cls, make_env=trainer.make_env,
         task=lambda i: trainer.train_task(_DEMO_OFFSET + i)[1], vocab_size=trainer.format.vocab_size,
         seed=cfg.seed + 31_337, stop_token_ids=list(trainer.format.stop_token_ids),
+        progress_interval_s=cfg.trainer.progress_interval_s,
     )
     state.sft_info = {"data": info}
     if not trajectories:

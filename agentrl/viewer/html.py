@@ -195,6 +195,13 @@ def _view(cfg: Any) -> int:
     if cfg.limit is not None and cfg.limit < 1:
         raise UsageError(f"limit must be >= 1, got {cfg.limit}; e.g. limit=20")
     items, problems = load_trajectories(src)  # a RunDirError is a usage error: one line, exit 2
+    if not items:
+        first = f": {problems[0]['source']}: {problems[0]['error'][:160]}" if problems else ""
+        files = ", ".join(str(f) for f in rundir.trajectory_files(src))
+        raise UsageError(
+            f"{files} holds no readable trajectory ({len(problems)} unreadable lines{first}); give a trajectories "
+            "file or run directory written by agentrl eval / train"
+        )
     if cfg.limit is not None:
         items = items[: cfg.limit]
     try:
