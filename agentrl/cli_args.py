@@ -43,6 +43,21 @@ class UsageError(ValueError):
     """A mistake on the command line; the message is one line that says what was wrong and what to do."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is (``agentrl``'s entry point installs the
+    handler), so a run stops the same way and says so (exit status 143)."""
+
+
+def raise_terminated(signum: int, frame: Any) -> None:
+    """A SIGTERM handler: raise :class:`Terminated`."""
+    raise Terminated()
+
+
+def interrupted(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """How a command was stopped, in words, and its exit status: SIGTERM (143) or an interrupt (130)."""
+    return ("terminated (SIGTERM)", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
+
+
 def suggest(word: str, options: Sequence[str], *, fallback: str = "", cutoff: float = 0.5) -> str:
     """``" Did you mean: a, b?"`` with the close matches of ``word`` in ``options``, else ``fallback``."""
     close = difflib.get_close_matches(str(word), [str(o) for o in options], n=3, cutoff=cutoff)

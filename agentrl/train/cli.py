@@ -22,7 +22,7 @@ import sys
 from omegaconf import OmegaConf
 
 from agentrl import rundir
-from agentrl.cli_args import CommandSpec, UsageError, fail, is_help, split_args
+from agentrl.cli_args import CommandSpec, UsageError, fail, interrupted, is_help, split_args
 from agentrl.train.config import SPEC, ConfigError, build_config, help_text
 
 
@@ -117,6 +117,12 @@ def run_trainer(cfg, prog: str, failures: tuple[type[BaseException], ...] = ()) 
         summary = trainer.fit()
     except UsageError as exc:  # a damaged run directory found on resume
         return fail(prog, str(exc))
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: say how to go on
+        what, code = interrupted(exc)
+        ckpt = rundir.latest_checkpoint(trainer.run_dir)
+        where = f"from its checkpoint {os.path.basename(ckpt)}" if ckpt else "from the start (no checkpoint yet)"
+        print(f"{prog}: {what}; `{prog} resume={trainer.run_dir}` continues the run {where}", file=sys.stderr)
+        return code
     except (TrainingFailed, *failures) as exc:
         print(f"{prog}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
         return 1

@@ -79,6 +79,31 @@ def _is_env_reference(name: str) -> bool:
     return is_reference(name)
 
 
+def check_wandb_login() -> None:
+    """``trainer.wandb=true``: refuse at once, before any model loads, when W&B is installed but has no credentials
+    (no ``WANDB_API_KEY``, no ``~/.netrc`` entry for its host, not ``WANDB_MODE=offline``/``disabled``), where
+    ``wandb.init`` would prompt or fail mid-start. Without wandb installed the metrics sink warns and goes on."""
+    import importlib.util
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if importlib.util.find_spec("wandb") is None or os.environ.get("WANDB_API_KEY"):
+        return
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_DISABLED"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError(
+        f"trainer.wandb=true but W&B has no login for {host}: run `wandb login`, set WANDB_API_KEY, or use "
+        "WANDB_MODE=offline (or trainer.wandb=false)"
+    )
+
+
 def check_env(env: str, env_kwargs: Any, *, prefix: str = "env_kwargs.") -> None:
     """Import ``env`` (a registered name or a ``module:Class`` / ``file.py:Class`` reference) and check its
     constructor arguments by name and type (:func:`agentrl.envs.env_kwargs.check_env_kwargs`), before any model
@@ -369,6 +394,8 @@ def validate(cfg: DictConfig) -> None:
             "or an OpenAI-compatible base URL http(s)://HOST:PORT/v1"
         )
     check_env(cfg.env, cfg.env_kwargs)
+    if cfg.trainer.wandb:
+        check_wandb_login()
     if cfg.sft.data:
         from agentrl.train.sft_data import check_data
 

@@ -42,7 +42,8 @@ class FailureBudget:
             self.streak, self.first = 0, ""
             return
         if not self.streak:
-            self.first = f"step {step}, task {episodes[0].task_id}: {episodes[0].error}"
+            first = episodes[0]
+            self.first = f"step {step}, task {first.task_id}: {first.error or first.reward_error}"
         self.streak += 1
         if self.streak >= self.limit:
             raise TrainingFailed(
@@ -81,7 +82,7 @@ async def before_rl(trainer: Any, pool: EnvPool) -> None:
     if sft_metrics:
         record = {f"eval_before/{k[len('eval/'):]}": v for k, v in record.items()}
         record.update(sft_metrics)
-        if evaluating:
+        if evaluating and (cfg.eval.after or cfg.trainer.total_steps > 0):  # in an SFT-only run it is the "after" one
             record.update(await trainer.evaluate(pool, "after_sft"))
     state.sft_done = True
     if sft_metrics:
