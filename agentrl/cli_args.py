@@ -58,6 +58,21 @@ def interrupted(exc: KeyboardInterrupt) -> tuple[str, int]:
     return ("terminated (SIGTERM)", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
 
 
+def plain_text(doc: str) -> str:
+    """A docstring's reST/Sphinx markup as plain text for ``--help``: ````x```` is ``x``, ``:class:`~a.b.C``` is
+    ``C``, ``:func:`text <a.b>``` is ``text``, ``:mod:`a.b``` is ``a.b``."""
+    import re
+
+    def role(m: re.Match[str]) -> str:
+        target = m.group(1)
+        if "<" in target and target.endswith(">"):
+            return target.split("<", 1)[0].strip()
+        return target.rsplit(".", 1)[-1] if target.startswith("~") else target
+
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`([^`]+)`", role, doc)
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 def suggest(word: str, options: Sequence[str], *, fallback: str = "", cutoff: float = 0.5) -> str:
     """``" Did you mean: a, b?"`` with the close matches of ``word`` in ``options``, else ``fallback``."""
     close = difflib.get_close_matches(str(word), [str(o) for o in options], n=3, cutoff=cutoff)

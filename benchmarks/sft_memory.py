@@ -64,14 +64,13 @@ async def _episodes(args: argparse.Namespace):
     from agentrl.episodes import EnvPool, EpisodeJob, collect
     from agentrl.harmony import ChatTemplateFormat
     from agentrl.models.loading import load_smollm2_tokenizer
-    from agentrl.train.teachers import ReToolScriptedTeacher
 
     fmt = ChatTemplateFormat(load_smollm2_tokenizer())
     tasks = ReToolEnv.tasks(split="train", n=args.trajectories, seed=args.seed)
     for i, task in enumerate(tasks):
         task["id"] = f"task-{i}"
     rambles = {t["id"]: i % (args.max_rambles + 1) for i, t in enumerate(tasks)}
-    policy = RamblingStudent(ReToolScriptedTeacher(), rambles, args.ramble_tokens, fmt)
+    policy = RamblingStudent(ReToolEnv.scripted_teacher(), rambles, args.ramble_tokens, fmt)
     async with make_backend("local", workers=2) as sandbox:
         pool = EnvPool(lambda: ReToolEnv(format=fmt, sandbox=sandbox), 8)
         try:
@@ -91,13 +90,12 @@ def build_eval_run(args: argparse.Namespace, out: str) -> dict[str, float]:
     lengths = []
     with open(os.path.join(out, "trajectories.jsonl"), "w", encoding="utf-8") as f:
         for r in results:
-            traj = r.trajectory
-            traj.metadata.update(item_id=r.task_id, sample=0, env_name="retool", model="smollm2-135m (scripted)",
-                                 correct=bool(traj.reward_components.get("correct", traj.reward >= 1.0)))
+            traj = r.trajectory  # the typed fields agentrl eval sets
+            traj.task_id, traj.sample, traj.env, traj.model = str(r.task_id), 0, "retool", "smollm2-135m (scripted)"
             f.write(traj.to_json() + "\n")
             lengths.append(len(traj.prompt_ids) + len(traj.response_ids))
     return {"trajectories": len(lengths), "tokens_mean": sum(lengths) / len(lengths), "tokens_max": max(lengths),
-            "correct": sum(r.trajectory.metadata["correct"] for r in results)}
+            "correct": sum(r.trajectory.correct for r in results)}
 
 
 def _rss_kb(pid: int) -> int:
