@@ -242,3 +242,31 @@ def _load_run(
         loaded.format_name = fmt
     loaded.checkpoint = ckpt
     return loaded
+
+
+def chat_format_of(name: str, format: str = "auto", *, depth: int = 0) -> Any:
+    """The :class:`~agentrl.harmony.format.ChatFormat` a model ``name`` speaks (with ``format``, as ``format=``
+    of train/eval gives it), found without loading weights: Harmony for the GPT-OSS built-ins and ``gpt_oss``
+    checkpoints, SmolLM2's chat template (its cached tokenizer) for ``smollm2-135m``, the tokenizer of a
+    ``save_pretrained`` directory or hub id, and for a training run directory its own ``model``/``format``."""
+    from omegaconf import OmegaConf
+
+    from agentrl.harmony import make_format
+
+    if format not in ("auto", "chat_template"):
+        return make_format(format)
+    if is_run_dir(name) and depth <= 8:
+        cfg = OmegaConf.load(os.path.join(name, "config.yaml"))
+        return chat_format_of(str(cfg.get("model") or ""), str(cfg.get("format") or "auto"), depth=depth + 1)
+    if name in ("tiny-gpt-oss", "gpt-oss-20b-random"):
+        return make_format("harmony")
+    if name == "smollm2-135m":
+        return make_format("chat_template", tokenizer=load_smollm2_tokenizer())
+    config = os.path.join(os.path.expanduser(name), "config.json")
+    if format == "auto" and os.path.isfile(config):
+        import json
+
+        with open(config, encoding="utf-8") as f:
+            if json.load(f).get("model_type") == "gpt_oss":
+                return make_format("harmony")
+    return make_format(os.path.expanduser(name))
