@@ -92,8 +92,13 @@ class HeldOutEvaluation:
         jobs = par.shard_list(eval_jobs(self.config, self.items))
         lines = ProgressLines(f"eval {label}", len(jobs), interval_s=self.cfg.trainer.progress_interval_s)
         with par.gathered(self.actor.model), lines:
-            _, _, seconds = await run_jobs(self.runner(), jobs, collected, concurrency=self.config.concurrency,
-                                           pool=pool, abort_when_all_fail=False, on_progress=lines.update)
+            try:
+                _, _, seconds = await run_jobs(self.runner(), jobs, collected, concurrency=self.config.concurrency,
+                                               pool=pool, abort_when_all_fail=False, on_progress=lines.update)
+            finally:
+                release = getattr(self.actor.engine, "release", None)
+                if release is not None:  # the decode engine's cache: the update that follows needs the memory
+                    release()
         finished, failed = par.gather(collected.finished), par.gather(collected.failed)
         for traj in finished:
             traj.policy_version = step

@@ -3,17 +3,22 @@
 Episodes run concurrently over an :class:`~agentrl.episodes.EnvPool` (see :func:`agentrl.episodes.collect`),
 each driven by a :class:`~agentrl.episodes.TokenPolicy` on the trainer's local engine. An episode that
 raises is kept (``usable=False``, its partial trajectory saved and counted) and never stops training.
+
+With an engine that has clients (:meth:`agentrl.engines.decode_engine.DecodeEngine.open_client`), each
+episode samples through its own client, keyed by its env seed, so what it samples does not depend on which
+episodes shared its batches (and the engine's deterministic mode knows when every episode has asked); the
+engine's memory is released after the rollout (:meth:`release`), before the update needs it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
-from agentrl.episodes import EnvPool, EpisodeResult, TokenPolicy, collect, grouped_jobs
+from agentrl.episodes import EnvPool, EpisodeJob, EpisodeResult, TokenPolicy, collect, grouped_jobs
 from agentrl.progress import ProgressLines
 
 
@@ -51,10 +56,40 @@ async def rollout(
             finished[1] += result.error is not None
             lines.update(finished[0], failed=finished[1])
 
-        episodes = await collect(pool, TokenPolicy(engine, sampling), jobs, on_episode=count)
+        if hasattr(engine, "open_client"):
+            episodes = await _collect_through_clients(pool, engine, sampling, jobs, on_episode=count)
+        else:  # the transformers engine: one policy for every episode
+            episodes = await collect(pool, TokenPolicy(engine, sampling), jobs, on_episode=count)
     return RolloutResult(
         episodes=episodes,
         wall_s=time.perf_counter() - t0,
         gen_s=engine.stats["generate_s"] - gen0,
         generated_tokens=engine.stats["generated_tokens"] - tok0,
     )
+
+
+async def _collect_through_clients(
+    pool: EnvPool, engine: Any, sampling: SamplingParams, jobs: Sequence[EpisodeJob],
+    on_episode: Callable[[EpisodeResult], Any] | None = None,
+) -> list[EpisodeResult]:
+    """:func:`collect` with one engine client per episode, keyed by its env seed (see the module docstring);
+    the engine's memory is released afterwards. ``on_episode``: called with each result as it finishes."""
+    clients: dict[tuple[Any, int], Any] = {}
+
+    def policy(job: EpisodeJob) -> TokenPolicy:
+        clients[(job.group, job.sample)] = client = engine.open_client(job.seed)
+        return TokenPolicy(client, sampling)
+
+    def finished(result: EpisodeResult) -> None:
+        client = clients.pop((result.group, result.sample), None)
+        if client is not None:
+            client.close()
+        if on_episode is not None:
+            on_episode(result)
+
+    try:
+        return await collect(pool, policy, jobs, on_episode=finished)
+    finally:
+        for client in clients.values():
+            client.close()
+        engine.release()
