@@ -136,6 +136,32 @@ def save_checkpoint(
     return final
 
 
+HF_DIR = "hf"
+"""The folder of a checkpoint that holds its model in the HF format (``save_pretrained``), written at the end of
+a run (:func:`export_hf`)."""
+
+
+def export_hf(checkpoint: str, model: torch.nn.Module, tokenizer: Any = None) -> str | None:
+    """Write ``model`` (the weights of ``checkpoint``) with ``save_pretrained`` (safetensors, its config) and
+    ``tokenizer`` when there is one into ``checkpoint/hf``, atomically (a temporary folder renamed into place);
+    returns that folder, or None for a model without ``save_pretrained`` or with a LoRA adapter (its checkpoint
+    already is PEFT's format)."""
+    from agentrl.models.lora import has_lora
+
+    if not hasattr(model, "save_pretrained") or has_lora(model):
+        return None
+    final = os.path.join(checkpoint, HF_DIR)
+    tmp = os.path.join(checkpoint, f".tmp-{HF_DIR}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    return final
+
+
 def _is_keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
     """True for a full optimizer state keyed by parameter names (what the FSDP2 trainer writes)."""
     groups = optimizer_state.get("param_groups") or []

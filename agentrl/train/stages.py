@@ -62,6 +62,7 @@ async def run_stages(trainer: Any) -> dict[str, Any]:
         if trainer.state.step == 0 and not trainer.state.sft_done:
             await before_rl(trainer, pool)
         await rl_stage(trainer, pool)
+        _export_hf(trainer)
     finally:
         await pool.aclose()
         trainer.reporter.close()
@@ -69,6 +70,19 @@ async def run_stages(trainer: Any) -> dict[str, Any]:
         trainer.state, wall_s=time.perf_counter() - t_start, t_created=trainer.t_created,
         load_s=trainer.actor.load_s, stopped_early=trainer.stopped_early,
     )
+
+
+def _export_hf(trainer: Any) -> None:
+    """``trainer.export_hf``: the last checkpoint's model also in the HF format (one process; rank 0 of a
+    parallel run holds no full module, so it keeps ``model.pt`` only)."""
+    from agentrl.train.checkpoint import export_hf
+
+    ckpt = rundir.latest_checkpoint(trainer.run_dir)
+    if not trainer.cfg.trainer.export_hf or ckpt is None or trainer.parallel.world_size > 1:
+        return
+    out = export_hf(ckpt, trainer.actor.model, trainer.actor.loaded.tokenizer)
+    if out is not None:
+        trainer.reporter.print(f"HF format (save_pretrained): {out}")
 
 
 async def before_rl(trainer: Any, pool: EnvPool) -> None:
