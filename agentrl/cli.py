@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
+from typing import Any
 
 from agentrl import cpu_threads
-from agentrl.cli_args import HELP_FLAGS, fail, suggest
+from agentrl.cli_args import HELP_FLAGS, fail, interrupted, raise_terminated, suggest
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("agentrl.train.cli:main", "train a policy: agentrl train env=retool [key=value ...]"),
@@ -76,14 +79,27 @@ def main(argv: list[str] | None = None) -> int:
     module_name, func_name = commands[name][0].split(":")
     cpu_threads.configure()  # before torch loads: libgomp reads its environment then
     module = importlib.import_module(module_name)
+    previous = _on_sigterm()
     try:
         return int(getattr(module, func_name)(rest) or 0)
-    except KeyboardInterrupt:
-        print(f"agentrl {name}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        what, code = interrupted(exc)
+        print(f"agentrl {name}: {what}", file=sys.stderr)
+        return code
     except BrokenPipeError:  # output piped into `head` and the like: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _on_sigterm() -> Any:
+    """In the main thread, with SIGTERM's default action in place: SIGTERM raises :class:`Terminated` (a command
+    stops as on Ctrl-C and says so). Returns the previous handler (None when unchanged)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, raise_terminated)
 
 
 if __name__ == "__main__":

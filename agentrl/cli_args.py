@@ -43,6 +43,36 @@ class UsageError(ValueError):
     """A mistake on the command line; the message is one line that says what was wrong and what to do."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is (``agentrl``'s entry point installs the
+    handler), so a run stops the same way and says so (exit status 143)."""
+
+
+def raise_terminated(signum: int, frame: Any) -> None:
+    """A SIGTERM handler: raise :class:`Terminated`."""
+    raise Terminated()
+
+
+def interrupted(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """How a command was stopped, in words, and its exit status: SIGTERM (143) or an interrupt (130)."""
+    return ("terminated (SIGTERM)", 143) if isinstance(exc, Terminated) else ("interrupted", 130)
+
+
+def plain_text(doc: str) -> str:
+    """A docstring's reST/Sphinx markup as plain text for ``--help``: ````x```` is ``x``, ``:class:`~a.b.C``` is
+    ``C``, ``:func:`text <a.b>``` is ``text``, ``:mod:`a.b``` is ``a.b``."""
+    import re
+
+    def role(m: re.Match[str]) -> str:
+        target = m.group(1)
+        if "<" in target and target.endswith(">"):
+            return target.split("<", 1)[0].strip()
+        return target.rsplit(".", 1)[-1] if target.startswith("~") else target
+
+    text = re.sub(r":[a-z]+(?::[a-z]+)?:`([^`]+)`", role, doc)
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 def suggest(word: str, options: Sequence[str], *, fallback: str = "", cutoff: float = 0.5) -> str:
     """``" Did you mean: a, b?"`` with the close matches of ``word`` in ``options``, else ``fallback``."""
     close = difflib.get_close_matches(str(word), [str(o) for o in options], n=3, cutoff=cutoff)
@@ -335,8 +365,11 @@ def _show(value: Any) -> str:
     return str(value)
 
 
-def parse(spec: CommandSpec, argv: Sequence[str], *, base: DictConfig | None = None) -> DictConfig:
-    """The schema's defaults (or ``base`` merged over them) with ``argv`` applied; raises :class:`UsageError`.
+def parse(
+    spec: CommandSpec, argv: Sequence[str], *, base: DictConfig | None = None, base_name: str = "the saved config"
+) -> DictConfig:
+    """The schema's defaults (or ``base`` merged over them; ``base_name`` names it in errors, e.g. its file) with
+    ``argv`` applied; raises :class:`UsageError`.
 
     Checks keys, types, enum values and required keys; cross-field rules stay with the command."""
     overrides, bare = _normalise(spec, argv)
@@ -361,7 +394,7 @@ def parse(spec: CommandSpec, argv: Sequence[str], *, base: DictConfig | None = N
     try:
         cfg = OmegaConf.merge(schema, base) if base is not None else schema
     except OmegaConfBaseException as exc:
-        raise UsageError(f"the saved config does not fit this version: {str(exc).splitlines()[0]}") from None
+        raise UsageError(f"{base_name} does not fit this version: {str(exc).splitlines()[0]}") from None
     for item in dotlist:  # one at a time, so an error names the exact key and value
         key, _, value = item.partition("=")
         try:
@@ -401,7 +434,8 @@ def _check_value(key: str, value: Any, meta: Mapping[str, Any], extra: Sequence[
     if value is None:
         return
     valid = meta.get("choices") or extra
-    if valid is not None:
+    accept = meta.get("accept")  # values valid beyond the choices (e.g. an env given as module:Class)
+    if valid is not None and not (accept is not None and isinstance(value, str) and accept(value)):
         valid = list(valid() if callable(valid) else valid)
         for item in value if isinstance(value, (list, tuple)) else [value]:
             if item not in valid and str(item) not in [str(v) for v in valid]:

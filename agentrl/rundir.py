@@ -447,6 +447,10 @@ def read_checkpoint_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
         Path(checkpoint) / "state.json", what="the checkpoint's state",
         fix="remove that checkpoint directory to resume from the one before it",
     )
-    if not isinstance(state, dict) or "step" not in state:
-        raise RunDirError(f"{Path(checkpoint) / 'state.json'} has no 'step'; remove that checkpoint directory")
+    wrong = [k for k in ("step", "data_position") if not isinstance(state, dict) or type(state.get(k)) is not int]
+    if wrong:
+        raise RunDirError(
+            f"{Path(checkpoint) / 'state.json'} is not a checkpoint state (no integer {wrong[0]!r}); remove that "
+            "checkpoint directory to resume from the one before it"
+        )
     return state

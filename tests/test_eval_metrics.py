@@ -102,6 +102,7 @@ def test_summary_report_counts_tools_errors_and_latency():
         "tool_timeout": 1,
         "tool_exception": 0,
         "truncation": 1,
+        "reward_error": 0,
     }
     assert m["latency_s_mean"] == 2.0 and m["latency_s_p50"] == 2.0
     assert m["gen_tokens_per_episode"] == 3 and m["prompt_tokens_per_episode"] == 2

@@ -182,7 +182,7 @@ def test_filters_and_trajectory_files(tmp_path):
     lines = [_traj(1.0, 1.0).to_json(), _traj(0.0, 0.0).to_json(), "{torn line", _traj(1.0, 1.0).to_json()]
     (eval_dir / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
     kept, counts = load_trajectories(str(eval_dir), correct_only=True)
-    assert len(kept) == 2 and counts == {"read": 3, "kept": 2, "unreadable": 1}
+    assert len(kept) == 2 and counts == {"read": 3, "kept": 2, "unreadable": 1, "not_correct": 1}
     run = tmp_path / "run" / "trajectories"
     run.mkdir(parents=True)
     (run / "step_000001.jsonl").write_text(_traj(1.0, 1.0).to_json() + "\n")

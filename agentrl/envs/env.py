@@ -20,7 +20,10 @@ Contract (generic like gymnasium's ``Env[ObsType, ActType]``: ``AgentEnv`` is an
 - Bad model actions never raise: unparseable output, unknown tools, bad arguments, tool timeouts and tool
   exceptions become observations the model can read and are recorded in the trajectory with an error
   kind (``parse_error``, ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``,
-  ``truncation``). Only API misuse raises (stepping a finished episode, mismatched log-probs).
+  ``truncation``). A reward function that raises does not reach the caller either: the episode is
+  scored 0, and the error is recorded (``trajectory.reward_error``, error kind ``reward_error``,
+  ``info["reward_error"]`` on the last step) and shown once per message as a :class:`RewardErrorWarning`.
+  Only API misuse raises (stepping a finished episode, mismatched log-probs).
 - ``env.trajectory`` is the token-exact :class:`~agentrl.harmony.trajectory.Trajectory`, built with
   :class:`~agentrl.harmony.TrajectoryBuilder` (the builder the token-exactness tests check); it records the
   env's registered name (``env``), the task, and, when the episode ends, the error counts and the stop
@@ -39,7 +42,10 @@ prompt builder (:meth:`prompt_messages`), and the reward (``rubric`` or :meth:`r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import traceback
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -59,6 +65,11 @@ from agentrl.harmony.factory import default_format
 from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.trajectory import ToolRecord, Trajectory, parse_error_kind
 from agentrl.harmony.types import Message, ParsedTurn, ParseError, ParseErrorKind
+
+
+class RewardErrorWarning(RuntimeWarning):
+    """Emitted (once per message) when an env's reward function raises: the episode is scored 0 and its
+    trajectory records the error as ``reward_error`` (error kind ``reward_error``)."""
 
 
 class Observation(TypedDict):
@@ -299,13 +310,15 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
             reward on the last step, else 0.0; ``terminated`` on a final answer (or after a single-turn
             env's action); ``truncated`` when a limit ends the episode. ``info``: ``turn`` (model actions
             so far), ``errors`` (this action's error kinds), ``tool_calls`` (so far); on the last step also
-            ``trajectory``, ``reward_components`` and ``stop_reason``.
+            ``trajectory``, ``reward_components`` and ``stop_reason`` (and ``reward_error`` when the reward
+            function raised: the reward is then 0).
 
         Raises:
             RuntimeError: the episode is over or was never started, or the env is closed.
             TypeError: ``action`` is none of the accepted types.
             ValueError: the action's log-probs and token ids differ in length.
-            Bad model output never raises: it becomes an error observation and a trajectory record.
+            Bad model output and a reward function that raises never raise here: they become error
+            observations and trajectory records.
         """
         self._check_open()
         if self._done or self.trajectory is None:
@@ -368,6 +381,9 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
             info["trajectory"] = traj
             info["reward_components"] = dict(traj.reward_components)
             info["stop_reason"] = stop_reason
+            if traj.reward_error is not None:
+                info["reward_error"] = traj.reward_error
+                errors.append("reward_error")
         obs: Observation = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
         return obs, reward, terminated, truncated, info
 
@@ -526,11 +542,32 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         )
         try:
             total, components = self.reward(ctx)
+            traj.reward = float(total)
+            traj.reward_components = {k: float(v) for k, v in components.items()}
+        except Exception as exc:  # noqa: BLE001 - a broken reward is the episode's error, never the caller's crash
+            self._record_reward_error(exc)
         finally:
             await self._sessions.release_all()
-        traj.reward = float(total)
-        traj.reward_components = {k: float(v) for k, v in components.items()}
         return traj.reward
+
+    def _record_reward_error(self, exc: Exception) -> None:
+        """The reward function raised: score 0, record the error on the finished trajectory
+        (``reward_error``, one ``reward_error`` in ``errors``) and warn once per message."""
+        traj = self.trajectory
+        assert traj is not None
+        where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+        message = f"{type(exc).__name__}: {exc}" + (f" (at {where.filename}:{where.lineno} in {where.name})" if where else "")
+        traj.reward, traj.reward_components = 0.0, {}
+        traj.reward_error = message
+        self._errors["reward_error"] += 1
+        traj.errors = dict(self._errors)
+        with contextlib.suppress(Warning):  # even under -W error the step returns; the trajectory records it
+            warnings.warn(
+                f"the reward of {type(self).__name__} raised {message}; the episode is scored 0, kept, and counted as "
+                "a reward_error (trajectory.reward_error). Fix the reward function.",
+                RewardErrorWarning,
+                stacklevel=2,
+            )
 
 
 def encode_action_text(fmt: ChatFormat, text: str) -> list[int]:

@@ -99,9 +99,16 @@ class EpisodeResult:
     error: str | None = None
 
     @property
+    def reward_error(self) -> str | None:
+        """The env's reward function's exception (``trajectory.reward_error``), or None: the
+        episode finished, but its reward (0) is not a score."""
+        return self.trajectory.reward_error
+
+    @property
     def usable(self) -> bool:
-        """False when the episode raised: the partial trajectory is kept and counted, not trained on."""
-        return self.error is None
+        """False when the episode raised or its reward function did: the trajectory is kept and counted, not
+        trained on."""
+        return self.error is None and self.reward_error is None
 
     @property
     def tool_s(self) -> float:

@@ -24,6 +24,7 @@ from agentrl.cli_args import CommandSpec, UsageError, fail, is_help, run, to_obj
 from agentrl.evaluation.config import EvalConfig
 from agentrl.evaluation.report import compare_table, compare_warnings, load_metrics, metrics_table
 from agentrl.evaluation.runner import Evaluation, run_async
+from agentrl.progress import ProgressLines
 
 
 def _ks(value: str) -> str:
@@ -93,11 +94,13 @@ async def run_eval(config: EvalConfig, *, progress: bool, console: Console) -> d
         disable=not progress,
     )
     task_id = bar.add_task(f"{config.env} · {config.model}", total=None, failed=0)
+    lines = ProgressLines(f"eval {config.env}", interval_s=config.progress_interval_s)  # a log file's progress
 
     def update(done: int, total: int, failed: int) -> None:
         bar.update(task_id, completed=done, total=total, failed=failed)
+        lines.update(done, total, failed)
 
-    with bar:
+    with bar, lines:
         return await Evaluation(config, on_progress=update).run()
 
 
@@ -116,6 +119,10 @@ def _compare(argv: list[str], console: Console) -> int:
 
 def _evaluate(cfg: Any) -> int:
     config = to_object(SPEC, cfg)
+    try:
+        config.check_sources()  # before any model loads
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     console = Console()
     try:
         metrics = run_async(run_eval(config, progress=config.progress, console=console))

@@ -52,12 +52,19 @@ def _env_names() -> list[str]:
     return list(registered())
 
 
+def _is_env_reference(name: str) -> bool:
+    from agentrl.envs.registry import is_reference
+
+    return is_reference(name)
+
+
 @dataclass
 class EvalConfig:
     """What to evaluate and how: the keys of ``agentrl eval`` (see the module docstring for ``model``/``api``),
     each declared once with its default, valid values and description (:func:`agentrl.cli_args.key`)."""
 
-    env: str = key(doc="the env to evaluate on", choices=_env_names)
+    env: str = key(doc="the env to evaluate on (a registered name, module:Class or file.py:Class)", choices=_env_names,
+                   accept=_is_env_reference)
     model: str = key(doc="an OpenAI-compatible base URL, or a local model (a built-in, a directory, a run, a hub id)")
     n: int = key(1, "samples per task", min=1)
     ks: list[int] | None = key(None, "the k of pass@k / maj@k (default: powers of two up to n)")
@@ -87,6 +94,8 @@ class EvalConfig:
     env_kwargs: dict[str, Any] = key({}, "env constructor arguments (env.KEY=VALUE)")
     overwrite: bool = key(False, "replace the results already in out instead of resuming them")
     progress: bool = key(True, "show a progress bar")
+    progress_interval_s: float = key(30.0, "stdout not a terminal: seconds between plain progress lines (0: none)",
+                                     min=0)
 
     def __post_init__(self) -> None:
         check_declared(self)
@@ -96,6 +105,21 @@ class EvalConfig:
             raise ValueError("api=chat needs an endpoint URL as model (http://...)")
         if self.ks and max(self.ks) > self.n:
             raise ValueError(f"every k must be <= n={self.n}, got ks={self.ks}")
+
+    def check_sources(self) -> None:
+        """Before anything loads: the env and its ``env_kwargs`` (by name and type), and a local ``model`` that
+        the disk rules out (a path that does not exist: no trip to the hub). Raises ``ValueError`` saying what
+        is wrong."""
+        from agentrl.envs.env_kwargs import check_env_kwargs
+        from agentrl.envs.registry import env_class
+        from agentrl.models.names import check_model_name
+
+        try:
+            check_env_kwargs(env_class(self.env), self.env_kwargs, prefix="env.")
+        except KeyError as exc:
+            raise ValueError(str(exc.args[0])) from None
+        if not self.is_endpoint:
+            check_model_name(self.model)
 
     @property
     def is_endpoint(self) -> bool:

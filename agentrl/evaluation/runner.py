@@ -53,7 +53,8 @@ async def run_jobs(
     ``store.write_error`` (it is not in the metrics; ``agentrl eval`` retries it on the next run). With
     ``abort_when_all_fail``, stops early when every episode so far failed (``2 * concurrency + 2`` in a row: the
     model is unreachable) and then raises RuntimeError with the last error. Returns ``(finished, failed,
-    seconds)``, the seconds from the first episode's start to the last one's end."""
+    seconds)``, the seconds from the first episode's start to the last one's end. ``on_progress(done, total,
+    failed)``: at the start and after each episode."""
     if not jobs:
         return 0, 0, 0.0
     counts = {"done": 0, "failed": 0, "streak": 0}
@@ -73,6 +74,8 @@ async def run_jobs(
         if on_progress:
             on_progress(counts["done"] + counts["failed"], len(jobs), counts["failed"])
 
+    if on_progress:
+        on_progress(0, len(jobs), 0)  # the total, known from the start
     own = pool is None
     envs = EnvPool(runner.make_env, min(concurrency, len(jobs))) if own else pool
     t0 = time.monotonic()

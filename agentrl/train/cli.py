@@ -19,8 +19,10 @@ import os
 import shutil
 import sys
 
+from omegaconf import OmegaConf
+
 from agentrl import rundir
-from agentrl.cli_args import CommandSpec, UsageError, fail, is_help, split_args
+from agentrl.cli_args import CommandSpec, UsageError, fail, interrupted, is_help, split_args
 from agentrl.train.config import SPEC, ConfigError, build_config, help_text
 
 
@@ -33,7 +35,27 @@ def load_run_config(argv: list[str], *, spec: CommandSpec = SPEC, profile: str |
         return build_config(argv, spec=spec, profile=profile)
     base = rundir.read_config_yaml(resume, fix="point resume= at a directory written by agentrl train")
     kept = [t for t in overrides if not t.startswith(("resume=", "run_dir="))]
-    return build_config([*kept, *bare, f"resume={resume}", f"run_dir={resume}"], base=base, spec=spec)
+    cfg = build_config([*kept, *bare, f"resume={resume}", f"run_dir={resume}"], base=base, spec=spec,
+                       base_name=str(rundir.TrainRun(resume).config))
+    for key in IDENTITY_KEYS:
+        saved, given = OmegaConf.select(base, key, default=_ABSENT), OmegaConf.select(cfg, key)
+        if saved is not _ABSENT and _plain(saved) != _plain(given):
+            raise ConfigError(
+                f"resume={resume} continues the run as it was: {key}={_plain(given)!r} differs from its {key}="
+                f"{_plain(saved)!r}; drop {key}= to resume, or start a new run (run_dir=..., model={resume} to "
+                "start from its weights)"
+            )
+    return cfg
+
+
+_ABSENT = object()
+
+#: Keys that make a run what it is; a resume may not change them (other keys, e.g. trainer.total_steps, it may).
+IDENTITY_KEYS = ("env", "env_kwargs", "model", "model_kwargs", "format", "seed", "data.tasks", "data.level", "backend")
+
+
+def _plain(value):
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def check_run_dir(cfg) -> None:
@@ -96,6 +118,12 @@ def run_trainer(cfg, prog: str, failures: tuple[type[BaseException], ...] = ()) 
         summary = trainer.fit()
     except UsageError as exc:  # a damaged run directory found on resume
         return fail(prog, str(exc))
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: say how to go on
+        what, code = interrupted(exc)
+        ckpt = rundir.latest_checkpoint(trainer.run_dir)
+        where = f"from its checkpoint {os.path.basename(ckpt)}" if ckpt else "from the start (no checkpoint yet)"
+        print(f"{prog}: {what}; `{prog} resume={trainer.run_dir}` continues the run {where}", file=sys.stderr)
+        return code
     except (TrainingFailed, *failures) as exc:
         print(f"{prog}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
         return 1

@@ -75,6 +75,51 @@ def _env_names() -> list[str]:
     return list(registered())
 
 
+def _is_env_reference(name: str) -> bool:
+    from agentrl.envs.registry import is_reference
+
+    return is_reference(name)
+
+
+def check_wandb_login() -> None:
+    """``trainer.wandb=true``: refuse at once, before any model loads, when W&B is installed but has no credentials
+    (no ``WANDB_API_KEY``, no ``~/.netrc`` entry for its host, not ``WANDB_MODE=offline``/``disabled``), where
+    ``wandb.init`` would prompt or fail mid-start. Without wandb installed the metrics sink warns and goes on."""
+    import importlib.util
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if importlib.util.find_spec("wandb") is None or os.environ.get("WANDB_API_KEY"):
+        return
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_DISABLED"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    try:
+        if netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ConfigError(
+        f"trainer.wandb=true but W&B has no login for {host}: run `wandb login`, set WANDB_API_KEY, or use "
+        "WANDB_MODE=offline (or trainer.wandb=false)"
+    )
+
+
+def check_env(env: str, env_kwargs: Any, *, prefix: str = "env_kwargs.") -> None:
+    """Import ``env`` (a registered name or a ``module:Class`` / ``file.py:Class`` reference) and check its
+    constructor arguments by name and type (:func:`agentrl.envs.env_kwargs.check_env_kwargs`), before any model
+    loads; raises :class:`ConfigError` saying what is wrong."""
+    from agentrl.envs.env_kwargs import check_env_kwargs
+    from agentrl.envs.registry import env_class
+
+    kwargs = OmegaConf.to_container(env_kwargs, resolve=True) if OmegaConf.is_config(env_kwargs) else env_kwargs
+    try:
+        check_env_kwargs(env_class(env), kwargs or {}, prefix=prefix)
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(str(exc.args[0]) if isinstance(exc, KeyError) else str(exc)) from None
+
+
 @dataclass
 class RolloutConfig:
     """How episodes are sampled: ``batch_size`` tasks per step, ``n`` samples per task (a GRPO group)."""
@@ -231,7 +276,11 @@ class TrainerConfig:
     wandb: bool = key(False, "log to Weights & Biases (when installed)")
     wandb_project: str = key("agentrl", "W&B project", verl="trainer.project_name")
     progress: bool = key(True, "show a progress bar")
+    progress_interval_s: float = key(30.0, "stdout not a terminal: seconds between plain progress lines of a long "
+                                     "phase (evaluation, rollout, SFT data; 0: none)", min=0)
     save_trajectories: bool = key(True, "write every episode to RUN_DIR/trajectories")
+    export_hf: bool = key(True, "at the end, also write the last checkpoint's model in the HF format "
+                          "(checkpoints/<name>/hf: save_pretrained with the tokenizer; vLLM and TRL load it)")
     n_gpus: int = key(1, "GPUs of the embedded trainer (> 1: torchrun with FSDP2)", min=1)
     n_gpus_per_node: int = key(8, "GPUs per node of a verl run", min=1, verl="trainer.n_gpus_per_node")
     nnodes: int = key(1, "nodes of a verl run", min=1, verl="trainer.nnodes")
@@ -275,7 +324,8 @@ class VerlSection:
 class TrainConfig:
     """Every key of ``agentrl train`` / ``agentrl sft``."""
 
-    env: str = key(MISSING, "the env to train on", choices=_env_names)
+    env: str = key(MISSING, "the env to train on (a registered name, module:Class or file.py:Class)",
+                   choices=_env_names, accept=_is_env_reference)
     env_kwargs: dict[str, Any] = key({}, "env constructor arguments (env_kwargs.KEY=VALUE)")
     model: str = key("smollm2-135m", "a built-in name, a model directory, a run directory or a hub id",
                      verl="actor_rollout_ref.model.path")
@@ -358,10 +408,13 @@ def validate(cfg: DictConfig) -> None:
             f"sft.teacher={teacher!r} is not valid.{suggest(teacher, ('auto', 'scripted'))} Valid: auto, scripted, "
             "or an OpenAI-compatible base URL http(s)://HOST:PORT/v1"
         )
+    check_env(cfg.env, cfg.env_kwargs)
+    if cfg.trainer.wandb:
+        check_wandb_login()
     if cfg.sft.data:
         from agentrl.train.sft_data import check_data
 
-        check_data(str(cfg.sft.data))
+        check_data(str(cfg.sft.data), min_reward=cfg.sft.min_reward, correct_only=cfg.sft.correct_only)
 
 
 def _sft_aliases() -> dict[str, str]:
@@ -397,7 +450,8 @@ def all_keys() -> list[str]:
 
 
 def build_config(
-    overrides: list[str], base: DictConfig | None = None, *, spec: CommandSpec = SPEC, profile: str | None = None
+    overrides: list[str], base: DictConfig | None = None, *, spec: CommandSpec = SPEC, profile: str | None = None,
+    base_name: str = "the saved config",
 ) -> DictConfig:
     """The declared defaults (or ``base``, e.g. a resumed run's saved config) merged with dotted ``overrides``,
     parsed and validated once (:func:`agentrl.cli_args.parse`); raises :class:`ConfigError`. A fresh run (no
@@ -406,7 +460,7 @@ def build_config(
     try:
         if base is None:
             base = _profile_defaults(normalise(spec, overrides), profile)
-        return parse(spec, overrides, base=base)
+        return parse(spec, overrides, base=base, base_name=base_name)
     except UsageError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -31,6 +31,7 @@ from agentrl.evaluation.policies import TokenRunner, env_kwargs_of
 from agentrl.evaluation.runner import eval_jobs, run_jobs, summarize_items
 from agentrl.evaluation.store import ResultStore
 from agentrl.harmony.trajectory import Trajectory
+from agentrl.progress import ProgressLines
 
 
 def env_settings(cfg: DictConfig) -> dict[str, Any]:
@@ -89,10 +90,11 @@ class HeldOutEvaluation:
         par = self.parallel
         collected = _Collected()
         jobs = par.shard_list(eval_jobs(self.config, self.items))
-        with par.gathered(self.actor.model):
+        lines = ProgressLines(f"eval {label}", len(jobs), interval_s=self.cfg.trainer.progress_interval_s)
+        with par.gathered(self.actor.model), lines:
             try:
                 _, _, seconds = await run_jobs(self.runner(), jobs, collected, concurrency=self.config.concurrency,
-                                               pool=pool, abort_when_all_fail=False)
+                                               pool=pool, abort_when_all_fail=False, on_progress=lines.update)
             finally:
                 release = getattr(self.actor.engine, "release", None)
                 if release is not None:  # the decode engine's cache: the update that follows needs the memory

@@ -3,7 +3,7 @@
 With a 201,088-token vocabulary the logits of 8 x 2048 tokens are 13 GB in fp32, and autograd keeps
 several such tensors for the backward. :func:`chunked_logprobs` instead computes the LM head, the
 log-softmax and the entropy ``chunk_size`` tokens at a time, keeps only ``[N]`` log-sum-exp statistics,
-and recomputes each chunk's logits in a custom backward. Peak extra memory is a few ``chunk_size x V``
+and recomputes each chunk's logits in a custom backward. Peak extra memory is two ``chunk_size x V``
 fp32 buffers plus the weight gradient (``V x H``), independent of ``N``.
 """
 
@@ -38,9 +38,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
             lse[s:e] = chunk_lse
             picked = logits.gather(1, safe_labels[s:e, None]).squeeze(1)
             logprobs[s:e] = torch.where(valid[s:e], picked - chunk_lse, torch.zeros_like(picked))
-            if compute_entropy:
-                probs = torch.softmax(logits, dim=-1)
-                entropy[s:e] = chunk_lse - (probs * logits).sum(dim=-1)
+            if compute_entropy:  # H = -sum p log p, with log p in the logits' buffer and p * log p in p's
+                logp = logits.sub_(chunk_lse[:, None])
+                entropy[s:e] = -logp.exp().mul_(logp).sum(dim=-1)
             del logits
         ctx.save_for_backward(hidden, weight, safe_labels, valid, lse, entropy if compute_entropy else lse)
         ctx.chunk_size, ctx.temperature, ctx.compute_entropy = chunk_size, temperature, compute_entropy
@@ -60,16 +60,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
         n = hidden.shape[0]
         for s in range(0, n, ctx.chunk_size):
             e = min(s + ctx.chunk_size, n)
-            logits = _chunk_logits(hidden[s:e], weight, ctx.temperature)
-            logp = logits - lse[s:e, None]
-            probs = torch.exp(logp)
-            # d logprob / d logits = onehot(label) - p
-            grad = probs * (-g[s:e, None])
-            grad.scatter_add_(1, labels[s:e, None], g[s:e, None])
+            # two [C, V] buffers at a time: log p (in the logits' buffer), then p, which becomes the gradient.
+            # d logprob / d logits = onehot(label) - p;  d H / d logits_k = -p_k (log p_k + H), so
+            # d(g * logprob + g_H * H) / d logits_k = onehot * g - p_k (g + g_H (log p_k + H)).
+            logp = _chunk_logits(hidden[s:e], weight, ctx.temperature).sub_(lse[s:e, None])
+            grad = logp.exp()
             if use_entropy:
-                # d H / d logits_k = -p_k (log p_k + H)
-                grad -= grad_entropy[s:e, None] * probs * (logp + entropy[s:e, None])
-            del logits, logp, probs
+                grad.mul_(logp.add_(entropy[s:e, None]).mul_(grad_entropy[s:e, None]).add_(g[s:e, None])).neg_()
+            else:
+                grad.mul_(-g[s:e, None])
+            del logp
+            grad.scatter_add_(1, labels[s:e, None], g[s:e, None])
             if ctx.temperature != 1.0:
                 grad /= ctx.temperature
             if need_h:
@@ -97,7 +98,7 @@ def chunked_logprobs(
       hidden: ``[N, H]`` final hidden states (after the final norm), any float dtype.
       lm_head_weight: ``[V, H]`` (same dtype as ``hidden``); no bias.
       labels: ``[N]`` int64 token ids; ``-100`` marks positions to skip (log-prob 0, no gradient).
-      chunk_size: tokens per chunk; peak extra memory is about ``3 * chunk_size * V * 4`` bytes.
+      chunk_size: tokens per chunk; peak extra memory is about ``2 * chunk_size * V * 4`` bytes.
     Returns ``(logprobs [N] fp32, entropy [N] fp32 or None)``; entropy is computed at every position,
     ``-100`` ones included (mask it yourself). Differentiable w.r.t. ``hidden`` and
     ``lm_head_weight`` (the backward recomputes each chunk's logits; nothing of size ``[N, V]`` is kept).

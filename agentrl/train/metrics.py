@@ -31,7 +31,8 @@ __all__ = ["MetricsSink", "NullSink", "episode_metrics", "mean_and_sem"]
 
 def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict[str, float]:
     """Reward, length, turn, tool and error statistics over ``episodes`` (failed ones count as reward 0
-    in ``critic/score/*`` so that breakage shows up as a drop, and are counted in ``episode/rollout_errors``)."""
+    in ``critic/score/*`` so that breakage shows up as a drop, and are counted in ``episode/rollout_errors``;
+    those whose reward function raised are also counted in ``episode/reward_errors``)."""
     if not episodes:
         return {}
     trajs = [e.trajectory for e in episodes]
@@ -60,6 +61,7 @@ def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict
         ),
         "episode/truncated_frac": sum(1 for t in trajs if t.truncated) / len(trajs),
         "episode/rollout_errors": float(sum(1 for e in episodes if not e.usable)),
+        "episode/reward_errors": float(sum(1 for e in episodes if e.reward_error is not None)),
     }
     components: dict[str, list[float]] = defaultdict(list)
     for t in trajs:

@@ -171,7 +171,9 @@ class FSDP2Parallel(SingleProcess):
         options = StateDictOptions(full_state_dict=True)
 
         def load(name: str) -> Any:
-            return torch.load(os.path.join(path, name), map_location="cpu", weights_only=True)
+            from agentrl.train.checkpoint import load_file
+
+            return load_file(os.path.join(path, name), map_location="cpu")
 
         from agentrl.models.lora import has_lora
         from agentrl.rundir import ADAPTER_DIR

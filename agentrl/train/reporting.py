@@ -3,8 +3,9 @@ sinks (``RUN_DIR/metrics.jsonl``, TensorBoard, W&B; :mod:`agentrl.train.metrics`
 
 ``summary.json`` starts with the run's headline: ``complete`` (every one of ``total_steps`` RL steps ran),
 ``stopped_by`` (null, or the budget that stopped the run before ``total_steps``: ``"max_wall_s"``), ``steps``,
-``total_steps``, then the held-out figures: ``eval_before`` (the first held-out evaluation),
-``eval_after_sft`` (after the SFT stage, when it ran), ``eval_after`` (the last one; :func:`agentrl.evaluation.
+``total_steps``, then the held-out figures, each evaluation once: ``eval_before`` (before anything; absent with
+``eval.before=false``), ``eval_after_sft`` (after the SFT stage, when RL steps followed), ``eval_after`` (the last
+one; :func:`agentrl.evaluation.
 metrics.headline`: ``mean``, ``sem``, ``tool_call_rate``, ``tool_success_rate``, ``tool_calls_mean``,
 ``turns_mean``, ``pass@k``, ``episodes``, ``errors``, and the ``step`` it was taken at), ``eval_tasks``, the SFT
 stage's ``sft`` info, data position, wall times and memory: ``peak_rss_gb``, the trainer process's resident-set
@@ -151,15 +152,17 @@ def headline(summary: dict[str, Any], prog: str = "agentrl train") -> str:
 
 
 def _eval_figures(history: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``eval_before`` / ``eval_after_sft`` / ``eval_after`` from the labelled evaluations of a run."""
-    if not history:
-        return {}
+    """``eval_before`` / ``eval_after_sft`` / ``eval_after`` from the labelled evaluations of a run, each
+    evaluation under one key: ``eval_before`` the one before anything (absent with ``eval.before=false``),
+    ``eval_after`` the last one, ``eval_after_sft`` the one after the SFT stage when RL steps were evaluated
+    after it (in an SFT-only run it is ``eval_after``)."""
     steps = sorted((v["step"], k) for k, v in history.items() if k not in ("before", "after_sft"))
-    first = "before" if "before" in history else ("after_sft" if "after_sft" in history else steps[0][1])
-    out = {"eval_before": history[first]}
-    if "after_sft" in history:
-        out["eval_after_sft"] = history["after_sft"]
-    # no RL step evaluated (an SFT-only run, or total_steps=0): the latest evaluation is the last one
-    latest = "after_sft" if "after_sft" in history else first
-    out["eval_after"] = history[steps[-1][1]] if steps else history[latest]
+    after = (["after_sft"] if "after_sft" in history else []) + [k for _, k in steps]
+    out: dict[str, Any] = {}
+    if "before" in history:
+        out["eval_before"] = history["before"]
+    if after:
+        out["eval_after"] = history[after[-1]]
+        if after[-1] != "after_sft" and "after_sft" in history:
+            out["eval_after_sft"] = history["after_sft"]
     return out

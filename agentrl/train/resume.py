@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from agentrl import rundir
-from agentrl.train.checkpoint import save_checkpoint
+from agentrl.train.checkpoint import load_file, load_state_into, save_checkpoint
 
 
 @dataclass
@@ -92,7 +92,8 @@ class Checkpoints:
         self.state.restore(state)
         ref = self.actor.ref_model
         if ref is not None and self.state.sft_done and os.path.exists(self.reference):
-            ref.load_state_dict(torch.load(self.reference, map_location=self.actor.model.device, weights_only=True))
+            state = load_file(self.reference, map_location=self.actor.model.device)
+            load_state_into(ref, state, self.reference)
         return ckpt
 
     def keep_reference(self) -> None:

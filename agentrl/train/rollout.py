@@ -13,7 +13,7 @@ engine's memory is released after the rollout (:meth:`release`), before the upda
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from agentrl.episodes import (
     collect,
     grouped_jobs,
 )
+from agentrl.progress import ProgressLines
 
 
 @dataclass
@@ -47,19 +48,29 @@ async def rollout(
     tasks: Sequence[tuple[str, dict[str, Any]]],
     n: int,
     seed: int,
+    progress_interval_s: float = 0.0,
 ) -> RolloutResult:
     """Run ``n`` episodes per ``(task_id, task)`` with ``engine`` (which keeps ``stats["generate_s"]`` and
     ``stats["generated_tokens"]``); sample ``k`` of task ``g`` gets env seed ``seed + g*n + k``. The transformers
     engine's calls are batched in lockstep (:class:`~agentrl.episodes.LockstepSampler`), an engine with clients
-    samples per episode (module docstring): either way what is sampled does not depend on timing."""
+    samples per episode (module docstring): either way what is sampled does not depend on timing. When stdout is
+    not a terminal, a progress line every ``progress_interval_s`` seconds (:class:`~agentrl.progress.ProgressLines`)."""
     t0 = time.perf_counter()
     gen0, tok0 = engine.stats["generate_s"], engine.stats["generated_tokens"]
     jobs = grouped_jobs(tasks, n, seed)
-    if hasattr(engine, "open_client"):
-        episodes = await _collect_through_clients(pool, engine, sampling, jobs)
-    else:  # the transformers engine: one policy for every episode, sampled in lockstep
-        sampler = LockstepSampler(engine)
-        episodes = await collect(pool, TokenPolicy(sampler, sampling), jobs, lockstep=sampler)
+    with ProgressLines("rollout", len(jobs), interval_s=progress_interval_s) as lines:
+        finished = [0, 0]  # episodes, failed ones
+
+        def count(result: EpisodeResult) -> None:
+            finished[0] += 1
+            finished[1] += result.error is not None
+            lines.update(finished[0], failed=finished[1])
+
+        if hasattr(engine, "open_client"):
+            episodes = await _collect_through_clients(pool, engine, sampling, jobs, on_episode=count)
+        else:  # the transformers engine: one policy for every episode, sampled in lockstep
+            sampler = LockstepSampler(engine)
+            episodes = await collect(pool, TokenPolicy(sampler, sampling), jobs, on_episode=count, lockstep=sampler)
     return RolloutResult(
         episodes=episodes,
         wall_s=time.perf_counter() - t0,
@@ -69,10 +80,11 @@ async def rollout(
 
 
 async def _collect_through_clients(
-    pool: EnvPool, engine: Any, sampling: SamplingParams, jobs: Sequence[EpisodeJob]
+    pool: EnvPool, engine: Any, sampling: SamplingParams, jobs: Sequence[EpisodeJob],
+    on_episode: Callable[[EpisodeResult], Any] | None = None,
 ) -> list[EpisodeResult]:
     """:func:`collect` with one engine client per episode, keyed by its env seed (see the module docstring);
-    the engine's memory is released afterwards."""
+    the engine's memory is released afterwards. ``on_episode``: called with each result as it finishes."""
     clients: dict[tuple[Any, int], Any] = {}
 
     def policy(job: EpisodeJob) -> TokenPolicy:
@@ -83,6 +95,8 @@ async def _collect_through_clients(
         client = clients.pop((result.group, result.sample), None)
         if client is not None:
             client.close()
+        if on_episode is not None:
+            on_episode(result)
 
     try:
         return await collect(pool, policy, jobs, on_episode=finished)

@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from agentrl.harmony.trajectory import Trajectory
+from agentrl.train.activation_checkpointing import activation_checkpointing
 from agentrl.train.batch import Batch, collate
+from agentrl.train.prefix_sharing import supports_prefix_sharing
 from agentrl.train.sft_data import load_trajectories
 from agentrl.train.teachers import generate_demonstrations
 from agentrl.train.update import forward_logprobs
@@ -46,13 +48,55 @@ def sft_loss(
     return nll / num_tokens, nll.detach()
 
 
+#: Tokens one SFT forward may run with gradient (see :func:`forward_groups`). SmolLM2-135M keeps about 1.6 MB of
+#: activations per token (30 layers, fp32), so this bounds a forward's activations to about 1.6 GB whatever the
+#: trajectories' lengths; longer trajectories run alone with activation checkpointing (about 0.12 MB per token).
+MAX_FORWARD_TOKENS = 1024
+
+_MIN_SHARED_PREFIX = 32  # as agentrl.train.prefix_sharing: shorter common prefixes are not shared
+
+
+def activation_tokens(trajectories: Sequence[Trajectory], *, share_prefix: bool) -> int:
+    """Tokens a training forward over ``trajectories`` runs: the collated ``rows x (longest prompt + longest
+    response)``, or, when the prompt prefix is shared (:mod:`agentrl.train.prefix_sharing`, which needs
+    ``share_prefix`` and a common prefix of at least 32 tokens), the prefix once plus ``rows x longest suffix``."""
+    rows = len(trajectories)
+    padded = rows * (max(len(t.prompt_ids) for t in trajectories) + max(len(t.response_ids) for t in trajectories))
+    if not share_prefix or rows < 2:
+        return padded
+    first = trajectories[0].prompt_ids
+    limit = min(len(t.prompt_ids) for t in trajectories) - 1
+    shared = next((i for i in range(limit) if any(t.prompt_ids[i] != first[i] for t in trajectories)), limit)
+    if shared < _MIN_SHARED_PREFIX:
+        return padded
+    return shared + rows * max(len(t.prompt_ids) + len(t.response_ids) - shared for t in trajectories)
+
+
+def forward_groups(
+    trajectories: Sequence[Trajectory], max_tokens: int, *, share_prefix: bool
+) -> list[list[Trajectory]]:
+    """One micro-batch split into forwards of at most ``max_tokens`` :func:`activation_tokens` each: longest
+    trajectory first, each added to the current group while the group stays within the budget. A trajectory
+    over the budget by itself is a group of its own (run with activation checkpointing). The loss is a sum
+    over tokens divided by the step's token count, so the split changes nothing but memory."""
+    groups: list[list[Trajectory]] = []
+    for traj in sorted(trajectories, key=lambda t: len(t.prompt_ids) + len(t.response_ids), reverse=True):
+        if groups and activation_tokens([*groups[-1], traj], share_prefix=share_prefix) <= max_tokens:
+            groups[-1].append(traj)
+        else:
+            groups.append([traj])
+    return groups
+
+
 class SFTStage:
     """Optimizer steps of supervised fine-tuning over a fixed list of trajectories.
 
     Step ``k`` (0-based) trains on trajectories ``k*batch_size .. (k+1)*batch_size-1`` of an endless
     sequence of epochs, each a permutation of the data drawn from ``(seed, epoch)``, so the data of a step
     does not depend on earlier steps having run in this process (resume is exact). ``micro_batch_size``
-    trajectories per forward/backward (gradient accumulation); the gradient is clipped at ``grad_clip``.
+    trajectories per forward/backward at most (gradient accumulation), fewer when they hold more than
+    ``max_forward_tokens`` tokens (:func:`forward_groups`: memory stays bounded whatever the trajectories'
+    lengths, the gradient is the same); the gradient is clipped at ``grad_clip``.
     """
 
     def __init__(
@@ -68,6 +112,7 @@ class SFTStage:
         grad_clip: float = 1.0,
         chunk_size: int = 1024,
         share_prefix: bool = True,
+        max_forward_tokens: int = MAX_FORWARD_TOKENS,
     ) -> None:
         if not trajectories:
             raise ValueError("SFT needs at least one trajectory; the data filter kept none")
@@ -76,7 +121,8 @@ class SFTStage:
         self.model, self.optimizer, self.data = model, optimizer, list(trajectories)
         self.batch_size, self.micro_batch_size = batch_size, micro_batch_size
         self.pad_token_id, self.seed, self.grad_clip = pad_token_id, seed, grad_clip
-        self.chunk_size, self.share_prefix = chunk_size, share_prefix
+        self.chunk_size, self.max_forward_tokens = chunk_size, max_forward_tokens
+        self.share_prefix = share_prefix and supports_prefix_sharing(model)
 
     def indices(self, step: int) -> list[int]:
         """Data indices of step ``step`` (see the class docstring)."""
@@ -100,15 +146,19 @@ class SFTStage:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         nll_total = 0.0
-        trained_tokens = 0
+        trained_tokens = forwards = checkpointed = 0
         for start in range(0, len(trajs), self.micro_batch_size):
             chunk = trajs[start : start + self.micro_batch_size]
-            batch = collate(chunk, list(range(len(chunk))), self.pad_token_id).to(device)
-            loss, nll = sft_loss(self.model, batch, num_tokens=max(num_tokens, 1), chunk_size=self.chunk_size,
-                                 share_prefix=self.share_prefix)
-            loss.backward()
-            nll_total += float(nll)
-            trained_tokens += int(batch.attention_mask.sum())
+            for group in forward_groups(chunk, self.max_forward_tokens, share_prefix=self.share_prefix):
+                batch = collate(group, list(range(len(group))), self.pad_token_id).to(device)
+                over = activation_tokens(group, share_prefix=self.share_prefix) > self.max_forward_tokens
+                with activation_checkpointing(self.model, enabled=over) as on:
+                    loss, nll = sft_loss(self.model, batch, num_tokens=max(num_tokens, 1), chunk_size=self.chunk_size,
+                                         share_prefix=self.share_prefix and not on)
+                    loss.backward()
+                nll_total += float(nll)
+                trained_tokens += int(batch.attention_mask.sum())
+                forwards, checkpointed = forwards + 1, checkpointed + int(on)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         if torch.isfinite(grad_norm):
@@ -120,6 +170,8 @@ class SFTStage:
             "sft/model_tokens": float(num_tokens),
             "sft/lr": float(self.optimizer.param_groups[0]["lr"]),
             "sft/epoch": step * self.batch_size / len(self.data),
+            "sft/forwards": float(forwards),
+            "sft/checkpointed_forwards": float(checkpointed),
             "timing_s/sft_step": seconds,
             "perf/sft_tokens_per_s": trained_tokens / max(seconds, 1e-9),
         }
@@ -162,11 +214,13 @@ async def prepare_data(
     vocab_size: int | None,
     seed: int,
     stop_token_ids: Sequence[int] = (),
+    progress_interval_s: float = 0.0,
 ) -> tuple[list[Trajectory], dict[str, Any]]:
     """The SFT data of config section ``sft``: trajectories from ``sft.data`` (filtered), or ``sft.num_demos``
     teacher demonstrations on tasks ``task(0) .. task(num_demos - 1)`` (``task`` maps an index to a training
     task) in envs of ``env_cls`` from ``make_env``. Returns ``(trajectories, info)``; ``info`` says where they
-    came from and how many were kept. Empty when ``sft.teacher=auto`` and the env has no scripted teacher."""
+    came from and how many were kept. Empty when ``sft.teacher=auto`` and the env has no scripted teacher.
+    ``progress_interval_s``: see :func:`~agentrl.train.teachers.generate_demonstrations`."""
     if sft.data:
         trajs, counts = load_trajectories(
             str(sft.data), min_reward=sft.min_reward, correct_only=bool(sft.correct_only), vocab_size=vocab_size
@@ -181,7 +235,7 @@ async def prepare_data(
         tasks = [task(i) for i in range(int(sft.num_demos))]
         demos = await generate_demonstrations(
             make_env, teacher, tasks, seed=seed, concurrency=int(sft.concurrency), min_reward=sft.min_reward,
-            correct_only=bool(sft.correct_only),
+            correct_only=bool(sft.correct_only), progress_interval_s=progress_interval_s,
         )
     finally:
         await teacher.aclose()

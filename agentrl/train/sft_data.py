@@ -14,22 +14,39 @@ def data_paths(paths: str | Sequence[str]) -> list[str]:
     return [p for p in paths.split(",") if p] if isinstance(paths, str) else list(paths)
 
 
-def check_data(paths: str | Sequence[str]) -> None:
-    """Raise :class:`~agentrl.rundir.RunDirError` (one line) unless every path names trajectories SFT can read:
-    a JSONL file, an ``agentrl eval`` directory or an ``agentrl train`` run (its training episodes)."""
-    for path in data_paths(paths):
-        rundir.trajectory_files(path, "train")
+def check_data(paths: str | Sequence[str], *, min_reward: float | None = None, correct_only: bool = False) -> None:
+    """Raise :class:`~agentrl.rundir.RunDirError` (one line) unless the paths hold trajectories SFT can read (a
+    JSONL file, an ``agentrl eval`` directory or an ``agentrl train`` run: its training episodes) and the
+    filters keep at least one; the message names what each filter dropped. Reads the files (no model)."""
+    files = [str(f) for path in data_paths(paths) for f in rundir.trajectory_files(path, "train")]
+    kept, counts = load_trajectories(paths, min_reward=min_reward, correct_only=correct_only)
+    if kept:
+        return
+    dropped = [f"{counts[k]} {what}" for k, what in (
+        ("unreadable", "unreadable lines (not trajectories)"), ("failed", "failed (rollout or reward error, or no model token)"),
+        ("below_min_reward", f"below sft.min_reward={min_reward}"), ("not_correct", "not correct (sft.correct_only=true)"),
+    ) if counts.get(k)]
+    raise rundir.RunDirError(
+        f"sft.data={paths}: no trajectory left for SFT in {', '.join(files)} ({counts['read']} read; {', '.join(dropped) or 'no complete record in the files'}); "
+        "give other data, or loosen sft.min_reward / sft.correct_only=false"
+    )
+
+
+def rejection(traj: Trajectory, *, min_reward: float | None = None, correct_only: bool = False) -> str | None:
+    """Why the SFT data filter drops ``traj`` (``failed``, ``below_min_reward``, ``not_correct``), or None
+    when it keeps it (see :func:`keep_trajectory`)."""
+    if traj.error or traj.reward_error or not any(traj.response_mask):
+        return "failed"
+    if min_reward is not None and traj.reward < min_reward:
+        return "below_min_reward"
+    return "not_correct" if correct_only and not traj.correct else None
 
 
 def keep_trajectory(traj: Trajectory, *, min_reward: float | None = None, correct_only: bool = False) -> bool:
-    """The SFT data filter: usable (no rollout error, at least one model token), reward >= ``min_reward``
+    """The SFT data filter: usable (no rollout or reward error, at least one model token), reward >= ``min_reward``
     when given, and correct (:attr:`~agentrl.harmony.trajectory.Trajectory.correct`) when ``correct_only``
     (rejection sampling)."""
-    if traj.error or not any(traj.response_mask):
-        return False
-    if min_reward is not None and traj.reward < min_reward:
-        return False
-    return not correct_only or traj.correct
+    return rejection(traj, min_reward=min_reward, correct_only=correct_only) is None
 
 
 def load_trajectories(
@@ -55,8 +72,11 @@ def load_trajectories(
                     "trajectories were written with another tokenizer/format (SFT needs the student's own tokens: "
                     "run `agentrl eval` with the student's format)"
                 )
-            if keep_trajectory(traj, min_reward=min_reward, correct_only=correct_only):
+            reason = rejection(traj, min_reward=min_reward, correct_only=correct_only)
+            if reason is None:
                 kept.append(traj)
+            else:
+                counts[reason] = counts.get(reason, 0) + 1
     counts["kept"] = len(kept)
     return kept, counts
 

@@ -42,7 +42,8 @@ class FailureBudget:
             self.streak, self.first = 0, ""
             return
         if not self.streak:
-            self.first = f"step {step}, task {episodes[0].task_id}: {episodes[0].error}"
+            first = episodes[0]
+            self.first = f"step {step}, task {first.task_id}: {first.error or first.reward_error}"
         self.streak += 1
         if self.streak >= self.limit:
             raise TrainingFailed(
@@ -61,6 +62,7 @@ async def run_stages(trainer: Any) -> dict[str, Any]:
         if trainer.state.step == 0 and not trainer.state.sft_done:
             await before_rl(trainer, pool)
         await rl_stage(trainer, pool)
+        _export_hf(trainer)
     finally:
         await pool.aclose()
         trainer.reporter.close()
@@ -68,6 +70,19 @@ async def run_stages(trainer: Any) -> dict[str, Any]:
         trainer.state, wall_s=time.perf_counter() - t_start, t_created=trainer.t_created,
         load_s=trainer.actor.load_s, stopped_by=trainer.stopped_by,
     )
+
+
+def _export_hf(trainer: Any) -> None:
+    """``trainer.export_hf``: the last checkpoint's model also in the HF format (one process; rank 0 of a
+    parallel run holds no full module, so it keeps ``model.pt`` only)."""
+    from agentrl.train.checkpoint import export_hf
+
+    ckpt = rundir.latest_checkpoint(trainer.run_dir)
+    if not trainer.cfg.trainer.export_hf or ckpt is None or trainer.parallel.world_size > 1:
+        return
+    out = export_hf(ckpt, trainer.actor.model, trainer.actor.loaded.tokenizer)
+    if out is not None:
+        trainer.reporter.print(f"HF format (save_pretrained): {out}")
 
 
 async def before_rl(trainer: Any, pool: EnvPool) -> None:
@@ -81,7 +96,7 @@ async def before_rl(trainer: Any, pool: EnvPool) -> None:
     if sft_metrics:
         record = {f"eval_before/{k[len('eval/'):]}": v for k, v in record.items()}
         record.update(sft_metrics)
-        if evaluating:
+        if evaluating and (cfg.eval.after or cfg.trainer.total_steps > 0):  # in an SFT-only run it is the "after" one
             record.update(await trainer.evaluate(pool, "after_sft"))
     state.sft_done = True
     if sft_metrics:
@@ -178,6 +193,7 @@ async def _sft_data(trainer: Any) -> list[Any]:
         cfg.sft, env_cls=trainer.env_cls, make_env=trainer.make_env,
         task=lambda i: trainer.train_task(_DEMO_OFFSET + i)[1], vocab_size=trainer.format.vocab_size,
         seed=cfg.seed + 31_337, stop_token_ids=list(trainer.format.stop_token_ids),
+        progress_interval_s=cfg.trainer.progress_interval_s,
     )
     state.sft_info = {"data": info}
     if not trajectories:

@@ -33,6 +33,7 @@ from typing import Any
 from agentrl.engines.base import SamplingParams
 from agentrl.envs.env import TeacherError
 from agentrl.harmony.trajectory import Trajectory
+from agentrl.progress import ProgressLines
 from agentrl.train.sft_data import keep_trajectory
 
 
@@ -108,12 +109,14 @@ async def generate_demonstrations(
     concurrency: int = 8,
     min_reward: float | None = None,
     correct_only: bool = True,
+    progress_interval_s: float = 0.0,
 ) -> Demonstrations:
     """Run ``teacher`` (a :class:`Teacher` or a bare policy) once on each task with
     :func:`agentrl.episodes.collect` (``concurrency`` envs from ``make_env``; episode ``i`` gets seed
     ``seed + i``) and keep the episodes that pass :func:`keep_trajectory`, in task order. An episode that
     raises is counted in ``failed`` and dropped; a :class:`TeacherError` (the teacher cannot handle the env or
-    task at all) is raised. The envs are closed at the end."""
+    task at all) is raised. The envs are closed at the end. When stdout is not a terminal, a progress line every
+    ``progress_interval_s`` seconds (:class:`~agentrl.progress.ProgressLines`)."""
     from agentrl.episodes import EnvPool, EpisodeJob, collect
 
     if not isinstance(teacher, Teacher):
@@ -121,8 +124,10 @@ async def generate_demonstrations(
     t0 = time.perf_counter()
     pool = EnvPool(make_env, max(1, min(concurrency, len(tasks))))
     jobs = [EpisodeJob(dict(task), seed + i, str(task.get("id", i)), i) for i, task in enumerate(tasks)]
+    lines = ProgressLines("SFT data", len(jobs), interval_s=progress_interval_s)
     try:
-        results = await collect(pool, teacher.policy, jobs)
+        with lines:
+            results = await collect(pool, teacher.policy, jobs, on_episode=lambda r: lines.update(lines.done + 1))
     finally:
         await pool.aclose()
     errors = [f"task {r.task_id}: {r.error}" for r in results if r.error]

@@ -98,11 +98,19 @@ class Trainer:
         self.checkpoints = Checkpoints(self.run_dir, cfg, self.parallel, self.actor, self.state)
         self.heldout = HeldOutEvaluation(cfg, self.run_dir, self.env_cls, self.actor, self.parallel)
         self.stopped_by: str | None = None  # the budget that ended the RL stage early, e.g. max_wall_s
-        if self.parallel.is_main:  # the run starts (env, model and engine ready): only now is its directory written
+        self.started = False
+        if rundir.latest_checkpoint(self.run_dir) is None:  # a resumed run starts once its checkpoint is restored
+            self._start()
+
+    def _start(self) -> None:
+        """The run starts (env, model and engine ready; a resumed run's checkpoint and metrics log read): only now
+        is its directory written (``config.yaml``, the held-out config) and are the metrics sinks opened."""
+        if self.parallel.is_main:
             os.makedirs(rundir.TrainRun(self.run_dir).trajectories, exist_ok=True)
-            rundir.write_atomic(rundir.TrainRun(self.run_dir).config, OmegaConf.to_yaml(cfg))
+            rundir.write_atomic(rundir.TrainRun(self.run_dir).config, OmegaConf.to_yaml(self.cfg))
             self.heldout.save_config()
         self.reporter.open()
+        self.started = True
 
     # the actor's parts, by their usual names
     model = property(lambda self: self.actor.model)
@@ -149,7 +157,8 @@ class Trainer:
         self.engine.reseed(cfg.seed * 1_000_003 + (state.step + 1) * par.world_size + par.rank)
         with par.gathered(self.model):
             result = await rollout(pool, self.engine, self.sampling(cfg.rollout.temperature), tasks,
-                                   n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + start * cfg.rollout.n)
+                                   n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + start * cfg.rollout.n,
+                                   progress_interval_s=cfg.trainer.progress_interval_s)
         for e in result.episodes:
             e.trajectory.policy_version = state.step  # sampled with the weights of `step` updates
         update = self._update(result.episodes)
@@ -205,10 +214,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def maybe_resume(self) -> None:
-        """Restore the run's latest checkpoint, if any; the metrics log is cut back to its step."""
+        """Restore the run's latest checkpoint, if any; the metrics log is cut back to its step. A damaged
+        checkpoint or metrics log raises :class:`~agentrl.rundir.RunDirError` before anything in the run
+        directory is written."""
         ckpt = self.checkpoints.resume()
+        if ckpt is not None and self.parallel.is_main:
+            rundir.truncate_metrics(rundir.TrainRun(self.run_dir).metrics, self.state.step)
+        if not self.started:
+            self._start()
         if ckpt is not None:
-            self.reporter.sink.truncate_after(self.state.step)
             self.reporter.print(f"resumed from {ckpt}: step {self.state.step}, data position {self.state.data_position}")
 
     def fit(self) -> dict[str, Any]:

@@ -11,8 +11,9 @@ arguments, results, latency and error kind, the prompt and response token strips
 (``train_logprobs``, one per response token: the trainer records them for every episode it trained on), a
 heat map of ``|rollout - train|`` per model token.
 
-Token texts come from a :class:`~agentrl.harmony.format.ChatFormat` (``format=harmony``, the default,
-or ``format=none`` to show raw ids).
+Token texts come from a :class:`~agentrl.harmony.format.ChatFormat`: by default (``format=auto``) the one of
+the model that wrote the run (its ``config.yaml`` / ``config.json``, e.g. SmolLM2's chat template), or
+``format=harmony``, an HF tokenizer path, or ``format=none`` to show raw ids.
 """
 
 from __future__ import annotations
@@ -157,24 +158,49 @@ def write_html(
     return out
 
 
-def _load_format(name: str) -> Any | None:
-    """``none``: no token strip decoding; any other name goes to :func:`agentrl.harmony.make_format`."""
+def _load_format(name: str, src: Path, items: Sequence[tuple[str, Trajectory]]) -> Any | None:
+    """``none``: no token strip decoding; ``auto``: the format of the model that wrote the run
+    (:func:`run_model`); any other name goes to :func:`agentrl.harmony.make_format`."""
     if name == "none":
         return None
+    if name == "auto":
+        from agentrl.models.loading import chat_format_of
+
+        model, fmt = run_model(src, items)
+        return chat_format_of(model, fmt) if model else None
     from agentrl.harmony import make_format
 
     return make_format(name)
 
 
+def run_model(src: Path, items: Sequence[tuple[str, Trajectory]]) -> tuple[str | None, str]:
+    """``(model, format)`` of the run that wrote ``src``: a training run's ``config.yaml``, an ``agentrl eval``
+    run's ``config.json`` (a file's run is found from its folder), else the trajectories' recorded ``model``."""
+    for root in (src, src.parent, src.parent.parent) if src.is_file() else (src,):
+        kind = rundir.run_kind(root)
+        if kind == rundir.TRAIN:
+            cfg = rundir.read_config_yaml(root, fix="view with format=harmony|none|HF_TOKENIZER_PATH")
+            return str(cfg.get("model") or "") or None, str(cfg.get("format") or "auto")
+        if kind == rundir.EVAL and (root / rundir.EVAL_CONFIG).is_file():
+            cfg = rundir.read_json(root / rundir.EVAL_CONFIG, what="the eval config",
+                                   fix="view with format=harmony|none|HF_TOKENIZER_PATH")
+            model = cfg.get("model")
+            if model and not str(model).startswith(("http://", "https://")):
+                return str(model), str(cfg.get("format") or "auto")
+    model = next((t.model for _, t in items if t.model), None)
+    return model, "auto"
+
+
 @dataclass
 class ViewConfig:
     """``src``: a trajectory JSONL file or a run directory. ``out``: the HTML file (default: next to the
-    input). ``format``: token texts from ``harmony``, ``none`` (raw ids) or an HF tokenizer path.
+    input). ``format``: token texts from ``auto`` (the format of the model that wrote the run), ``harmony``,
+    ``none`` (raw ids) or an HF tokenizer path.
     ``limit``: keep the first N trajectories (the page holds every token of each)."""
 
     src: str
     out: str | None = None
-    format: str = "harmony"
+    format: str = "auto"
     title: str | None = None
     limit: int | None = None
 
@@ -182,7 +208,7 @@ class ViewConfig:
 SPEC = CommandSpec(
     prog="agentrl view",
     schema=ViewConfig,
-    usage="agentrl view RUN_OR_JSONL [out=FILE.html] [format=harmony|none|HF_TOKENIZER_PATH] [title=TEXT] [limit=N]",
+    usage="agentrl view RUN_OR_JSONL [out=FILE.html] [format=auto|harmony|none|HF_TOKENIZER_PATH] [title=TEXT] [limit=N]",
     positional="src",
     examples={"src": "runs/eval/gsm8k-a"},
     notes="Writes one self-contained HTML file (default: next to the input, named trajectories.html) that\n"
@@ -195,12 +221,19 @@ def _view(cfg: Any) -> int:
     if cfg.limit is not None and cfg.limit < 1:
         raise UsageError(f"limit must be >= 1, got {cfg.limit}; e.g. limit=20")
     items, problems = load_trajectories(src)  # a RunDirError is a usage error: one line, exit 2
+    if not items:
+        first = f": {problems[0]['source']}: {problems[0]['error'][:160]}" if problems else ""
+        files = ", ".join(str(f) for f in rundir.trajectory_files(src))
+        raise UsageError(
+            f"{files} holds no readable trajectory ({len(problems)} unreadable lines{first}); give a trajectories "
+            "file or run directory written by agentrl eval / train"
+        )
     if cfg.limit is not None:
         items = items[: cfg.limit]
     try:
-        fmt = _load_format(cfg.format)
+        fmt = _load_format(cfg.format, src, items)
     except (OSError, ValueError) as exc:
-        raise UsageError(f"format={cfg.format}: {exc}; use harmony, none or an HF tokenizer path") from None
+        raise UsageError(f"format={cfg.format}: {exc}; use auto, harmony, none or an HF tokenizer path") from None
     default_out = (src if src.is_dir() else src.parent) / f"{src.stem if src.is_file() else 'trajectories'}.html"
     out = write_html(items, cfg.out or default_out, fmt=fmt, title=cfg.title or f"agentrl: {src}", problems=problems)
     print(f"wrote {out} ({len(items)} trajectories{f', {len(problems)} unreadable lines' if problems else ''})")

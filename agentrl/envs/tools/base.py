@@ -10,10 +10,14 @@ exception.
 
 from __future__ import annotations
 
+import inspect
+import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.envs.tools.schema import parse_docstring, schema_from_signature
 from agentrl.harmony.trajectory import ERROR_KINDS  # the taxonomy of ToolRecord.error and step infos
 from agentrl.harmony.types import ToolSpec
 
@@ -70,15 +74,75 @@ class Tool(ABC):
         """Free resources the tool owns (clients, backends). Idempotent. Default: nothing to free."""
 
 
+def render_result(value: Any) -> str | ToolOutput:
+    """A tool's return value as the model sees it: ``str`` and :class:`ToolOutput` as they are, anything
+    else as JSON (``default=str`` for what JSON cannot hold)."""
+    if isinstance(value, (str, ToolOutput)):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
 class StatefulTool(Tool):
     """A tool with per-episode state (a code kernel, a browser, a shopping cart).
 
     The env calls :meth:`create_session` lazily before the first call in an episode, passes the session to
-    every :meth:`call` of that episode, and calls :meth:`release_session` when the episode ends (reset,
-    termination, truncation or close).
+    every call of that episode, and calls :meth:`release_session` when the episode ends (reset,
+    termination, truncation or close). Sessions live in the env's process, so what a call changes in its
+    session is there for the next call (unlike module-level state changed by a sync ``@tool``, whose calls
+    run in forked processes).
+
+    Write the tool's work as a typed method ``run(self, session, <arguments>)`` (sync or async), like a
+    ``@tool`` function: its type hints and docstring give ``parameters`` (the JSON schema) and
+    ``description``, the class name gives ``name`` (``ShoppingCart`` -> ``shopping_cart``), each unless the
+    class sets it, and a return value that is not a ``str`` is shown as JSON. A sync ``run`` runs on the
+    event loop (keep it quick, or make it ``async``). Example::
+
+        class Cart(StatefulTool):
+            async def create_session(self):
+                return []
+
+            async def release_session(self, session):
+                session.clear()
+
+            def run(self, session: list, item: str, quantity: int = 1) -> list[str]:
+                '''Add an item to this episode's cart; returns the cart.
+
+                Args:
+                    item: what to add
+                    quantity: how many
+                '''
+                session.extend([item] * quantity)
+                return session
+
+    Or override :meth:`call` (``arguments`` dict, ``session``) and set ``parameters`` by hand.
     """
 
     stateful = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        run = cls.__dict__.get("run")
+        if run is None:
+            return
+        doc, param_docs = parse_docstring(run.__doc__)
+        if "parameters" not in cls.__dict__:
+            cls.parameters = schema_from_signature(run, param_docs, skip=2)  # self, session
+        if "description" not in cls.__dict__:
+            cls.description = doc or parse_docstring(cls.__doc__)[0]
+        if not isinstance(getattr(cls, "name", None), str):
+            cls.name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", cls.__name__).lower()
+
+    async def call(self, arguments: dict[str, Any], session: Any = None) -> str | ToolOutput:
+        """``run(session, **arguments)``, awaited when it is a coroutine, its value rendered for the model."""
+        run = getattr(self, "run", None)
+        if run is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} defines neither run(self, session, ...) nor call(self, arguments, session)"
+            )
+        value = run(session, **arguments)
+        if inspect.isawaitable(value):
+            value = await value
+        return render_result(value)
 
     @abstractmethod
     async def create_session(self) -> Any:

@@ -2,7 +2,13 @@
 
 The JSON schema comes from the type hints (via pydantic, so ``Literal``, ``Optional``, ``list[int]``,
 ``TypedDict`` and pydantic models all work) and the docstring (first paragraph = description; a Google-style
-``Args:`` section = parameter descriptions). Parameters without a default are required.
+``Args:`` section = parameter descriptions); see :mod:`agentrl.envs.tools.schema`. Parameters without a
+default are required.
+
+A sync ``@tool`` runs in a child process forked for each call (``run_in="process"``, the default), so a
+module-level variable it changes keeps its old value in the caller: state that must persist between calls of
+an episode belongs in a :class:`~agentrl.envs.tools.base.StatefulTool` session (or use ``run_in="thread"``, or
+make the function ``async``).
 
 Example::
 
@@ -22,87 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import os
-import re
 import threading
 from collections.abc import Callable
-from typing import Any, get_type_hints
+from typing import Any
 
-from pydantic import TypeAdapter
-
-from agentrl.envs.tools.base import Tool, ToolOutput
+from agentrl.envs.tools.base import Tool, ToolOutput, render_result
+from agentrl.envs.tools.schema import parse_docstring, schema_from_signature
 from agentrl.envs.tools.worker_process import run_forked
-
-_ARG_LINE = re.compile(r"^\s{2,}(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
-
-
-_SECTION = re.compile(r"^(Args|Arguments|Parameters|Returns?|Raises|Yields|Examples?|Notes?):\s*$")
-
-
-def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
-    """Split a docstring into (description, {param: description}) using a Google-style ``Args:`` section.
-
-    The description is the text before the first section header; parameter descriptions may continue on
-    more-indented lines."""
-    if not doc:
-        return "", {}
-    lines = inspect.cleandoc(doc).splitlines()
-    heads = [k for k, line in enumerate(lines) if _SECTION.match(line.strip()) and not line.startswith(" ")]
-    desc = "\n".join(lines[: heads[0]] if heads else lines).strip()
-    params: dict[str, str] = {}
-    args_at = next(
-        (k for k in heads if lines[k].strip().rstrip(":") in ("Args", "Arguments", "Parameters")), None
-    )
-    if args_at is None:
-        return desc, params
-    current: str | None = None
-    for line in lines[args_at + 1 :]:
-        if line.strip() and not line.startswith(" "):
-            break  # the next section
-        m = _ARG_LINE.match(line)
-        if m and len(line) - len(line.lstrip()) <= 4:
-            current = m.group(1).lstrip("*")
-            params[current] = m.group(2).strip()
-        elif current and line.strip():
-            params[current] = f"{params[current]} {line.strip()}".strip()
-    return desc, params
-
-
-def schema_from_signature(fn: Callable[..., Any], param_docs: dict[str, str]) -> dict[str, Any]:
-    """JSON schema (type ``object``) of ``fn``'s parameters from its type hints; unannotated = any type."""
-    sig = inspect.signature(fn)
-    hints = get_type_hints(fn, include_extras=True)
-    properties: dict[str, Any] = {}
-    required: list[str] = []
-    defs: dict[str, Any] = {}
-    for pname, p in sig.parameters.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise TypeError(f"@tool cannot describe *args/**kwargs (parameter {pname!r} of {fn.__name__})")
-        if pname in hints:
-            schema = TypeAdapter(hints[pname]).json_schema(ref_template="#/$defs/{model}")
-            defs.update(schema.pop("$defs", {}))
-        else:
-            schema = {}
-        schema.pop("title", None)
-        if pname in param_docs:
-            schema["description"] = param_docs[pname]
-        if p.default is inspect.Parameter.empty:
-            required.append(pname)
-        else:
-            try:
-                json.dumps(p.default)
-                schema["default"] = p.default
-            except TypeError:
-                pass
-        properties[pname] = schema
-    out: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
-    if required:
-        out["required"] = required
-    if defs:
-        out["$defs"] = defs
-    return out
-
 
 #: Where a sync function runs: see :class:`FunctionTool`.
 RUN_IN = ("process", "thread", "inline")
@@ -177,9 +110,7 @@ class FunctionTool(Tool):
                     value = await self._in_daemon_thread(arguments)
             finally:
                 self._running -= 1
-        if isinstance(value, (str, ToolOutput)):
-            return value
-        return json.dumps(value, ensure_ascii=False, default=str)
+        return render_result(value)
 
     async def _in_daemon_thread(self, arguments: dict[str, Any]) -> Any:
         """Run in a daemon thread (``asyncio.to_thread``'s executor threads would hold up interpreter exit)."""

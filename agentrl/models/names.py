@@ -1,0 +1,57 @@
+"""What a ``model=`` name refers to, decided without loading anything (no torch, no network).
+
+:func:`check_model_name` refuses at once, with one line saying what to give instead, a name that cannot be
+loaded for a reason visible on the local disk: a local path that does not exist (``./nope``, ``runs/typo``,
+``/abs/path``), a file where a directory is expected, a directory that is neither a saved model nor a
+training run, an unknown bare name. Only names that look like hub ids (``org/name``, with no local
+directory ``org``) are left for the hub, so a typo in a local path never costs a trip to the network.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+
+from agentrl.rundir import is_run_dir
+
+BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss", "gpt-oss-20b-random")
+_KINDS = (
+    f"a built-in ({', '.join(BUILTIN_MODELS)}), a save_pretrained directory, an agentrl run directory or a hub id "
+    "like 'org/name'"
+)
+
+
+def looks_like_path(name: str) -> bool:
+    """True if ``name`` can only be meant as a local path: it starts with ``/``, ``./``, ``../`` or ``~``, has
+    a backslash, more than one ``/`` or a trailing one, or its first component is an existing local directory
+    (``runs/x`` next to a ``runs/`` folder). Hub ids are ``name`` or ``org/name``."""
+    if name in (".", "..") or name.startswith(("/", "./", "../", "~")) or "\\" in name or name.endswith("/"):
+        return True
+    parts = name.split("/")
+    return len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
+
+
+def check_model_name(name: str) -> None:
+    """Raise ``ValueError`` (one line: what is wrong, what to give) for a model name that cannot load for a
+    reason the local disk shows; return for built-ins, model and run directories, and hub-id-like names."""
+    if name in BUILTIN_MODELS:
+        return
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if is_run_dir(path) or os.path.isfile(os.path.join(path, "config.json")):
+            return
+        raise ValueError(
+            f"model directory {name!r} has no config.json: pass a save_pretrained directory or an "
+            "agentrl training run directory (with config.yaml and checkpoints/)"
+        )
+    if os.path.exists(path):
+        raise ValueError(f"model={name!r} is a file; give {_KINDS}")
+    if looks_like_path(name):
+        raise ValueError(f"model={name!r}: no such directory ({os.path.abspath(path)}); give {_KINDS}")
+    if "/" not in name:
+        close = difflib.get_close_matches(name, BUILTIN_MODELS, n=2)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(
+            f"unknown model {name!r}.{hint} Use a built-in ({', '.join(BUILTIN_MODELS)}), "
+            "a local directory with config.json, or a hub id like 'org/name'."
+        )
