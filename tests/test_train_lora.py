@@ -145,3 +145,34 @@ def test_lora_agentrl_sft_trains_and_saves_the_adapter(tmp_path):
     assert len(sft) == 2 and sft[-1]["sft/grad_norm"] > 0
     loaded = load_model(str(run), device="cpu", dtype="float32")  # base + adapter, merged for serving
     assert not lora.has_lora(loaded.model)
+
+
+@pytest.mark.slow
+def test_lora_agentrl_train_with_fsdp2_on_two_cpu_processes_saves_and_resumes_the_adapter(tmp_path):
+    """``trainer.n_gpus=2`` on the CPU (torchrun, gloo): the adapter is injected before sharding, checkpoints
+    gather the adapter alone (no model.pt), and the run resumes from them."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "agentrl.cli", "train", "env=gsm8k", "model=tiny-gpt-oss", "device=cpu",
+            "model_kwargs.num_layers=1", "trainer.n_gpus=2", "trainer.save_every=1", "trainer.progress=false",
+            "trainer.tensorboard=false", "rollout.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=4",
+            "eval.num_tasks=0", "actor.lora.rank=4", f"run_dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+    def torchrun(extra):
+        out = subprocess.run(args + extra, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+        assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-5000:])
+        return out.stdout + out.stderr
+
+    assert "LoRA rank 4" in torchrun(["trainer.total_steps=1"])
+    ckpt = run / "checkpoints" / "step_000001"
+    assert (ckpt / "adapter" / "adapter_model.safetensors").exists() and not (ckpt / "model.pt").exists()
+    saved = load_file(ckpt / "adapter" / "adapter_model.safetensors")
+    assert saved and all(".lora_" in k for k in saved)
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert set(optim["state"]) and all(".lora_" in name for name in optim["state"])  # the adapter's, by name
+    assert "resumed from" in torchrun([f"resume={run}", "trainer.total_steps=2"])
+    assert [r["step"] for r in _records(run)] == [1, 2]
