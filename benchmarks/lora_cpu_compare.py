@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--rank", type=int, default=16, help="actor.lora.rank of the LoRA run (alpha: 2 * rank)")
     ap.add_argument("keys", nargs="*", help="extra key=value overrides for both runs")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     os.makedirs(args.out, exist_ok=True)
     full = run_variant(args.out, "full", args.keys)
     lora = run_variant(args.out, "lora", [f"actor.lora.rank={args.rank}", *args.keys])
