@@ -30,6 +30,10 @@ def test_overrides_are_typed_and_nested():
         (["env=retool", "rollout.n=1"], "needs rollout.n >= 2"),
         (["env=retool", "rollout.batch_size=3", "actor.num_mini_batches=5"], "divisible"),
         (["env=retool", "device=tpu"], "Valid: cpu, cuda"),
+        (["env=retool", "rollout.engine=vllm"], "Valid: auto, decode, transformers"),
+        (["env=retool", "rollout.deterministic=true"], "set rollout.engine=decode"),  # auto on the CPU
+        (["env=retool", "device=cuda", "rollout.engine=transformers", "rollout.deterministic=true"],
+         "needs the decode engine"),
         (["actor.lr=1e-5"], "env is required"),
         (["env=retool", "justaword"], "expected key=value"),
     ],
@@ -38,6 +42,12 @@ def test_bad_config_errors_suggest_fixes(argv, expected):
     with pytest.raises(ConfigError, match=None) as info:
         build_config(argv)
     assert expected in str(info.value)
+
+
+def test_deterministic_rollouts_with_the_decode_engine_are_valid():
+    cfg = build_config(["env=retool", "rollout.engine=decode", "rollout.deterministic=true"])
+    assert cfg.rollout.engine == "decode" and cfg.rollout.deterministic
+    assert build_config(["env=retool", "device=cuda", "rollout.deterministic=true"]).rollout.engine == "auto"
 
 
 def test_help_lists_every_key(capsys):

@@ -101,6 +101,21 @@ def test_routing_replay_run(tmp_path):
     assert step["rollout_corr/logprob_abs_diff_max"] < 1e-3
 
 
+def test_decode_engine_runs_on_the_cpu_when_asked(tmp_path):
+    """``rollout.engine=auto`` is the transformers engine on the CPU (``tests/test_engine_decode.py``);
+    ``rollout.engine=decode`` runs the decode engine there: per-episode clients, deterministic batches, the
+    rollout's routing replayed, and its cache released after the rollout."""
+    from agentrl.engines.decode_engine import DecodeEngine
+
+    trainer, _, _, records = _fit(tmp_path, "decode", [
+        "trainer.total_steps=1", "rollout.engine=decode", "rollout.deterministic=true", "actor.routing_replay=true",
+    ])
+    assert isinstance(trainer.engine, DecodeEngine) and trainer.engine.deterministic
+    assert not trainer.engine.runner.cache.allocated
+    step = records[-1]
+    assert step["actor/grad_norm"] > 0 and step["perf/gen_tokens_per_s"] > 0
+    assert step["rollout_corr/logprob_abs_diff_max"] < 1e-3
+
 
 def test_wall_time_budget_stops_after_a_step_with_final_eval(tmp_path):
     _, _, summary, records = _fit(tmp_path, "budget", ["trainer.total_steps=5", "trainer.max_wall_s=0.001"])

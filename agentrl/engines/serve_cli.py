@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.cli_args import CommandSpec, UsageError, key, run
+from agentrl.engines.factory import KINDS as ENGINE_KINDS
 
 FORMATS = ("auto", "harmony", "chat_template")
 DEVICES = ("cpu", "cuda")
@@ -36,6 +37,8 @@ class ServeModelConfig:
     dtype: str = key("float32", "weights dtype", choices=DTYPES)
     seed: int = key(0, "seed of the sampler (requests may pass their own seed)")
     max_batch_size: int = key(64, "most sequences sampled in one batch", min=1)
+    engine: str = key("auto", "local engine: auto (decode on CUDA where it supports the model, else transformers)",
+                      choices=ENGINE_KINDS)
     timeout_graceful_shutdown_s: float = key(2.0, "seconds open connections get to finish after SIGTERM", min=0)
 
 
@@ -103,7 +106,7 @@ def _serve(cfg: Any) -> int:
     try:
         engine, fmt, name = load_local_engine(
             cfg.model, format=cfg.format, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed,
-            max_batch_size=cfg.max_batch_size,
+            max_batch_size=cfg.max_batch_size, engine=cfg.engine,
         )
     except (ValueError, FileNotFoundError, OSError, RuntimeError, KeyError) as exc:
         sock.close()

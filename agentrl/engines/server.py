@@ -7,7 +7,8 @@ job lives in its own module:
 - :mod:`agentrl.engines.served_format`: how the server describes its chat format to clients;
 - :mod:`agentrl.engines.background`: :class:`BackgroundServer` (uvicorn in a thread);
 - :mod:`agentrl.engines.serve_cli`: the command line;
-- here: :func:`load_local_engine`, a local model in the transformers engine with its format.
+- here: :func:`load_local_engine`, a local model in the engine :func:`agentrl.engines.factory.make_engine`
+  picks, with its format.
 """
 
 from __future__ import annotations
@@ -37,23 +38,23 @@ def load_local_engine(
     dtype: str = "float32",
     seed: int = 0,
     max_batch_size: int = 64,
+    engine: str = "auto",
 ) -> tuple[RolloutEngine, ChatFormat, str]:
     """Load a local model (a built-in name such as ``tiny-gpt-oss`` / ``smollm2-135m``, a directory
     with ``config.json``, a training run directory, or a hub id; :func:`agentrl.models.loading.load_model`)
-    into the transformers engine, with the ChatFormat that fits it (``format="auto"``: Harmony for GPT-OSS,
+    into the engine ``engine`` names (:func:`agentrl.engines.factory.make_engine`: ``auto`` | ``decode`` |
+    ``transformers``), with the ChatFormat that fits it (``format="auto"``: Harmony for GPT-OSS,
     the HF chat template otherwise, a run's own format). Imports torch.
     Returns ``(engine, format, model name)``."""
-    from agentrl.engines.transformers_engine import TransformersEngine
+    from agentrl.engines.factory import make_engine
     from agentrl.models.loading import load_model
 
     loaded = load_model(model, device=device or "cpu", dtype=dtype, seed=seed)
     loaded.model.eval()
     fmt = loaded.chat_format(format)
     pad = getattr(loaded.tokenizer, "pad_token_id", None) if loaded.tokenizer is not None else None
-    engine = TransformersEngine(
-        loaded.model,
-        pad_token_id=int(pad if pad is not None else 0),
-        max_batch_size=max_batch_size,
+    local = make_engine(
+        loaded.model, kind=engine, pad_token_id=int(pad if pad is not None else 0), max_batch_size=max_batch_size,
         seed=seed,
     )
-    return engine, fmt, model.rstrip("/").rsplit("/", 1)[-1]
+    return local, fmt, model.rstrip("/").rsplit("/", 1)[-1]

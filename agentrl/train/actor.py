@@ -2,8 +2,10 @@
 
 :func:`build_actor` loads ``cfg.model`` (:func:`agentrl.models.loading.load_model`), injects the LoRA
 adapters (``actor.lora``) or freezes the ``actor.freeze`` groups, shards it with the run's parallel strategy,
-builds the RL AdamW over the trainable parameters and the transformers engine that samples from the very same
-weights (so a rollout always sees the latest update). :meth:`Actor.sft_optimizer` is the cold start's own AdamW (``sft.*``; dropped before RL).
+builds the RL AdamW over the trainable parameters and the rollout engine that samples from the very same
+weights (so a rollout always sees the latest update; :func:`agentrl.engines.factory.make_engine`,
+``rollout.engine`` / ``rollout.deterministic``). :meth:`Actor.sft_optimizer` is the cold start's own AdamW
+(``sft.*``; dropped before RL).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl.engines.transformers_engine import TransformersEngine
+from agentrl.engines.factory import make_engine
 from agentrl.models.loading import LoadedModel, load_model
 
 
@@ -31,7 +33,7 @@ class Actor:
     model: Any
     ref_model: Any | None
     optimizer: torch.optim.Optimizer
-    engine: TransformersEngine
+    engine: Any
     format: Any
     pad_token_id: int
     load_s: float
@@ -99,8 +101,8 @@ def build_actor(cfg: DictConfig, parallel: Any) -> Actor:
         from agentrl.models.routing import find_routers
 
         find_routers(model)  # raises a clear error for dense models
-    engine = TransformersEngine(
-        model, pad_token_id=pad_token_id, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed,
-        record_routing=cfg.actor.routing_replay,
+    engine = make_engine(
+        model, kind=cfg.rollout.engine, pad_token_id=pad_token_id, max_batch_size=cfg.rollout.max_batch_size,
+        seed=cfg.seed, record_routing=cfg.actor.routing_replay, deterministic=cfg.rollout.deterministic,
     )
     return Actor(loaded, model, ref_model, optimizer, engine, loaded.chat_format(cfg.format), pad_token_id, load_s, cfg)

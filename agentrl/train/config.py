@@ -40,6 +40,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from agentrl.cli_args import CommandSpec, UsageError, declarations, key, normalise, parse, schema_keys
 from agentrl.cli_args import help_text as spec_help_text
+from agentrl.engines.factory import KINDS as ENGINE_KINDS
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
 
@@ -54,7 +55,7 @@ FREEZE_GROUPS = tuple(sorted(FREEZE_PATTERNS))
 BACKENDS = ("embedded", "verl")
 TEACHER_APIS = ("chat", "completions")
 VERL_STRATEGIES = ("fsdp", "fsdp2")
-#: ``verl.rollout``: auto, the servers verl runs (vllm, sglang), and agentrl's transformers engine
+#: ``verl.rollout``: auto, the servers verl runs (vllm, sglang), and agentrl's local engine
 #: (:mod:`agentrl.train.verl_backend.rollout_backend`)
 VERL_ROLLOUTS = ("auto", "vllm", "sglang", "agentrl")
 
@@ -89,6 +90,11 @@ class RolloutConfig:
     max_turns: int | None = key(2, "most model actions per episode (null: the env's default)", min=1)
     max_batch_size: int = key(64, "most sequences the engine samples in one batch", min=1)
     concurrency: int = key(64, "episodes in flight (envs in the pool)", min=1)
+    engine: str = key("auto", "local engine (agentrl.engines.factory): auto is the decode engine on CUDA where it "
+                      "supports the model and the transformers engine on the CPU; decode runs on the CPU too",
+                      choices=ENGINE_KINDS)
+    deterministic: bool = key(False, "reproducible batches in the decode engine (it waits for every episode "
+                              "between steps); needs the decode engine")
 
 
 @dataclass
@@ -362,6 +368,12 @@ def validate(cfg: DictConfig) -> None:
             f"rollout.batch_size*rollout.n={total} must be divisible by actor.num_mini_batches={cfg.actor.num_mini_batches}"
         )
     _validate_lora(cfg)
+    if cfg.rollout.deterministic and (cfg.rollout.engine == "transformers"
+                                      or (cfg.rollout.engine == "auto" and cfg.device != "cuda")):
+        raise ConfigError(
+            f"rollout.deterministic=true needs the decode engine, but rollout.engine={cfg.rollout.engine} is the "
+            f"transformers engine on device={cfg.device}; set rollout.engine=decode or rollout.deterministic=false"
+        )
     teacher = str(cfg.sft.teacher)
     if teacher not in ("auto", "scripted") and not teacher.startswith(("http://", "https://")):
         from agentrl.cli_args import suggest

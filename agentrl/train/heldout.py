@@ -90,8 +90,13 @@ class HeldOutEvaluation:
         collected = _Collected()
         jobs = par.shard_list(eval_jobs(self.config, self.items))
         with par.gathered(self.actor.model):
-            _, _, seconds = await run_jobs(self.runner(), jobs, collected, concurrency=self.config.concurrency,
-                                           pool=pool, abort_when_all_fail=False)
+            try:
+                _, _, seconds = await run_jobs(self.runner(), jobs, collected, concurrency=self.config.concurrency,
+                                               pool=pool, abort_when_all_fail=False)
+            finally:
+                release = getattr(self.actor.engine, "release", None)
+                if release is not None:  # the decode engine's cache: the update that follows needs the memory
+                    release()
         finished, failed = par.gather(collected.finished), par.gather(collected.failed)
         for traj in finished:
             traj.policy_version = step

@@ -3,6 +3,11 @@
 Episodes run concurrently over an :class:`~agentrl.episodes.EnvPool` (see :func:`agentrl.episodes.collect`),
 each driven by a :class:`~agentrl.episodes.TokenPolicy` on the trainer's local engine. An episode that
 raises is kept (``usable=False``, its partial trajectory saved and counted) and never stops training.
+
+With an engine that has clients (:meth:`agentrl.engines.decode_engine.DecodeEngine.open_client`), each
+episode samples through its own client, keyed by its env seed, so what it samples does not depend on which
+episodes shared its batches (and the engine's deterministic mode knows when every episode has asked); the
+engine's memory is released after the rollout (:meth:`release`), before the update needs it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
-from agentrl.episodes import EnvPool, EpisodeResult, TokenPolicy, collect, grouped_jobs
+from agentrl.episodes import EnvPool, EpisodeJob, EpisodeResult, TokenPolicy, collect, grouped_jobs
 
 
 @dataclass
@@ -39,10 +44,38 @@ async def rollout(
     ``stats["generated_tokens"]``); sample ``k`` of task ``g`` gets env seed ``seed + g*n + k``."""
     t0 = time.perf_counter()
     gen0, tok0 = engine.stats["generate_s"], engine.stats["generated_tokens"]
-    episodes = await collect(pool, TokenPolicy(engine, sampling), grouped_jobs(tasks, n, seed))
+    jobs = grouped_jobs(tasks, n, seed)
+    if hasattr(engine, "open_client"):
+        episodes = await _collect_through_clients(pool, engine, sampling, jobs)
+    else:  # the transformers engine: one policy for every episode
+        episodes = await collect(pool, TokenPolicy(engine, sampling), jobs)
     return RolloutResult(
         episodes=episodes,
         wall_s=time.perf_counter() - t0,
         gen_s=engine.stats["generate_s"] - gen0,
         generated_tokens=engine.stats["generated_tokens"] - tok0,
     )
+
+
+async def _collect_through_clients(
+    pool: EnvPool, engine: Any, sampling: SamplingParams, jobs: Sequence[EpisodeJob]
+) -> list[EpisodeResult]:
+    """:func:`collect` with one engine client per episode, keyed by its env seed (see the module docstring);
+    the engine's memory is released afterwards."""
+    clients: dict[tuple[Any, int], Any] = {}
+
+    def policy(job: EpisodeJob) -> TokenPolicy:
+        clients[(job.group, job.sample)] = client = engine.open_client(job.seed)
+        return TokenPolicy(client, sampling)
+
+    def finished(result: EpisodeResult) -> None:
+        client = clients.pop((result.group, result.sample), None)
+        if client is not None:
+            client.close()
+
+    try:
+        return await collect(pool, policy, jobs, on_episode=finished)
+    finally:
+        for client in clients.values():
+            client.close()
+        engine.release()

@@ -69,7 +69,6 @@ import os
 import resource
 import select
 import signal
-import socket
 import struct
 import sys
 import time
@@ -694,18 +693,17 @@ class Worker:
     # -- namespaces of executions
     def fork_execution(self):
         """fork(); in isolated modes the child is pid 1 of a new pid namespace: it sees no other execution's
-        processes or pids, and when it dies the kernel ends every other process of its namespace."""
+        processes or pids, and when it dies the kernel ends every other process of its namespace.
+
+        Every fork of the worker after its startup goes through here. Between two executions the namespace the
+        worker's children would enter stays the last execution's: the kernel makes a new pid namespace only from
+        the caller's own, so each call first goes back to it. Going back right after the fork would cost more (it
+        was a tenth of a millisecond): until the child exits, every page the worker writes is copied."""
         if self.pidns_fd is None:
             return os.fork()
+        _check(_sys_setns(self.pidns_fd, CLONE_NEWPID), "setns")
         _unshare(CLONE_NEWPID)
-        try:
-            pid = os.fork()
-        except BaseException:
-            _check(_sys_setns(self.pidns_fd, CLONE_NEWPID), "setns")
-            raise
-        if pid:  # the worker's own later forks go to its own namespace again
-            _check(_sys_setns(self.pidns_fd, CLONE_NEWPID), "setns")
-        return pid
+        return os.fork()
 
     def new_run_netns(self):
         """A fresh network namespace for the stateless runs (each session has its own). Unix sockets that a run
@@ -1742,6 +1740,8 @@ def _build_filter(worker):
     together the two deny everything in ``_DENIED`` and everything the worker's filter denies by argument. It is
     kept that short because every child loads it, and loading costs time in proportion to the program's length.
     """
+    import socket  # (not in the worker: its enums would add to the memory every fork copies)
+
     import seccomp  # libseccomp's Python binding (Debian: python3-seccomp)
 
     flt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)

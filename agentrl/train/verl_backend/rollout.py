@@ -1,4 +1,5 @@
-"""verl's ``agentrl`` rollout, worker side: agentrl's transformers engine as a verl server adapter.
+"""verl's ``agentrl`` rollout, worker side: agentrl's local engine (``agentrl.engines.factory.make_engine``)
+as a verl server adapter.
 
 verl's hybrid-engine worker (the Ray actor holding the FSDP actor on one GPU) builds its rollout with
 ``get_rollout_class(rollout.name, "async")(config=RolloutConfig, model_config=HFModelConfig,
@@ -23,10 +24,10 @@ Contract with verl (``verl.workers.rollout.base.BaseRollout``):
   merged full weights instead (the plain path).
 - ``release()`` (verl calls it through the replica's ``sleep`` before training): with
   ``rollout.free_cache_engine`` the weights' device memory is freed (verl's vLLM "level 2" sleep: the
-  next ``update_weights`` restores them), otherwise nothing. A LoRA rollout keeps its base weights
-  through sleep (verl's "level 1": it syncs them only once). ``resume(tags)``: ``"weights"`` allocates
-  the weights again (contents undefined until the next update); ``"kv_cache"`` is a no-op (the engine
-  holds KV caches only for the duration of a batch).
+  next ``update_weights`` restores them), otherwise nothing; the engine's KV cache is freed either way. A
+  LoRA rollout keeps its base weights through sleep (verl's "level 1": it syncs them only once).
+  ``resume(tags)``: ``"weights"`` allocates the weights again (contents undefined until the next update);
+  ``"kv_cache"`` is a no-op (the engine allocates its cache when it next generates).
 - Sampling refuses to run on weights that are not the actor's: before the first update when
   ``rollout.load_format`` is ``dummy`` (verl's default: verl syncs before the first rollout), after a
   ``release``/``resume`` without an update, or during an update (RuntimeError in each case).
@@ -50,7 +51,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 
 from agentrl.engines.base import Completion, SamplingParams
-from agentrl.engines.transformers_engine import TransformersEngine
+from agentrl.engines.factory import make_engine
 
 _LOCAL: dict[int, AgentrlRollout] = {}
 """The adapters living in this process, by replica rank (one per hybrid-engine worker)."""
@@ -110,7 +111,7 @@ def _eos_ids(model_config: Any) -> list[int]:
 
 
 class AgentrlRollout(BaseRollout):
-    """verl server adapter backed by :class:`~agentrl.engines.transformers_engine.TransformersEngine`
+    """verl server adapter backed by the engine :func:`~agentrl.engines.factory.make_engine` picks
     (see module docstring). ``replica_rank=-1`` takes it from the worker's ``RANK`` (one replica per rank)."""
 
     def __init__(self, config: Any, model_config: Any, device_mesh: Any = None, replica_rank: int = -1, **_: Any):
@@ -135,7 +136,7 @@ class AgentrlRollout(BaseRollout):
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
             pad = getattr(self.model.config, "pad_token_id", None)
-        self.engine = TransformersEngine(
+        self.engine = make_engine(
             self.model,
             pad_token_id=int(pad or 0),
             max_batch_size=max(1, int(self.config.max_num_seqs)),
@@ -260,10 +261,13 @@ class AgentrlRollout(BaseRollout):
 
     # ------------------------------------------------------------------ memory (verl's sleep / wake-up)
     def release_memory(self) -> None:
-        """Free the weights' device memory (with ``free_cache_engine``; not a LoRA rollout's); see module
-        docstring."""
+        """Free the engine's KV cache, and the weights' device memory (with ``free_cache_engine``; not a LoRA
+        rollout's); see module docstring."""
         from agentrl.models.lora import has_lora
 
+        release = getattr(self.engine, "release", None)
+        if release is not None:
+            release()
         if not self.config.free_cache_engine or self._released or has_lora(self.model):
             return  # a LoRA rollout keeps its base weights: verl syncs them only once
         for param in self.model.parameters():

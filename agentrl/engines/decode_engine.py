@@ -1,0 +1,328 @@
+"""The decode engine: continuous batching over a slot KV cache, sampling on the device, CUDA-graph decode steps.
+
+:class:`DecodeEngine` implements the :class:`~agentrl.engines.base.RolloutEngine` contract of
+:class:`~agentrl.engines.transformers_engine.TransformersEngine` (``generate``, ``generate_sync``,
+``stats``, ``reseed``, ``abort``, ``record_routing``) for the model families
+:mod:`~agentrl.engines.decoder` supports (Llama, Qwen2/3, GPT-OSS), plus :meth:`DecodeEngine.release`
+(free the cache between rollouts) and :meth:`DecodeEngine.open_client` (per-episode sampling keys and the
+deterministic mode). Pick it through :func:`agentrl.engines.factory.make_engine`.
+
+How a request runs: ``generate`` queues one job per prompt; a worker coroutine runs
+:meth:`Scheduler.step <agentrl.engines.scheduler.Scheduler.step>` in a thread (admit waiting jobs into free
+rows, prefill them reusing cached prefixes, decode a chunk of steps for every running row) and resolves the
+callers whose jobs finished. The event loop stays free meanwhile, so tool calls of other episodes run, and
+an episode whose tool returned joins the running batch at the next chunk, not after the batch drains.
+
+**Log-probs** (the same contract as the transformers engine): ``Completion.logprobs[i]`` is the natural-log
+probability of the sampled id under ``softmax(logits / temperature)`` (``temperature == 0``: greedy, under
+``softmax(logits)``); top-k/top-p change which ids can be drawn, not the reported log-prob.
+
+**Sampling keys and determinism.** The randomness of token ``j`` of a request is a pure function of the
+request's key and ``j`` (:mod:`agentrl.engines.sampling`), never of batch composition or arrival order.
+The key hashes the engine seed (:meth:`reseed`), then, in order of precedence: the client's seed and the
+prompt's length (:meth:`open_client`: one client per episode, whose turns have strictly growing prompts);
+``SamplingParams.seed`` and the prompt's length; or the prompt's tokens and how many identical prompts were
+submitted since the last reseed. The position in the call's prompt list is hashed in too.
+With ``deterministic=True`` the batches themselves are reproducible: before every step the engine waits
+until each open client has a request waiting or running (or is closed), then admits waiting requests
+sorted by key. Batch formation then depends only on what the clients asked, not on timing, so a re-run
+with the same seeds and the same clients gives the same batches and, on the same machine, bit-identical
+tokens and log-probs. It costs overlap: decoding pauses while any open client is between requests.
+
+**Memory.** The cache grows as requests need it and stays allocated, with finished sequences kept for
+reuse by the next turn, until :meth:`release` (the trainer calls it after each rollout so that the update
+gets the memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentrl.engines.base import Completion, EngineAborted, SamplingParams
+from agentrl.engines.runner import ModelRunner, RowSampling
+from agentrl.engines.sampling import request_key
+from agentrl.engines.scheduler import Job, Scheduler
+
+
+@dataclass
+class _Call:
+    """One ``generate`` call: its jobs (in prompt order), who to tell, streaming callback."""
+
+    jobs: list[Job]
+    future: asyncio.Future | None
+    on_token: Callable[[int, int], None] | None
+    client: EngineClient | None = None
+    left: int = 0
+    errors: list[BaseException] = field(default_factory=list)
+
+
+class EngineClient:
+    """One episode's handle on a :class:`DecodeEngine`: ``generate`` like the engine's, with sampling keys
+    derived from ``seed``; :meth:`close` it when the episode ends (the deterministic mode waits for open
+    clients). Also an async context manager."""
+
+    def __init__(self, engine: DecodeEngine, seed: int) -> None:
+        self.engine, self.seed = engine, int(seed)
+        self.pending = 0
+        self.open = True
+
+    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                       on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
+        if not self.open:
+            raise RuntimeError("this engine client is closed")
+        return await self.engine.generate(prompts, sampling, on_token=on_token, client=self)
+
+    def close(self) -> None:
+        self.engine._close_client(self)
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _default_attention(model: torch.nn.Module, device: torch.device) -> str:
+    """On a GPU: ``kernel`` (the sink-attention kernel) for GPT-OSS and half-precision models, ``exact`` (the
+    IEEE float32 decode kernel; the sink kernel's float32 dots are TF32) for float32 dense models. ``torch``
+    on the CPU and for head sizes the kernels do not take."""
+    config = getattr(model, "config", None)
+    dtype = next(model.parameters()).dtype
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if device.type != "cuda" or head_dim not in (16, 32, 64, 128, 256):
+        return "torch"
+    if getattr(config, "model_type", None) == "gpt_oss" or dtype != torch.float32:
+        return "kernel"
+    return "exact"
+
+
+class DecodeEngine:
+    """See the module docstring.
+
+    - ``model``: a supported transformers causal LM on its device (:func:`agentrl.engines.decoder.unsupported_reason`).
+    - ``pad_token_id``: unused (no padding); kept for the engines' common constructor.
+    - ``max_batch_size``: most sequences decoding at once.
+    - ``seed``: the engine seed of the sampling keys (:meth:`reseed` changes it).
+    - ``record_routing``: return each completion's MoE routing (``[L, n, k]`` int64 over the ``n`` tokens
+      fed: the prompt, then the completion but its last token).
+    - ``share_prefix``: reuse cached prefixes (shared prompts, earlier turns); exact either way.
+    - ``deterministic``: reproducible batches (see the module docstring).
+    - Tuning (defaults by device): ``chunk_steps`` (decode steps per host read; GPU 16, CPU 1),
+      ``cuda_graphs``, ``attention`` (``kernel``/``torch``), ``fused`` (Triton element-wise kernels),
+      ``max_slots`` (cache slots; GPU ``2 * max_batch_size``), ``min_length`` (GPU 1024 positions),
+      ``prefill_tokens`` (tokens per prefill forward).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0, max_batch_size: int = 64, seed: int = 0,
+                 record_routing: bool = False, share_prefix: bool = True, deterministic: bool = False,
+                 chunk_steps: int | None = None, cuda_graphs: bool | None = None, attention: str | None = None,
+                 fused: bool | None = None, max_slots: int | None = None, min_length: int | None = None,
+                 prefill_tokens: int | None = None) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        cuda = self.device.type == "cuda"
+        self.record_routing = record_routing
+        self.deterministic = deterministic
+        self.runner = ModelRunner(
+            model, chunk_steps=chunk_steps or (16 if cuda else 1), cuda_graphs=cuda if cuda_graphs is None else cuda_graphs,
+            attention=attention or _default_attention(model, self.device), fused=cuda if fused is None else fused,
+            record_routing=record_routing, prefill_tokens=prefill_tokens or (16384 if cuda else 4096))
+        self.scheduler = Scheduler(
+            self.runner, max_rows=max_batch_size, max_slots=max_slots or (2 * max_batch_size if cuda else max_batch_size),
+            chunk_steps=self.runner.chunk_steps, share_prefix=share_prefix, canonical_order=deterministic,
+            min_length=(1024 if cuda else 0) if min_length is None else min_length)
+        self.seed = int(seed)
+        #: ``generate_s``: seconds spent in scheduler steps (prefill, decode, host reads: the engine busy);
+        #: ``generated_tokens``: tokens of finished requests; ``batches``: steps that admitted requests
+        #: (prefill batches); ``decode_chunks``: decode chunks of up to ``chunk_steps`` steps.
+        self.stats: dict[str, float] = {"generate_s": 0.0, "generated_tokens": 0, "batches": 0, "decode_chunks": 0}
+        self._occurrences: dict[int, int] = {}
+        self._clients: set[EngineClient] = set()
+        self._changed: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._worker: asyncio.Task | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ control
+    def reseed(self, seed: int) -> None:
+        """New engine seed for the sampling keys of requests submitted from now on."""
+        self.seed = int(seed)
+        self._occurrences.clear()
+
+    def abort(self) -> None:
+        """Stop all generation at the next decode step (:class:`EngineAborted`); the engine stays unusable."""
+        self.runner.aborted.set()
+
+    def release(self) -> None:
+        """Free the KV cache, decode state and captured graphs (a no-op while requests run)."""
+        with self._lock:
+            if not self.scheduler.has_work():
+                self.scheduler.release()
+
+    def open_client(self, seed: int) -> EngineClient:
+        """A client whose requests' sampling keys derive from ``seed`` (see the module docstring)."""
+        client = EngineClient(self, seed)
+        self._clients.add(client)
+        return client
+
+    def _close_client(self, client: EngineClient) -> None:
+        client.open = False
+        self._clients.discard(client)
+        self.scheduler.owner_done(client)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    # ------------------------------------------------------------------ jobs
+    def _key(self, prompt: list[int], sampling: SamplingParams, client: EngineClient | None, index: int) -> int:
+        if client is not None:
+            return request_key("client", self.seed, client.seed, len(prompt), index)
+        if sampling.seed is not None:
+            return request_key("seed", self.seed, int(sampling.seed), len(prompt), index)
+        content = hash(tuple(prompt))
+        seen = self._occurrences.get(content, 0)
+        self._occurrences[content] = seen + 1
+        return request_key("auto", self.seed, content, seen, index)
+
+    def _jobs(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, client: EngineClient | None) -> list[Job]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if sampling.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {sampling.max_new_tokens}")
+        if self.runner.aborted.is_set():
+            raise EngineAborted("generation aborted: the engine is shutting down")
+        jobs = []
+        for i, p in enumerate(prompts):
+            prompt = [int(t) for t in p]
+            key = self._key(prompt, sampling, client, i)
+            row = RowSampling(int(sampling.max_new_tokens), float(sampling.temperature), int(sampling.top_k or 0),
+                              float(sampling.top_p), key, tuple(sorted({int(s) for s in sampling.stop_token_ids})))
+            jobs.append(Job(prompt, row, order=(key, i), owner=client))
+        return jobs
+
+    @staticmethod
+    def _completion(job: Job) -> Completion:
+        return Completion(token_ids=list(job.tokens), logprobs=list(job.logprobs), finish_reason=job.finish or "length",
+                          routing=job.routing)
+
+    def _step(self) -> tuple[list[Job], list[Job]]:
+        with self._lock:
+            if self.runner.aborted.is_set():
+                raise EngineAborted("generation aborted: the engine is shutting down")
+            t0 = time.perf_counter()
+            sched = self.scheduler
+            admissions, chunks = sched.admissions, sched.chunks
+            advanced, finished = sched.step()
+            self.stats["generate_s"] += time.perf_counter() - t0
+            self.stats["batches"] += sched.admissions - admissions
+            self.stats["decode_chunks"] += sched.chunks - chunks
+            self.stats["generated_tokens"] += sum(len(j.tokens) for j in finished)
+            return advanced, finished
+
+    # ------------------------------------------------------------------ async API
+    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                       on_token: Callable[[int, int], None] | None = None,
+                       client: EngineClient | None = None) -> list[Completion]:
+        """One :class:`Completion` per prompt, in order; safe from many coroutines at once.
+        ``on_token(prompt_index, token_id)`` is called on the event loop as tokens are sampled (every
+        ``chunk_steps`` steps), before this returns."""
+        if not prompts:
+            return []
+        jobs = self._jobs(prompts, sampling, client)
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # the first call, or a new event loop (another asyncio.run)
+            self._loop, self._changed, self._worker = loop, asyncio.Event(), None
+        call = _Call(jobs, loop.create_future(), on_token, client, left=len(jobs))
+        for i, job in enumerate(jobs):
+            job.tag = (call, i)
+            self.scheduler.submit(job)
+        if client is not None:
+            client.pending += 1
+        self._notify()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._work())
+        return await call.future
+
+    async def _settled(self) -> None:
+        """Deterministic mode: wait until no open client is between requests."""
+        while any(c.open and c.pending == 0 for c in self._clients):
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def _work(self) -> None:
+        while self.scheduler.has_work():
+            try:
+                if self.deterministic:
+                    await self._settled()
+                advanced, finished = await asyncio.to_thread(self._step)
+            except BaseException as exc:  # noqa: BLE001 - every waiting caller gets the failure
+                with self._lock:
+                    failed = self.scheduler.fail_all(exc)
+                self._deliver([], failed)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                continue
+            self._deliver(advanced, finished)
+            await asyncio.sleep(0)  # let callers that just got results (or were waiting) submit
+
+    def _deliver(self, advanced: list[Job], finished: list[Job]) -> None:
+        """Stream the new tokens of ``advanced`` and ``finished`` jobs, then settle the finished ones' calls."""
+        for job in (*advanced, *finished):
+            call, index = job.tag
+            if call.on_token is not None and job.error is None:
+                for token in job.tokens[job.emitted :]:
+                    call.on_token(index, token)
+                job.emitted = len(job.tokens)
+        for job in finished:
+            call = job.tag[0]
+            if job.error is not None:
+                call.errors.append(job.error)
+            call.left -= 1
+            if call.left == 0:
+                self._resolve(call)
+
+    def _resolve(self, call: _Call) -> None:
+        if call.client is not None:
+            call.client.pending -= 1
+            self._notify()
+        if call.future is None or call.future.done():
+            return
+        if call.errors:
+            call.future.set_exception(call.errors[0])
+        else:
+            call.future.set_result([self._completion(j) for j in call.jobs])
+
+    # ------------------------------------------------------------------ sync API
+    def generate_sync(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                      on_token: Callable[[int, int], None] | None = None) -> list[Completion]:
+        """Blocking :meth:`generate` for callers without an event loop (do not mix with concurrent async
+        use). ``on_token(prompt_index, token_id)`` is called in this thread."""
+        if not prompts:
+            return []
+        jobs = self._jobs(prompts, sampling, None)
+        call = _Call(jobs, None, on_token, left=len(jobs))
+        for i, job in enumerate(jobs):
+            job.tag = (call, i)
+            self.scheduler.submit(job)
+        try:
+            while call.left:
+                advanced, finished = self._step()
+                self._deliver(advanced, finished)
+        except BaseException as exc:
+            with self._lock:
+                self.scheduler.fail_all(exc)
+            raise
+        if call.errors:
+            raise call.errors[0]
+        return [self._completion(j) for j in jobs]
