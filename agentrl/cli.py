@@ -3,7 +3,9 @@
 Each target is ``"module:function"``; the function takes the remaining ``argv`` and returns an exit
 code. Modules are imported only when their subcommand runs, so ``agentrl --help`` needs no torch. Every
 command reads ``key=value`` arguments through :mod:`agentrl.cli_args` and has ``--help``; a user error
-is one line on stderr and exit status 2, never a traceback.
+is one line on stderr and exit status 2, never a traceback. Before a command's module is imported (and
+with it torch), :func:`agentrl.cpu_threads.configure` sets how torch's CPU threads wait and how many
+there are, unless the user set them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib
 import os
 import sys
 
+from agentrl import cpu_threads
 from agentrl.cli_args import HELP_FLAGS, fail, suggest
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return _unknown(argv, commands)
     name, rest = resolved
     module_name, func_name = commands[name][0].split(":")
+    cpu_threads.configure()  # before torch loads: libgomp reads its environment then
     module = importlib.import_module(module_name)
     try:
         return int(getattr(module, func_name)(rest) or 0)

@@ -408,8 +408,9 @@ def _check_value(key: str, value: Any, meta: Mapping[str, Any], extra: Sequence[
                 shown = [str(v) for v in valid]
                 raise UsageError(f"{key}={item!r} is not valid.{suggest(str(item), shown)} Valid: {', '.join(shown)}")
     low, above, high = meta.get("min"), meta.get("gt"), meta.get("max")
-    if (low is not None and value < low) or (above is not None and value <= above) or (
-        high is not None and value > high
+    # written as "not within" so that NaN, which compares false with everything, fails any bound
+    if (low is not None and not value >= low) or (above is not None and not value > above) or (
+        high is not None and not value <= high
     ):
         raise UsageError(f"{key} must be {_bounds(meta)}, got {value!r}")
 

@@ -201,6 +201,10 @@ def test_rollout_correction_tis_icepop_and_rs():
             ),
             "is required",
         ),
+        (
+            lambda: A.agg_loss(torch.ones(1, 2), torch.ones(1, 2), "seq-mean-token-sum-norm", loss_scale_factor=0),
+            "loss_scale_factor must be > 0",
+        ),
     ],
 )
 def test_errors_say_what_to_do(call, match):

@@ -183,8 +183,8 @@ def _fp64_reference(name, case, **kw):
     return _verl_adv(name, rewards, case["mask"].double(), case["index"], **kw)
 
 
-def _check_group_estimator(name: str, case: dict, norm: bool) -> None:
-    kw = {"norm_adv_by_std_in_grpo": norm} if name == "grpo" else {}
+def _check_group_estimator(name: str, case: dict, norm: bool, epsilon: float = 1e-6) -> None:
+    kw = {"norm_adv_by_std_in_grpo": norm, "epsilon": epsilon} if name == "grpo" else {}
     mask, index, gid = case["mask"], case["index"], case["gid"]
     ours, ret = A.compute_advantages(name, token_level_rewards=case["rewards"], response_mask=mask, index=index, **kw)
     assert torch.equal(ours, ret) and torch.isfinite(ours).all()
@@ -201,7 +201,7 @@ def _check_group_estimator(name: str, case: dict, norm: bool) -> None:
     ref = _fp64_reference(name, case, **kw)
     theirs = _verl_adv(name, case["rewards"], mask, index, **kw)
     if name == "grpo":
-        denom = std + 1e-6 if norm else torch.ones_like(std)
+        denom = std + epsilon if norm else torch.ones_like(std)
         tight, loose = rng / denom, big / denom
     elif name == "rloo":
         tight, loose = 2 * rng, 2 * big
@@ -216,7 +216,9 @@ def _check_group_estimator(name: str, case: dict, norm: bool) -> None:
         tokens = mask.sum() + n.max()
         tight = tokens * (rng.max() + spread) / sigma * torch.ones_like(rng)
         loose = tokens * (big.max() + spread) / sigma * torch.ones_like(rng)
-    keep = mask.bool() & ~constant if whitened else torch.ones_like(mask, dtype=torch.bool)
+    # verl divides a constant group's rounding residue by its std (+ epsilon): with epsilon 0 that is 0 / 0
+    exact_zero_only = whitened or (name == "grpo" and norm and epsilon == 0)
+    keep = mask.bool() & ~constant if exact_zero_only else torch.ones_like(mask, dtype=torch.bool)
     if name == "opo":  # verl divides 0 by 0 for a group whose rows have no tokens: NaN; ours are 0
         verl_nan = torch.isnan(ref)
         assert (ours[verl_nan] == 0).all()

@@ -129,7 +129,17 @@ def test_gpu_and_verl_runs_do_not_inherit_the_cpu_defaults():
             assert OmegaConf.select(cfg, key) == value, key
             if key != "rollout.temperature":  # the CPU run samples at 1.0 as well (GRPO needs varied groups)
                 assert value != OmegaConf.select(schema, key), f"{profile} should not share the CPU value of {key}"
-    assert {"actor.lr", "trainer.total_steps", "rollout.temperature", "trainer.max_wall_s"} <= set(DEVICE_KEYS)
+    assert {"actor.lr", "trainer.total_steps", "rollout.temperature"} <= set(DEVICE_KEYS)
+
+
+def test_every_default_is_bounded_by_steps_not_wall_time():
+    # a slower machine takes longer and gets the same numbers; a time budget is asked for explicitly
+    for overrides in ([], ["device=cuda"], ["backend=verl"]):
+        assert build_config(["env=retool", *overrides]).trainer.max_wall_s == 0
+    from agentrl.train.config import DEVICE_KEYS
+
+    assert "trainer.max_wall_s" not in DEVICE_KEYS
+    assert build_config(["env=retool", "trainer.max_wall_s=1080"]).trainer.max_wall_s == 1080
 
 
 def test_device_defaults_never_override_the_command_line():
@@ -157,7 +167,7 @@ def test_the_start_line_names_the_profile_and_what_was_set():
     line = describe_device_defaults(build_config(["env=retool", "device=cuda", "actor.lr=3e-6"]))
     assert line.startswith("device=cuda defaults: ")
     assert "actor.lr=3e-06 (set)" in line and "rollout.temperature=1.0 " in line
-    assert "trainer.max_wall_s=0.0 (no limit)" in line and "trainer.total_steps=200 " in line
+    assert "trainer.total_steps=200 " in line
     cpu = build_config(["env=retool"])
     assert describe_device_defaults(cpu).startswith(f"device=cpu defaults: actor.lr={cpu.actor.lr!r} ")
     assert "(set)" not in describe_device_defaults(cpu)

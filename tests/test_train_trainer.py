@@ -51,6 +51,7 @@ def _fit(tmp_path, name, extra):
 
 def test_on_policy_step_has_ratio_exactly_one(tmp_path):
     trainer, before, summary, records = _fit(tmp_path, "onpolicy", ["trainer.total_steps=1"])
+    assert trainer.ref_model is None  # no loss uses a KL reference: no copy of the model is built
     assert [r["step"] for r in records] == [0, 1]
     step = records[1]
     assert step["actor/on_policy"] == 1.0
@@ -117,11 +118,36 @@ def test_decode_engine_runs_on_the_cpu_when_asked(tmp_path):
     assert step["rollout_corr/logprob_abs_diff_max"] < 1e-3
 
 
-def test_wall_time_budget_stops_after_a_step_with_final_eval(tmp_path):
-    _, _, summary, records = _fit(tmp_path, "budget", ["trainer.total_steps=5", "trainer.max_wall_s=0.001"])
-    assert summary["steps"] == 1 and summary["stopped_early_by_max_wall_s"]
+def test_a_wall_time_stop_is_the_summarys_headline_and_the_last_line(tmp_path, capsys):
+    from agentrl.train.cli import run_trainer
+
+    run = tmp_path / "budget"
+    cfg = build_config([*BASE, f"run_dir={run}", "trainer.total_steps=5", "trainer.max_wall_s=0.001"])
+    assert run_trainer(cfg, "agentrl train") == 0
+    summary = json.loads((run / "summary.json").read_text())
+    # the headline: the first keys, next to the evaluation figures
+    assert list(summary)[:4] == ["complete", "stopped_by", "steps", "total_steps"]
+    assert summary["complete"] is False and summary["stopped_by"] == "max_wall_s"
+    assert summary["steps"] == 1 and summary["total_steps"] == 5 and summary["max_wall_s"] == 0.001
     assert summary["eval_after"]["step"] == 1
-    assert (tmp_path / "budget" / "checkpoints" / "step_000001" / "state.json").exists()
+    assert 0 < summary["peak_rss_gb"] < 64 and summary["peak_rss_children_gb"] >= 0  # GiB, recorded by every run
+    assert (run / "checkpoints" / "step_000001" / "state.json").exists()
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("agentrl train: INCOMPLETE: stopped by trainer.max_wall_s=0.001 after 1/5 steps")
+    after = summary["eval_after"]
+    assert f"{after['mean']:.3f} ± {after['sem']:.3f} after step 1 (4 tasks)" in last and last.endswith(str(run))
+
+
+def test_a_run_bounded_by_steps_is_complete(tmp_path, capsys):
+    from agentrl.train.cli import run_trainer
+
+    run = tmp_path / "steps"
+    assert run_trainer(build_config([*BASE, f"run_dir={run}", "trainer.total_steps=1"]), "agentrl train") == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["complete"] is True and summary["stopped_by"] is None and summary["steps"] == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("agentrl train: complete (1/1 steps); held-out reward ")
+    assert " before, " in last and " after step 1 (4 tasks)" in last
 
 
 # ---------------------------------------------------------------------------- one real `agentrl train` run

@@ -7,6 +7,7 @@ Depends only on ``agentrl.envs`` and ``agentrl.harmony``; imports no torch.
 """
 
 from agentrl.episodes.collect import EnvPool, EpisodeJob, collect, grouped_jobs
+from agentrl.episodes.lockstep import LockstepSampler
 from agentrl.episodes.policy import Action, Policy, TokenPolicy
 from agentrl.episodes.runner import STOP_REASONS, EpisodeLimits, EpisodeResult, run_episode
 from agentrl.episodes.state import EpisodeState, Step
@@ -19,6 +20,7 @@ __all__ = [
     "EpisodeLimits",
     "EpisodeResult",
     "EpisodeState",
+    "LockstepSampler",
     "Policy",
     "Step",
     "TokenPolicy",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.envs.env import AgentEnv
+from agentrl.episodes.lockstep import LockstepSampler
 from agentrl.episodes.policy import Policy
 from agentrl.episodes.runner import EpisodeLimits, EpisodeResult, StepHook, run_episode
 from agentrl.harmony.trajectory import Trajectory
@@ -102,6 +103,7 @@ async def collect(
     on_step: StepHook | None = None,
     on_episode: Callable[[EpisodeResult], Any] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    lockstep: LockstepSampler | None = None,
 ) -> list[EpisodeResult]:
     """Run every job concurrently (at most ``pool.size`` at a time); returns the results in job order.
 
@@ -113,6 +115,9 @@ async def collect(
         on_episode: called with each result as it finishes (failed ones too), e.g. to write it out.
         should_stop: checked before each episode starts; once it returns True the jobs not yet started
             are skipped (e.g. every episode so far failed: the model is unreachable).
+        lockstep: the :class:`~agentrl.episodes.lockstep.LockstepSampler` the policies sample through, if
+            any: their engine calls are then batched in lockstep, in job order, so that the batches and the
+            engine's random draws do not depend on timing (two runs of one seed are identical).
 
     Returns:
         One :class:`~agentrl.episodes.EpisodeResult` per job that ran (skipped ones are left out; each
@@ -121,7 +126,16 @@ async def collect(
     """
     make_policy = policy if not hasattr(policy, "act") else (lambda job: policy)  # type: ignore[misc]
 
-    async def one(job: EpisodeJob) -> EpisodeResult | None:
+    async def one(index: int, job: EpisodeJob) -> EpisodeResult | None:
+        if lockstep is None:
+            return await episode(job)
+        lockstep.enter(index)
+        try:
+            return await episode(job)
+        finally:
+            lockstep.finished()
+
+    async def episode(job: EpisodeJob) -> EpisodeResult | None:
         env = await pool.acquire()
         if should_stop is not None and should_stop():
             pool.release(env)
@@ -148,5 +162,11 @@ async def collect(
             on_episode(result)
         return result
 
-    results = await asyncio.gather(*(one(job) for job in jobs))
+    if lockstep is not None:
+        lockstep.open(len(jobs), pool.size)
+    try:
+        results = await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
+    finally:
+        if lockstep is not None:
+            lockstep.close()
     return [r for r in results if r is not None]

@@ -14,7 +14,7 @@ import inspect
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
-from agentrl.episodes import EpisodeJob, EpisodeResult, Policy, TokenPolicy
+from agentrl.episodes import EpisodeJob, EpisodeResult, LockstepSampler, Policy, TokenPolicy
 from agentrl.evaluation.config import EvalConfig
 from agentrl.harmony.trajectory import Trajectory
 
@@ -89,7 +89,10 @@ async def _served_format(endpoint: Any) -> Any:
 
 
 class EpisodeRunner(abc.ABC):
-    """How one ``api`` drives episodes: the env to build and the policy of each job."""
+    """How one ``api`` drives episodes: the env to build, the policy of each job and, for a local engine, the
+    :class:`~agentrl.episodes.LockstepSampler` its policies sample through (``lockstep``; None otherwise)."""
+
+    lockstep: LockstepSampler | None = None
 
     def __init__(self, cls: type, env_kwargs: dict[str, Any], cfg: EvalConfig, backend: Any):
         self.cls, self.env_kwargs, self.cfg, self.backend = cls, env_kwargs, cfg, backend
@@ -114,18 +117,22 @@ class EpisodeRunner(abc.ABC):
 
 
 class TokenRunner(EpisodeRunner):
-    """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine."""
+    """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine. The transformers engine
+    is sampled in lockstep, so the episodes' figures do not depend on timing (an endpoint or a decode engine with
+    clients batches its own requests)."""
 
     def __init__(self, *args: Any):
         super().__init__(*args)
         # looked up once: openai-harmony computes them on each call
         self.stop_ids = list(self.env_kwargs["format"].stop_token_ids)
+        if not self.cfg.is_endpoint and not hasattr(self.backend, "open_client"):  # a decode engine batches itself
+            self.lockstep = LockstepSampler(self.backend)
 
     def policy(self, job: EpisodeJob) -> Policy:
         cfg = self.cfg
         given = {name: getattr(cfg, name) for name in ("max_new_tokens", "temperature", "top_p", "top_k")}
         sampling = SamplingParams(**given, stop_token_ids=self.stop_ids, seed=cfg.seed + job.sample)
-        return TokenPolicy(self.backend, sampling)
+        return TokenPolicy(self.lockstep or self.backend, sampling)
 
 
 

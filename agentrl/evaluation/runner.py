@@ -80,6 +80,7 @@ async def run_jobs(
         await collect(
             envs, runner.policy, jobs, on_episode=finished,
             should_stop=lambda: abort_when_all_fail and counts["streak"] >= abort_after and counts["done"] == 0,
+            lockstep=runner.lockstep,
         )
     finally:
         if own:

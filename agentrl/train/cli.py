@@ -85,6 +85,7 @@ def run_trainer(cfg, prog: str, failures: tuple[type[BaseException], ...] = ()) 
     """Build the trainer for ``cfg``, train, print the summary. A bad model, device or run directory is one
     line and exit status 2; a run stopped by its failure budget (:class:`~agentrl.train.trainer.TrainingFailed`)
     or by one of ``failures`` is one line and exit status 1."""
+    from agentrl.train.reporting import headline
     from agentrl.train.trainer import Trainer, TrainingFailed
 
     try:
@@ -99,4 +100,5 @@ def run_trainer(cfg, prog: str, failures: tuple[type[BaseException], ...] = ()) 
         print(f"{prog}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=2))
+    print(headline(summary, prog))  # the last line: complete or stopped by a budget, and the held-out figures
     return 0

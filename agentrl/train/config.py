@@ -25,7 +25,8 @@ env (a python call with the task's program, the boxed tool output), 6 AdamW step
 deliberately short, so tool use is learnt but several operations are not yet mapped to the right program.
 Then multi-turn GRPO: 8 tasks x 4 samples per step at temperature 1.0, up to 2 turns (tool call, then
 answer) of at most 64 new tokens, one Adam step per batch at lr 1e-5 (on-policy, ratio exactly 1),
-10 steps within an 18-minute budget (``trainer.max_wall_s``), checkpoints after SFT and at the end.
+10 steps, checkpoints after SFT and at the end. The run is bounded by its steps, not by wall time: a slower
+machine takes longer and gets the same numbers (``trainer.max_wall_s`` sets a time budget when asked for).
 
 A resumed run keeps the values saved in its ``config.yaml``; :func:`describe_device_defaults` is the line the
 trainer and the verl launcher print at start.
@@ -235,8 +236,9 @@ class TrainerConfig:
 
     total_steps: int = key(10, "RL steps (0: evaluation and SFT only)", min=0, gpu=200, sft=0,
                            verl="trainer.total_training_steps")
-    max_wall_s: float = key(1080.0, "time budget of the whole run in this process (0: no limit); a step starts "
-                            "only if it and the final evaluation still fit", min=0, gpu=0.0)
+    max_wall_s: float = key(0.0, "time budget of the whole run in this process (0: no limit); a step starts "
+                            "only if it and the final evaluation still fit, and a run it stops is reported as "
+                            "incomplete", min=0)
     max_failed_steps: int = key(3, "stop after this many consecutive steps in which every episode failed", min=1)
     save_every: int = key(10, "steps between checkpoints (0: none; the last step is always saved)", min=0, sft=1,
                           verl="trainer.save_freq")
@@ -338,7 +340,7 @@ def device_profile(cfg: Any) -> str:
 def describe_device_defaults(cfg: Any) -> str:
     """One line for the start of a run: where it runs and its device-dependent settings as resolved, each
     marked ``(set)`` where it differs from the profile's default, e.g. ``device=cuda defaults: actor.lr=1e-06
-    ... trainer.max_wall_s=0.0 (no limit) ... (override any with key=value)``."""
+    ... trainer.total_steps=200 (override any with key=value)``."""
     gpu = device_profile(cfg) == "gpu"
     profile = profile_values("gpu") if gpu else {}
     schema = OmegaConf.structured(TrainConfig)
@@ -348,8 +350,7 @@ def describe_device_defaults(cfg: Any) -> str:
         default = profile.get(name, OmegaConf.select(schema, name))
         if name in LORA_LR_KEYS and cfg.actor.lora.rank:
             default = float(f"{default * LORA_LR_SCALE:.6g}")
-        note = " (no limit)" if name == "trainer.max_wall_s" and not value else ""
-        note += "" if value == default else " (set)"
+        note = "" if value == default else " (set)"
         shown.append(f"{name}={value!r}{note}")
     where = "backend=verl" if cfg.backend == "verl" else f"device={cfg.device}"
     return f"{where} defaults: {' '.join(shown)} (override any with key=value)"

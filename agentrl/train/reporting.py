@@ -1,11 +1,15 @@
 """What a run reports: the console (start line, progress bar, one line per step and per evaluation), the metrics
 sinks (``RUN_DIR/metrics.jsonl``, TensorBoard, W&B; :mod:`agentrl.train.metrics`) and ``RUN_DIR/summary.json``.
 
-``summary.json`` holds the run's headline figures: ``eval_before`` (the first held-out evaluation),
+``summary.json`` starts with the run's headline: ``complete`` (every one of ``total_steps`` RL steps ran),
+``stopped_by`` (null, or the budget that stopped the run before ``total_steps``: ``"max_wall_s"``), ``steps``,
+``total_steps``, then the held-out figures: ``eval_before`` (the first held-out evaluation),
 ``eval_after_sft`` (after the SFT stage, when it ran), ``eval_after`` (the last one; :func:`agentrl.evaluation.
 metrics.headline`: ``mean``, ``sem``, ``tool_call_rate``, ``tool_success_rate``, ``tool_calls_mean``,
 ``turns_mean``, ``pass@k``, ``episodes``, ``errors``, and the ``step`` it was taken at), ``eval_tasks``, the SFT
-stage's ``sft`` info, steps, data position and wall times.
+stage's ``sft`` info, data position, wall times and memory: ``peak_rss_gb``, the trainer process's resident-set
+high-water mark, and ``peak_rss_children_gb``, the largest of its ended child processes' (GiB, ``getrusage``). :func:`headline` is the same headline as the console's last
+line.
 """
 
 from __future__ import annotations
@@ -85,24 +89,65 @@ class Reporter:
             f"success {success}  turns {figures['turns_mean']:.2f}  {seconds:.0f} s"
         )
 
-    def summary(self, state: Any, *, wall_s: float, t_created: float, load_s: float, stopped_early: bool) -> dict[str, Any]:
-        """The run's summary (module docstring), written to ``summary.json`` by rank 0."""
+    def summary(self, state: Any, *, wall_s: float, t_created: float, load_s: float,
+                stopped_by: str | None) -> dict[str, Any]:
+        """The run's summary (module docstring), written to ``summary.json`` by rank 0. ``stopped_by``: the
+        budget that ended the RL stage before ``trainer.total_steps`` (``"max_wall_s"``), or None."""
+        total = int(self.cfg.trainer.total_steps)
         summary: dict[str, Any] = {
-            "run_dir": str(self.run.root), "steps": state.step, "data_position": state.data_position,
-            "wall_s_this_process": time.perf_counter() - t_created, "fit_s": wall_s,
-            "model_load_s": load_s, "stopped_early_by_max_wall_s": stopped_early,
+            "complete": stopped_by is None and state.step >= total, "stopped_by": stopped_by,
+            "steps": state.step, "total_steps": total,
         }
-        if state.sft_info:
-            summary["sft"] = state.sft_info
         summary.update(_eval_figures(state.eval_history))
         if state.eval_history:
             summary["eval_tasks"] = self.cfg.eval.num_tasks
+        if stopped_by == "max_wall_s":
+            summary["max_wall_s"] = float(self.cfg.trainer.max_wall_s)
+        summary.update({
+            "run_dir": str(self.run.root), "data_position": state.data_position,
+            "wall_s_this_process": time.perf_counter() - t_created, "fit_s": wall_s, "model_load_s": load_s,
+            **peak_rss_gb(),
+        })
+        if state.sft_info:
+            summary["sft"] = state.sft_info
         if self.is_main:
             rundir.write_json(self.run.summary, summary)
         return summary
 
     def close(self) -> None:
         self.sink.close()
+
+
+def peak_rss_gb() -> dict[str, float]:
+    """``peak_rss_gb`` (this process's resident-set high-water mark) and ``peak_rss_children_gb`` (the largest
+    of its ended and waited-for child processes'), in GiB."""
+    import resource
+
+    kib = 1024 * 1024  # ru_maxrss is in KiB on Linux
+    return {
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / kib,
+        "peak_rss_children_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / kib,
+    }
+
+
+def headline(summary: dict[str, Any], prog: str = "agentrl train") -> str:
+    """The console's last line for a run's ``summary``: complete or not (and what stopped it), the held-out
+    rewards, the run directory; e.g. ``agentrl train: complete (10/10 steps); held-out reward 0.000 ± 0.000
+    before, 0.672 ± 0.042 after SFT, 0.773 ± 0.037 after step 10; runs/retool-...``."""
+    steps = f"{summary['steps']}/{summary['total_steps']} steps" if summary["total_steps"] else "no RL step"
+    if summary["complete"]:
+        state = f"complete ({steps})"
+    elif summary["stopped_by"] == "max_wall_s":
+        state = (f"INCOMPLETE: stopped by trainer.max_wall_s={summary['max_wall_s']:g} after {steps} "
+                 "(trainer.max_wall_s=0, the default, runs every step)")
+    else:
+        state = f"INCOMPLETE ({steps})"
+    labelled = [("eval_before", "before"), ("eval_after_sft", "after SFT")]
+    if summary.get("eval_after", {}).get("step", 0) > 0:  # an RL step was evaluated (else: one of the above)
+        labelled.append(("eval_after", f"after step {summary['eval_after']['step']}"))
+    figures = [f"{summary[k]['mean']:.3f} ± {summary[k]['sem']:.3f} {label}" for k, label in labelled if k in summary]
+    evals = f"; held-out reward {', '.join(figures)} ({summary['eval_tasks']} tasks)" if figures else ""
+    return f"{prog}: {state}{evals}; {summary['run_dir']}"
 
 
 def _eval_figures(history: dict[str, dict[str, Any]]) -> dict[str, Any]:

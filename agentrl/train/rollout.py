@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentrl.engines.base import SamplingParams
-from agentrl.episodes import EnvPool, EpisodeJob, EpisodeResult, TokenPolicy, collect, grouped_jobs
+from agentrl.episodes import (
+    EnvPool,
+    EpisodeJob,
+    EpisodeResult,
+    LockstepSampler,
+    TokenPolicy,
+    collect,
+    grouped_jobs,
+)
 
 
 @dataclass
@@ -41,14 +49,17 @@ async def rollout(
     seed: int,
 ) -> RolloutResult:
     """Run ``n`` episodes per ``(task_id, task)`` with ``engine`` (which keeps ``stats["generate_s"]`` and
-    ``stats["generated_tokens"]``); sample ``k`` of task ``g`` gets env seed ``seed + g*n + k``."""
+    ``stats["generated_tokens"]``); sample ``k`` of task ``g`` gets env seed ``seed + g*n + k``. The transformers
+    engine's calls are batched in lockstep (:class:`~agentrl.episodes.LockstepSampler`), an engine with clients
+    samples per episode (module docstring): either way what is sampled does not depend on timing."""
     t0 = time.perf_counter()
     gen0, tok0 = engine.stats["generate_s"], engine.stats["generated_tokens"]
     jobs = grouped_jobs(tasks, n, seed)
     if hasattr(engine, "open_client"):
         episodes = await _collect_through_clients(pool, engine, sampling, jobs)
-    else:  # the transformers engine: one policy for every episode
-        episodes = await collect(pool, TokenPolicy(engine, sampling), jobs)
+    else:  # the transformers engine: one policy for every episode, sampled in lockstep
+        sampler = LockstepSampler(engine)
+        episodes = await collect(pool, TokenPolicy(sampler, sampling), jobs, lockstep=sampler)
     return RolloutResult(
         episodes=episodes,
         wall_s=time.perf_counter() - t0,

@@ -66,7 +66,7 @@ async def run_stages(trainer: Any) -> dict[str, Any]:
         trainer.reporter.close()
     return trainer.reporter.summary(
         trainer.state, wall_s=time.perf_counter() - t_start, t_created=trainer.t_created,
-        load_s=trainer.actor.load_s, stopped_early=trainer.stopped_early,
+        load_s=trainer.actor.load_s, stopped_by=trainer.stopped_by,
     )
 
 
@@ -115,7 +115,7 @@ async def rl_stage(trainer: Any, pool: EnvPool) -> None:
                 progress.update(bar, completed=state.step)
             budget.record(state.step, episodes)
             if out_of_time:
-                trainer.stopped_early = True
+                trainer.stopped_by = "max_wall_s"
                 reporter.print(
                     f"trainer.max_wall_s={cfg.trainer.max_wall_s:g} reached: stopping after step {state.step} "
                     "(trainer.max_wall_s=0 removes the limit)"

@@ -42,7 +42,7 @@ from agentrl.train.config import describe_device_defaults
 from agentrl.train.heldout import HeldOutEvaluation
 from agentrl.train.metrics import episode_metrics
 from agentrl.train.parallel import SingleProcess
-from agentrl.train.reporting import Reporter
+from agentrl.train.reporting import Reporter, headline
 from agentrl.train.resume import Checkpoints, RunState
 from agentrl.train.rollout import rollout
 from agentrl.train.stages import TrainingFailed, run_stages
@@ -102,7 +102,7 @@ class Trainer:
         self.state = RunState(cfg.seed)
         self.checkpoints = Checkpoints(self.run_dir, cfg, self.parallel, self.actor, self.state)
         self.heldout = HeldOutEvaluation(cfg, self.run_dir, self.env_cls, self.actor, self.parallel)
-        self.stopped_early = False
+        self.stopped_by: str | None = None  # the budget that ended the RL stage early, e.g. max_wall_s
         if self.parallel.is_main:  # the run starts (env, model and engine ready): only now is its directory written
             os.makedirs(rundir.TrainRun(self.run_dir).trajectories, exist_ok=True)
             rundir.write_atomic(rundir.TrainRun(self.run_dir).config, OmegaConf.to_yaml(cfg))
@@ -242,6 +242,7 @@ def run_distributed(cfg: DictConfig, argv: Sequence[str]) -> int:
         summary = Trainer(cfg, parallel=FSDP2Parallel()).fit()
         if distributed.rank() == 0:
             print(json.dumps(summary, indent=2))
+            print(headline(summary))
     finally:
         distributed.destroy()
     return 0

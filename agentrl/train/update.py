@@ -3,7 +3,9 @@
 The algorithms are the pure functions of :mod:`agentrl.train.algorithms`; this module only wires them
 to the model:
 
-- advantages from ``algorithm.adv_estimator`` over the task groups;
+- advantages from ``algorithm.adv_estimator`` over the task groups, on the whole batch: under torchrun
+  every rank's rows are gathered first (:func:`batch_advantages`), so whitened estimators (REINFORCE++,
+  REINFORCE++-baseline) normalise over all ranks' tokens as verl does, whatever the number of GPUs;
 - the step plan: rows without a model token are dropped (single process; under torchrun every rank keeps
   its rows so that the ranks' collectives stay in step, and mini-batches without a token on any rank
   are dropped), then ``actor.ppo_epochs`` x ``actor.num_mini_batches`` chunks are formed;
@@ -14,16 +16,27 @@ to the model:
 - rollout correction (``algorithm.rollout_correction.*``) against the engine's log-probs: on the separate
   pass's log-probs before the loop, or, on-policy, per micro-batch on the training forward's own log-probs
   (weights and rejection masks are row-local, so both give the same values). Its ``rollout_corr/*``
-  metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows);
+  metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows
+  that hold a model token);
 - optional KL loss to a frozen reference model (for a LoRA policy, the policy itself with its adapters
   disabled: the base model without a second copy), optional entropy bonus, gradient accumulation over
-  micro-batches.
+  micro-batches;
+- the policy loss's metrics over each step's tokens (:class:`_LossMetrics`): token-weighted means,
+  ``*_max`` / ``*_min`` as the extremes, over all ranks; a micro-batch that rejection emptied adds nothing
+  (no ``±inf``, no zeros pulling a mean down), and a batch without a trained token reports none.
 
-Loss normalisation: every micro-batch loss is aggregated with the step's totals before rollout
-correction (tokens, or rows, over all ranks), which are known before the first forward; after the last
-backward the gradients are multiplied by ``before / after`` once the post-rejection totals are known.
-Both paths do exactly this, so the on-policy path with rejection gives the gradient of the separate-pass
-path bit for bit, and both equal the gradient of verl's loss with the post-rejection totals.
+Loss normalisation is verl's trainer's (``agg_loss`` with ``global_batch_info``): every micro-batch loss
+is divided by totals of the whole optimizer step over all ranks, so gradient accumulation and FSDP's
+averaging give the gradient of the step's loss. ``token-mean`` divides by the tokens left after rejection
+sampling (verl's ``batch_num_tokens``, the sum of the rejected loss mask); the ``seq-mean-*`` modes divide
+by every row of the mini-batch (verl's ``global_batch_size = ppo_mini_batch_size * rollout.n``), also a row
+that rejection emptied, which adds 0 to the sum; ``token-sum`` divides by nothing. The rows of a
+mini-batch are those of the step plan, i.e. rows that hold a model token before rejection (under
+torchrun a rank's rows without one, kept for FSDP's sake, count for nothing). The token total after
+rejection is not known before the on-policy path's forwards, so every micro-batch is aggregated with
+the total before rejection and the gradients are multiplied by ``before / after`` after the last
+backward. Both paths do exactly this, so the on-policy path with rejection gives the gradient of the
+separate-pass path bit for bit, and both equal the gradient of verl's loss on the mini-batch.
 """
 
 from __future__ import annotations
@@ -143,11 +156,76 @@ def _mean_metrics(collected: dict[str, list[float]]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in collected.items() if v}
 
 
+class _LossMetrics:
+    """The policy loss's metrics over an update: a key ending in ``_max`` (``_min``) is the largest
+    (smallest) value of any micro-batch, every other key the mean weighted by the micro-batch's trained
+    tokens, i.e. the value over all the update's tokens whatever the micro-batch size. Micro-batches
+    without a token are not added; under torchrun :meth:`result` combines all ranks (same values on each)."""
+
+    def __init__(self) -> None:
+        self.weighted: dict[str, float] = defaultdict(float)
+        self.tokens: dict[str, float] = defaultdict(float)
+        self.extremes: dict[str, float] = {}
+
+    def add(self, metrics: dict[str, float], tokens: float) -> None:
+        if tokens <= 0:
+            return
+        for k, v in metrics.items():
+            if k.endswith(("_max", "_min")):
+                pick = max if k.endswith("_max") else min
+                self.extremes[k] = pick(self.extremes.get(k, v), v)
+            else:
+                self.weighted[k] += v * tokens
+                self.tokens[k] += tokens
+
+    def result(self) -> dict[str, float]:
+        parts = distributed.gather_objects([(dict(self.weighted), dict(self.tokens), self.extremes)])
+        weighted: dict[str, float] = defaultdict(float)
+        tokens: dict[str, float] = defaultdict(float)
+        extremes: dict[str, float] = {}
+        for w, n, e in parts:
+            for k in w:
+                weighted[k] += w[k]
+                tokens[k] += n[k]
+            for k, v in e.items():
+                extremes[k] = (max if k.endswith("_max") else min)(extremes.get(k, v), v)
+        return {**{k: weighted[k] / tokens[k] for k in sorted(weighted)}, **extremes}
+
+
+def batch_advantages(batch: Batch, algo: Any) -> torch.Tensor:
+    """``[B, R]`` advantages of ``batch``'s rows from ``algo.adv_estimator`` (``algo``: the config's
+    ``algorithm`` section). Under torchrun the estimator runs on all ranks' rows, gathered in rank order
+    (a group is keyed by its rank and its id), and each rank keeps its own rows: the result equals the
+    single-process one on the concatenated batch, for the whitened estimators too."""
+    rewards, mask, index = batch.token_level_rewards, batch.response_mask, batch.index
+    start = 0
+    if distributed.is_distributed():
+        parts = distributed.gather_objects([(rewards.cpu(), mask.cpu(), index.cpu())])
+        start = sum(len(p[2]) for p in parts[: distributed.rank()])
+        width = max(p[0].shape[1] for p in parts)
+        rewards, mask = (
+            torch.cat([torch.nn.functional.pad(p[i], (0, width - p[i].shape[1])) for p in parts]) for i in range(2)
+        )
+        index = [(r, i) for r, p in enumerate(parts) for i in p[2].tolist()]
+    advantages, _ = compute_advantages(
+        algo.adv_estimator,
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=index,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        epsilon=algo.epsilon,
+    )
+    local = advantages[start : start + len(batch), : batch.response_mask.shape[1]]
+    return local.to(batch.response_mask.device)
+
+
 def _global_rollout_metrics(
     old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, options: dict[str, Any]
 ) -> dict[str, float]:
-    """``rollout_corr/*`` metrics over the whole batch; under torchrun over all ranks' rows (every rank
-    gets the same values, so averaging them over ranks changes nothing)."""
+    """``rollout_corr/*`` metrics over the whole batch's rows that hold a model token; under torchrun over
+    all ranks' rows (every rank gets the same values, so averaging them over ranks changes nothing)."""
     if distributed.is_distributed():
         parts = distributed.gather_objects([(old.cpu(), rollout.cpu(), mask.cpu())])
         width = max(p[0].shape[1] for p in parts)
@@ -155,9 +233,11 @@ def _global_rollout_metrics(
             torch.cat([torch.nn.functional.pad(p[i], (0, width - p[i].shape[1])) for p in parts])
             for i in range(3)
         )
-    if not mask.any():
+    rows = mask.sum(-1) > 0  # an empty row (a failed episode kept for FSDP) is not a sample of the gap
+    if not rows.any():
         return {}
-    _, _, metrics = rollout_correction(old_log_prob=old, rollout_log_prob=rollout, response_mask=mask, **options)
+    _, _, metrics = rollout_correction(old_log_prob=old[rows], rollout_log_prob=rollout[rows],
+                                       response_mask=mask[rows], **options)
     return metrics
 
 
@@ -177,13 +257,6 @@ def _plan_steps(batch: Batch, cfg_actor: Any, generator: torch.Generator | None)
     tokens = torch.stack([mask[s.to(mask.device)].sum() for s in steps])
     tokens = distributed.global_share(tokens)
     return [s for s, n in zip(steps, tokens.tolist(), strict=True) if n > 0]
-
-
-def _denominator(mode: str, tokens: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-    """What ``agg_loss`` divides by in ``mode`` (None: nothing, ``token-sum``)."""
-    if mode == "token-mean":
-        return tokens
-    return None if mode == "token-sum" else rows
 
 
 @dataclass
@@ -214,6 +287,7 @@ class _Run:
     is_weights: torch.Tensor | None = None
     train_mask: torch.Tensor | None = None
     collected: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    loss_metrics: _LossMetrics = field(default_factory=lambda: _LossMetrics())
     totals: dict[str, float] = field(default_factory=lambda: {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0})
     counts: dict[str, int] = field(
         default_factory=lambda: {"optimizer_steps": 0, "zero_grad_steps_skipped": 0, "nonfinite_grad_steps_skipped": 0}
@@ -262,7 +336,7 @@ def run_update(
         model=model, optimizer=optimizer, batch=batch, actor=actor, temperature=temperature, routing=routing,
         rc_options=dict(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
                         rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold),
-        advantages=_advantages(batch, algo),
+        advantages=batch_advantages(batch, algo),
         on_policy=bool(actor.onpolicy_fix) and is_on_policy(optimizer_steps=len(steps)),
         train_mask=batch.response_mask,
     )
@@ -276,13 +350,6 @@ def run_update(
         _optimizer_step(run, step_rows)
     run.timing["timing_s/update_actor"] = time.perf_counter() - t0
     return Update(_metrics(run, len(steps)), run.old_log_prob if steps else None)
-
-
-def _advantages(batch: Batch, algo: Any) -> torch.Tensor:
-    options = {name: getattr(algo, name) for name in ("gamma", "lam", "norm_adv_by_std_in_grpo", "epsilon")}
-    advantages, _ = compute_advantages(algo.adv_estimator, token_level_rewards=batch.token_level_rewards,
-                                       response_mask=batch.response_mask, index=batch.index, **options)
-    return advantages
 
 
 def _no_grad_pass(run: _Run, model: Any, name: str, routing: list[torch.Tensor] | None) -> torch.Tensor:
@@ -317,8 +384,8 @@ def _reference_pass(run: _Run, ref_model: Any | None) -> None:
 
 
 def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
-    """One planned optimizer step: the micro-batches' losses and backwards, the re-normalisation from the
-    totals before rollout correction to those after it, the clipped step (skipped on a zero or non-finite
+    """One planned optimizer step: the micro-batches' losses and backwards, token-mean's re-normalisation from the
+    tokens before rollout correction to those after it, the clipped step (skipped on a zero or non-finite
     gradient)."""
     mask = run.batch.response_mask
     run.optimizer.zero_grad(set_to_none=True)
@@ -327,15 +394,16 @@ def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
     tokens_before = distributed.global_share(pre.sum()).clamp(min=1)
     rows_before = distributed.global_share((pre.sum(-1) > 0).sum()).clamp(min=1)
     agg = {"batch_num_tokens": tokens_before, "global_batch_size": rows_before}
-    after = {"tokens": torch.zeros((), dtype=torch.float64, device=mask.device),
-             "rows": torch.zeros((), dtype=torch.float64, device=mask.device)}
+    after = {"tokens": torch.zeros((), dtype=torch.float64, device=mask.device)}
     partial = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
     for mb in _micro_batches(step_rows, run.actor.micro_batch_size):
         _micro_batch(run, mb, agg, after, partial)
-    mode = run.actor.loss_agg_mode
-    before = _denominator(mode, tokens_before, rows_before)
-    later = _denominator(mode, distributed.global_share(after["tokens"]), distributed.global_share(after["rows"]))
-    factor = 1.0 if before is None or float(later) == 0.0 else float(before) / float(later)
+    # token-mean: re-normalise from the tokens before rejection to the tokens after it (the seq-mean modes
+    # keep every row of the mini-batch, token-sum has no denominator)
+    factor = 1.0
+    if run.actor.loss_agg_mode == "token-mean":
+        later = float(distributed.global_share(after["tokens"]))
+        factor = float(tokens_before) / later if later > 0 else 1.0
     if factor != 1.0:
         for p in run.params:
             if p.grad is not None:
@@ -387,8 +455,8 @@ def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, An
             )
     else:
         sub_old = run.old_log_prob[rows]
-    after["tokens"] += sub_mask.sum()
-    after["rows"] += (sub_mask.sum(-1) > 0).sum()
+    sub_tokens = sub_mask.sum()
+    after["tokens"] += sub_tokens
     mode = actor.loss_agg_mode
     pg_loss, pg_metrics = policy_loss(
         actor.policy_loss, old_log_prob=sub_old, log_prob=log_prob, advantages=run.advantages[rows],
@@ -408,8 +476,7 @@ def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, An
     run.trained_tokens += int(sub.attention_mask.sum())
     partial["pg_loss"] += pg_loss.item()
     partial["entropy"] += entropy_loss.item()
-    for k, v in pg_metrics.items():
-        run.collected[k].append(v)
+    run.loss_metrics.add(pg_metrics, float(sub_tokens))
 
 
 def _metrics(run: _Run, n_steps: int) -> dict[str, float]:
@@ -419,6 +486,7 @@ def _metrics(run: _Run, n_steps: int) -> dict[str, float]:
     if n_steps:
         metrics.update(_global_rollout_metrics(run.old_log_prob, run.batch.rollout_log_probs,
                                                run.batch.response_mask, run.rc_options))
+    metrics.update(run.loss_metrics.result())
     metrics.update(_mean_metrics(run.collected))
     steps = max(n_steps, 1)
     metrics["actor/pg_loss"] = run.totals["pg_loss"] / steps

@@ -1,8 +1,12 @@
-"""Masked reductions over ``[B, T]`` response-token matrices.
+"""Masked reductions over ``[B, T]`` response-token matrices, and the dtype the algorithms compute in.
 
 ``mask`` is 1 (or True) for model tokens and 0 for env/pad tokens. Values outside the mask never reach a
 result, whatever they are (``NaN`` and ``±inf`` included): every reduction selects with ``torch.where``
 before it multiplies or adds. Means divide by ``count + 1e-8`` so an all-zero mask yields 0, not NaN.
+
+Precision: every public algorithm function promotes its floating inputs with :func:`promote` first, so
+fp16 and bf16 tensors (and integer rewards or masks) are accumulated in fp32, as verl's pipeline holds
+them (its rewards, advantages and log-probs are fp32); fp64 stays fp64. Results come back in that dtype.
 """
 
 from __future__ import annotations
@@ -10,6 +14,21 @@ from __future__ import annotations
 import torch
 
 _EPS = 1e-8
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """fp64 if a floating input is fp64, else fp32 (fp16, bf16, integer and bool inputs are promoted)."""
+    dtype = torch.float32
+    for t in tensors:
+        if t is not None and t.is_floating_point():
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def promote(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """``tensors`` in their :func:`compute_dtype` (None stays None; gradients flow through the cast)."""
+    dtype = compute_dtype(*tensors)
+    return [None if t is None else t.to(dtype) for t in tensors]
 
 
 def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

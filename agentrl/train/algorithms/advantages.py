@@ -11,7 +11,12 @@ where verl's are rounding artefacts we are exact: a group whose scores are all e
 0 (grpo, rloo, opo, reinforce_plus_plus_baseline); junk (NaN, inf) at env tokens in ``values`` (gae) or in
 the rewards of the reward-to-go estimators (gae, reinforce_plus_plus), which verl multiplies by a zero mask
 into NaN, never reaches the result. (The outcome estimators score a row by the sum of all its token rewards,
-env tokens included, as verl does.)
+env tokens included, as verl does.) fp16 and bf16 inputs are computed, and returned, in fp32 (see
+:func:`register_advantage`); in fp16 a group's sum of squares overflows and a whitening's ``1e-8`` vanishes.
+
+The whitened estimators (``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``gae``) normalise over
+the whole batch they are given: under data parallelism pass them every rank's rows, as verl does on its
+driver (:func:`agentrl.train.update.batch_advantages` gathers them).
 
 Inputs common to all estimators:
   token_level_rewards: ``[B, T]`` float; outcome estimators use the row sum as the sequence score.
@@ -22,26 +27,43 @@ Inputs common to all estimators:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from agentrl.train.algorithms._masked import masked_whiten
+from agentrl.train.algorithms._masked import masked_whiten, promote
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 
 
+_TENSOR_ARGS = ("token_level_rewards", "response_mask", "values")
+
+
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator adding an estimator to :data:`ADVANTAGE_ESTIMATORS` under ``name``."""
+    """Decorator adding an estimator to :data:`ADVANTAGE_ESTIMATORS` under ``name``.
+
+    The estimator is registered (and returned) wrapped so that its tensor arguments (``token_level_rewards``,
+    ``response_mask``, ``values``) arrive promoted to the compute dtype (fp32, or fp64 if one is fp64; see
+    :func:`~agentrl.train.algorithms._masked.promote`): fp16/bf16 rewards are summed, centred and whitened in
+    fp32, and the advantages come back in fp32.
+    """
 
     def deco(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
+
+        @functools.wraps(fn)
+        def promoted(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            keys = [k for k in _TENSOR_ARGS if isinstance(kwargs.get(k), torch.Tensor)]
+            kwargs.update(zip(keys, promote(*(kwargs[k] for k in keys)), strict=True))
+            return fn(**kwargs)
+
+        ADVANTAGE_ESTIMATORS[name] = promoted
+        return promoted
 
     return deco
 
@@ -72,8 +94,10 @@ def _group_centered(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tens
     The mean is taken of the differences to the group's first score (a shifted mean), so a group of equal
     scores gives differences of exactly 0, a centred score of exactly 0 and a std of exactly 0 in any
     dtype, for any size and value; verl's plain mean leaves a rounding residue there that the std division
-    blows up (~0.1 in fp32). Elsewhere the two agree to rounding. Singleton groups follow verl: mean 0 and
-    std 1, i.e. the centred score is the score itself.
+    blows up (~0.1 in fp32). Elsewhere the two agree to rounding. The std is summed over centred scores
+    scaled by the group's largest one (as BLAS ``nrm2`` does), so it is 0 exactly when every centred score
+    is 0: squares that underflow (differences near 1e-20 in fp32) or overflow cannot make it 0 or inf.
+    Singleton groups follow verl: mean 0 and std 1, i.e. the centred score is the score itself.
     """
     n_groups = int(gid.max()) + 1
     count = _group_sum(torch.ones_like(scores), gid, n_groups)
@@ -81,10 +105,13 @@ def _group_centered(scores: torch.Tensor, gid: torch.Tensor) -> tuple[torch.Tens
     first = first.scatter_reduce(0, gid, torch.arange(len(scores), device=scores.device), reduce="amin")
     diff = scores - scores[first][gid]
     centered = diff - (_group_sum(diff, gid, n_groups) / count)[gid]
-    var = _group_sum(centered.square(), gid, n_groups) / (count - 1).clamp(min=1)
+    peak = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    peak = peak.scatter_reduce(0, gid, centered.abs(), reduce="amax")
+    unit = torch.where(peak > 0, peak, torch.ones_like(peak))
+    var = _group_sum((centered / unit[gid]).square(), gid, n_groups) / (count - 1).clamp(min=1)
     single = count[gid] == 1
     centered = torch.where(single, scores, centered)
-    std = torch.where(single, torch.ones_like(scores), var.sqrt()[gid])
+    std = torch.where(single, torch.ones_like(scores), (unit * var.sqrt())[gid])
     return count[gid], centered, std
 
 
@@ -112,17 +139,26 @@ def grpo(*, token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by
         token_level_rewards: ``[B, T]`` float; the row sum is the sequence score.
         response_mask: ``[B, T]``, 1 = model token.
         index: ``B`` group ids (rows with one id are samples of one prompt).
-        epsilon: added to the group std (unbiased; 1 for a singleton group).
+        epsilon: ``>= 0``, added to the group std (unbiased; 1 for a singleton group).
         norm_adv_by_std_in_grpo: divide by the group std.
 
     Returns:
         ``(advantages, returns)``: both the same ``[B, T]`` float tensor, 0 outside ``response_mask``.
-        A group of equal scores gets exactly 0 (see :func:`_group_centered`).
+        A group of equal scores gets exactly 0 (see :func:`_group_centered`), with ``epsilon=0`` too (verl
+        divides 0 by 0 there: NaN).
+
+    Raises:
+        ValueError: ``epsilon`` is negative or NaN.
     """
+    if not epsilon >= 0:
+        raise ValueError(f"epsilon must be >= 0 (it is added to the group std of GRPO), got {epsilon}")
     with torch.no_grad():
         scores = token_level_rewards.sum(dim=-1)
         _, centered, std = _group_centered(scores, _group_ids(index, scores.shape[0], scores.device))
-        adv = centered / (std + epsilon) if norm_adv_by_std_in_grpo else centered
+        if norm_adv_by_std_in_grpo:  # std is 0 only for a constant group, whose centred scores are all 0
+            adv = torch.where(std > 0, centered / (std + epsilon), centered)
+        else:
+            adv = centered
         adv = adv.unsqueeze(-1) * response_mask
     return adv, adv
 
@@ -316,7 +352,7 @@ def compute_advantages(
 
     Raises:
         ValueError: an unknown name (listing the valid ones), mismatched shapes, a group estimator without
-            ``index``, ``gae`` without ``values``.
+            ``index``, ``gae`` without ``values``, a negative or NaN ``epsilon`` (``grpo``).
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
     if fn is None:

@@ -13,6 +13,12 @@ padding gives a finite loss and a zero gradient there; :func:`agg_loss` selects 
 value is finite and the gradient it sends back there is exactly 0. verl multiplies by the mask instead,
 so its sequence-level aggregations and its gradients turn such junk into NaN; on finite inputs the two
 agree to rounding.
+
+Every function promotes fp16/bf16 inputs to fp32 before any arithmetic (gradients flow back through the
+cast; see :func:`~agentrl.train.algorithms._masked.promote`), so losses, KL estimates and metrics come
+back in fp32: in fp16 ``exp`` of a log-ratio above 11 is ``inf`` and a token count above 2048 rounds.
+An all-zero mask gives a loss of exactly 0 (verl divides 0 by 0: NaN), and statistics over no token are
+left out of the metrics rather than reported as ``±inf`` (:func:`policy_loss`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentrl.train.algorithms._masked import masked, masked_max, masked_mean, masked_min, masked_sum
+from agentrl.train.algorithms._masked import masked, masked_max, masked_mean, masked_min, masked_sum, promote
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -60,7 +66,7 @@ def agg_loss(
         A 0-d float tensor (differentiable through ``loss_mat``).
 
     Raises:
-        ValueError: an unknown mode, or ``dp_size > 1`` without the global totals.
+        ValueError: an unknown mode, ``dp_size > 1`` without the global totals, ``loss_scale_factor <= 0``.
 
     Modes:
       ``token-mean``: sum over unmasked tokens / ``batch_num_tokens`` (default: unmasked tokens here).
@@ -71,18 +77,23 @@ def agg_loss(
       ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` / ``loss_scale_factor`` (default: T).
     Pass ``batch_num_tokens`` / ``global_batch_size`` (totals over all micro-batches of an optimizer step,
     over all data-parallel ranks) when accumulating gradients over micro-batches, so the sum of micro-batch
-    losses equals the full loss. ``dp_size`` multiplies the result (every mode), so that the data-parallel
-    gradient average equals the gradient of the global loss; with ``dp_size > 1`` the global totals are
-    required (verl's rule).
+    losses equals the full loss. verl's trainer passes the token total of the mini-batch's loss mask (after
+    rejection sampling) and its row count (``ppo_mini_batch_size * rollout.n``: every row, also one that
+    rejection emptied). ``dp_size`` multiplies the result (every mode), so that the data-parallel gradient
+    average equals the gradient of the global loss; with ``dp_size > 1`` the global totals are required
+    (verl's rule). With the default totals an all-zero mask gives exactly 0 (verl: 0 / 0).
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; choose one of {list(LOSS_AGG_MODES)}")
+    if loss_scale_factor is not None and not loss_scale_factor > 0:
+        raise ValueError(f"loss_scale_factor must be > 0 (seq-mean-token-sum-norm divides by it), got {loss_scale_factor}")
+    loss_mat, loss_mask = promote(loss_mat, loss_mask)
     loss_mat = masked(loss_mat, loss_mask)
     if loss_agg_mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:
                 raise ValueError("token-mean with dp_size > 1 needs the global batch_num_tokens")
-            batch_num_tokens = loss_mask.sum()
+            batch_num_tokens = loss_mask.sum().clamp(min=1)  # no token: the sum is 0, and so is the loss
         return masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
     if loss_agg_mode == "token-sum":
         return masked_sum(loss_mat, loss_mask) * dp_size
@@ -94,7 +105,7 @@ def agg_loss(
     if global_batch_size is None:
         if dp_size > 1:
             raise ValueError(f"{loss_agg_mode} with dp_size > 1 needs the global global_batch_size")
-        global_batch_size = rows.sum()
+        global_batch_size = rows.sum().clamp(min=1)
     loss = masked_sum(row_loss, rows) / global_batch_size * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
         loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
@@ -128,6 +139,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     """
     straight_through = kind.endswith("+")
     base = kind[:-1] if straight_through else kind
+    log_prob, ref_log_prob = promote(log_prob, ref_log_prob)
     diff = log_prob - ref_log_prob
     if base in ("k1", "kl"):
         value = diff
@@ -185,6 +197,9 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
 
 
 def _ratio_metrics(ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Mean, max and min of the ratio over the masked tokens; none of them when the mask is empty."""
+    if not mask.any():
+        return {}
     return {
         "actor/ppo_ratio_mean": masked_mean(ratio, mask).item(),
         "actor/ppo_ratio_max": masked_max(ratio, mask).item(),
@@ -329,14 +344,15 @@ def policy_loss(
         rollout_is_weights: ``[B, T]`` detached rollout-correction weights, or None.
 
     Returns:
-        ``(loss, metrics)``: a 0-d tensor and a dict of floats.
+        ``(loss, metrics)``: a 0-d tensor and a dict of floats (fp32, or fp64 for fp64 inputs).
 
     Raises:
         ValueError: an unknown name (listing the valid ones) or inputs of different shapes.
 
     Metrics use verl's names: ``actor/pg_clipfrac`` (fraction of unmasked tokens where clipping bound),
     ``actor/ppo_kl`` (mean ``old - new`` log-prob), ``actor/pg_clipfrac_lower`` (dual-clip fraction), plus
-    ``actor/ppo_ratio_mean|max|min`` (the importance ratio pi/pi_old over unmasked tokens).
+    ``actor/ppo_ratio_mean|max|min`` (the importance ratio pi/pi_old over unmasked tokens). With an
+    all-zero mask verl's three are 0, as in verl, and the ratio statistics are left out (there is no ratio).
     ``rollout_is_weights`` (``[B, T]``, detached) multiply the per-token losses (rollout correction).
     ``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor`` go to
     :func:`agg_loss` (verl's ``global_batch_info``). Inputs outside ``response_mask`` are ignored, whatever
@@ -364,6 +380,9 @@ def policy_loss(
         if v is not None
     }
     clip = ClipConfig(ratio=clip_ratio, low=clip_ratio_low, high=clip_ratio_high, c=clip_ratio_c)
+    old_log_prob, log_prob, advantages, response_mask, rollout_is_weights = promote(
+        old_log_prob, log_prob, advantages, response_mask, rollout_is_weights
+    )
     old_log_prob, log_prob, advantages = (masked(t, response_mask) for t in (old_log_prob, log_prob, advantages))
     if rollout_is_weights is not None:
         rollout_is_weights = masked(rollout_is_weights, response_mask)

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from agentrl.train.algorithms._masked import masked, masked_max, masked_mean, masked_min, masked_sum
+from agentrl.train.algorithms._masked import masked, masked_max, masked_mean, masked_min, masked_sum, promote
 
 SAFETY_BOUND = 20.0
 RS_OPTIONS = (
@@ -336,7 +336,7 @@ def rollout_correction(
 
     Returns:
       ``(is_weights [B, T] detached or None, response_mask [B, T] with rejected tokens zeroed (same dtype),
-      metrics)``. With both ``rollout_is`` and ``rollout_rs`` None only the gap metrics are computed.
+      metrics)``. Log-probs in fp16/bf16 are promoted first: the weights are fp32 (fp64 for fp64 inputs). With both ``rollout_is`` and ``rollout_rs`` None only the gap metrics are computed.
 
     Raises:
       ValueError: shapes differ, the mask has no model token, or an option/threshold is malformed.
@@ -357,8 +357,11 @@ def rollout_correction(
         )
     if not response_mask.any():
         raise ValueError("response_mask has no model tokens; rollout correction needs at least one")
-    old_log_prob = masked(old_log_prob.detach(), response_mask)
-    rollout_log_prob = masked(rollout_log_prob.detach(), response_mask)
+    mask_dtype = response_mask.dtype
+    old_log_prob, rollout_log_prob, response_mask = promote(old_log_prob.detach(), rollout_log_prob.detach(),
+                                                            response_mask)
+    old_log_prob = masked(old_log_prob, response_mask)
+    rollout_log_prob = masked(rollout_log_prob, response_mask)
     log_ratio = old_log_prob - rollout_log_prob
     metrics: dict[str, float] = {}
     weights = None
@@ -377,4 +380,4 @@ def rollout_correction(
         metrics.update(rs_m)
     if with_metrics:
         metrics.update(_gap_metrics(old_log_prob, rollout_log_prob, response_mask))
-    return weights, new_mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}
+    return weights, new_mask.to(mask_dtype), {f"rollout_corr/{k}": v for k, v in metrics.items()}
