@@ -62,3 +62,45 @@ def test_lora_20b_driver_parses_and_refuses_an_unknown_phase(tmp_path):
     bad = subprocess.run(["bash", str(script), str(tmp_path)], env={"PHASE": "both", "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "PHASE must be replay or noreplay" in bad.stderr
+
+
+def _driver_train_args(**shell: str) -> list[str]:
+    """The ``agentrl train`` arguments of ``gptoss20b_lora.sh`` as bash expands them with the script's default
+    knobs (``shell`` overrides some)."""
+    text = (BENCH / "gptoss20b_lora.sh").read_text()
+    head = "python3 -m agentrl.cli train"
+    start = text.index(head) + len(head)
+    words = text[start:text.index('"$@"', start)].replace("\\\n", " ")
+    knobs = {"RANK": "16", "REPLAY": "true", "STEPS": "5", "MICRO": "2", "ROWS": "800", "TASKS": "2", "GROUP": "4",
+             "TURNS": "2", "NEW_TOKENS": "256", "SANDBOX": "local", "RUN": "/tmp/gptoss20b_replay", **shell}
+    script = "".join(f"{k}={v}\n" for k, v in knobs.items()) + "printf '%s\\n' " + words
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if line]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_lora_20b_driver_command_line_is_a_valid_config():
+    from agentrl.train.config import build_config
+
+    cfg = build_config(_driver_train_args())  # every key exists and every value is valid
+    assert (cfg.model, cfg.device, cfg.dtype, cfg.attn_implementation) == ("gpt-oss-20b-random", "cuda", "bfloat16",
+                                                                          "agentrl_sink")
+    assert (cfg.actor.lora.rank, cfg.actor.lora.alpha, cfg.actor.lr) == (16, 32.0, 1e-5)
+    assert cfg.actor.routing_replay and cfg.actor.gradient_checkpointing and cfg.trainer.total_steps == 5
+    assert dict(cfg.env_kwargs) == {"tier": "table", "table_rows": 800, "closeness": 1.0, "sandbox": "local"}
+    assert not build_config(_driver_train_args(REPLAY="false", STEPS="2")).actor.routing_replay
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_lora_20b_driver_command_runs_one_step_on_a_tiny_gpt_oss_on_the_cpu(tmp_path):
+    """The driver's exact keys, with the model, device and sizes made tiny (the extra keys it passes on): one
+    LoRA GRPO step with routing replay, chunked log-probs and gradient checkpointing, on-policy ratio 1."""
+    from _cli_process import run_here
+
+    args = _driver_train_args(RUN=str(tmp_path / "run"), ROWS="20", NEW_TOKENS="8", TASKS="1", GROUP="2", STEPS="1")
+    run_here("train", [*args, "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "device=cpu", "dtype=float32",
+                       "attn_implementation=null", "threads=1"])  # sink attention's kernels need a GPU
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 1 and record["actor/on_policy"] == 1.0 and record["actor/ppo_ratio_max"] == 1.0
+    assert record["actor/grad_norm"] > 0 and record["reward/closeness/mean"] > 0

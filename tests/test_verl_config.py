@@ -290,3 +290,46 @@ def test_verl_run_takes_the_verl_profile_and_prints_it(tmp_path):
     assert p.resolved.actor_rollout_ref.rollout.temperature == 1.0
     assert p.resolved.trainer.total_training_steps == 200
     assert describe(p).startswith("backend=verl defaults: actor.lr=1e-06 ")
+
+
+def test_lora_keys_map_to_verls_lora_settings_and_verl_composes_them(tmp_path, capsys):
+    from agentrl.train.verl_backend.launch import main, plan
+
+    cfg = _cfg(tmp_path, **{"actor.lora": {"rank": 16, "alpha": None, "dropout": 0.0, "target_modules": []},
+                            "verl.rollout": "agentrl", "verl.tensor_parallel": 1})  # verl checks vLLM's LoRA here
+    assert main(cfg, dry_run=True) == 0
+    printed = capsys.readouterr().out
+    for shown in ("actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32",
+                  "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+                  "+actor_rollout_ref.model.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"):
+        assert shown in printed, shown  # the dry run shows them
+    model = plan(cfg).resolved.actor_rollout_ref.model  # as verl's own config resolves them
+    assert (model.lora_rank, model.lora_alpha) == (16, 32)
+    assert list(model.target_modules) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert list(model.target_parameters) == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+    def lora_kv(model_name, **section):
+        lora = {"rank": 8, "alpha": None, "dropout": 0.0, "target_modules": [], **section}
+        kv = dict(o.split("=", 1) for o in verl_overrides(_cfg(tmp_path, model=model_name, **{"actor.lora": lora}),
+                                                           ["t.parquet"], ["v.parquet"]))
+        return {k: v for k, v in kv.items() if "lora" in k or "target_" in k}
+
+    assert lora_kv("Qwen/Qwen3-8B") == {"actor_rollout_ref.model.lora_rank": "8",
+                                        "actor_rollout_ref.model.lora_alpha": "16",
+                                        "actor_rollout_ref.model.target_modules": "all-linear"}
+    assert lora_kv("openai/gpt-oss-20b", alpha=4.0, target_modules=["q_proj", "gate_up_proj"]) == {
+        "actor_rollout_ref.model.lora_rank": "8", "actor_rollout_ref.model.lora_alpha": "4",
+        "actor_rollout_ref.model.target_modules": "[q_proj]",
+        "+actor_rollout_ref.model.target_parameters": "[gate_up_proj]"}
+    assert "actor_rollout_ref.model.lora_alpha" not in lora_kv("Qwen/Qwen3-8B", rank=0)  # no LoRA
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"alpha": 12.5}, r"actor.lora.alpha=12.5: verl's lora_alpha is an integer"),
+    ({"dropout": 0.05}, "verl's LoRA has no dropout; set actor.lora.dropout=0"),
+    ({"target_modules": ["mlp.router"]}, "MoE router"),
+])
+def test_lora_settings_verl_cannot_take_are_refused(tmp_path, section, message):
+    lora = {"rank": 8, "alpha": None, "dropout": 0.0, "target_modules": [], **section}
+    with pytest.raises(VerlConfigError, match=message):
+        verl_overrides(_cfg(tmp_path, **{"actor.lora": lora}), ["t.parquet"], ["v.parquet"])

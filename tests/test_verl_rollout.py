@@ -210,8 +210,6 @@ def test_weight_sync_refusals_and_routing_capture(tiny):
         update([*weights.items(), ("model.extra.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="has shape"):
         update([("model.norm.weight", torch.zeros(3))])
-    with pytest.raises(NotImplementedError, match="lora.merge=true"):
-        update(weights.items(), peft_config={"r": 8})
     with pytest.raises(NotImplementedError, match="checkpoint_engine.backend=naive"):
         update([], wire_format="delta_flush")
     assert not rollout.synced  # a failed update leaves the rollout refusing to sample
@@ -231,6 +229,81 @@ def test_weight_sync_refusals_and_routing_capture(tiny):
     assert len(out.token_ids) == 4 and out.extra_fields["global_steps"] == 1
     assert out.routed_experts.shape == (len(prompt) + 4 - 1, LAYERS, 2)  # the last sampled token was not fed
     assert ((out.routed_experts >= 0) & (out.routed_experts < 4)).all()
+
+
+def _peft_actor(seed):
+    """A LoRA actor as verl's FSDP engine builds it (``get_peft_model`` with ``target_modules`` and GPT-OSS's
+    experts as ``target_parameters``), its adapter moved away from PEFT's init (B = 0) as training would."""
+    import torch
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, bias="none",
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    actor = get_peft_model(_actor(0), config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in actor.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return actor.eval()
+
+
+def _verl_lora_sync(actor, base_sync_done):
+    """The tensors verl's FSDP engine sends for a LoRA actor (``get_per_tensor_param`` without an FSDP wrapper:
+    verl's ``collect_lora_params``, ``replace_lora_wrapper`` on a base sync, ``convert_weight_keys``)."""
+    from verl.utils.fsdp_utils import collect_lora_params, replace_lora_wrapper
+    from verl.utils.model import convert_weight_keys
+
+    config = actor.peft_config["default"]
+    params = collect_lora_params(module=actor, layered_summon=False, base_sync_done=base_sync_done)
+    if not base_sync_done:
+        params = {replace_lora_wrapper(k, config): v for k, v in params.items()}
+    return list(convert_weight_keys(params, actor).items()), config
+
+
+def test_lora_weight_syncs_base_once_then_adapters_through_sleep(tiny):
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.base import get_rollout_class
+
+    from agentrl.engines.base import SamplingParams
+    from agentrl.models import lora
+
+    vcfg = tiny["config"]
+    rollout = get_rollout_class("agentrl", "async")(
+        config=omega_conf_to_dataclass(vcfg.actor_rollout_ref.rollout),
+        model_config=omega_conf_to_dataclass(vcfg.actor_rollout_ref.model), device_mesh=None, replica_rank=11)
+    prompt = [200006, 17360, 200008, 1000]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=[])
+
+    def update(items, **kw):
+        asyncio.run(rollout.update_weights(iter(items), **kw))
+
+    a, b = _peft_actor(1), _peft_actor(2)
+    base, config = _verl_lora_sync(a, base_sync_done=False)
+    assert any(".base_layer." in n for n, _ in base) and not any("lora_" in n for n, _ in base)
+    adapter, _ = _verl_lora_sync(a, base_sync_done=True)
+    assert adapter and all("lora_" in n for n, _ in adapter)
+    with pytest.raises(RuntimeError, match="before the base weights"):  # dummy weights, no base sync yet
+        update(adapter, peft_config=config, base_sync_done=True)
+    update(base, peft_config=config, base_sync_done=False, global_steps=1)  # verl's first sync: the base
+    with pytest.raises(RuntimeError, match="not the actor's"):  # the adapter has not arrived yet
+        rollout.generate_batch([prompt], greedy, [5])
+    update(adapter, peft_config=config, base_sync_done=True, global_steps=1)
+    assert lora.has_lora(rollout.model)
+    out_a = rollout.generate_batch([prompt], greedy, [5])[0][0]
+    assert out_a.logprobs == pytest.approx(_teacher_forced_logprobs(a, prompt, out_a.token_ids), abs=1e-4)
+
+    asyncio.run(rollout.release())  # verl's sleep before training: a LoRA rollout keeps its base weights
+    assert not rollout._released
+    update(_verl_lora_sync(b, base_sync_done=True)[0], peft_config=config, base_sync_done=True, global_steps=2)
+    out_b = rollout.generate_batch([prompt], greedy, [5])[0][0]
+    assert out_b.logprobs == pytest.approx(_teacher_forced_logprobs(b, prompt, out_b.token_ids), abs=1e-4)
+    assert out_b.logprobs != pytest.approx(out_a.logprobs, abs=1e-4)  # the adapter sync changed the policy
+
+    other = dict(config.to_dict(), r=8)
+    with pytest.raises(ValueError, match="adapter settings"):
+        update(adapter, peft_config=other, base_sync_done=True)
 
 
 def test_split_moe_experts_are_packed_back():

@@ -106,6 +106,39 @@ def _matches(full: str, name: str) -> bool:
     return full == name or full.endswith("." + name)
 
 
+def _check_target_name(name: str) -> None:
+    """ValueError for a target LoRA must not adapt: the MoE router, the LM head, the embeddings."""
+    if "router" in name.split("."):
+        raise ValueError(
+            f"actor.lora.target_modules: {name!r} is the MoE router, which LoRA does not adapt here (routing "
+            "replay forces its choices and the on-policy fix needs its plain logits); drop it"
+        )
+    if name.split(".")[-1] in ("lm_head", "embed_tokens"):
+        raise ValueError(
+            f"actor.lora.target_modules: {name!r}: the trainer scores tokens with the LM head's and embeddings' "
+            "own weights (chunked log-probs), which an adapter there would bypass; target the decoder layers"
+        )
+
+
+def split_target_names(names: list[str], *, gpt_oss: bool) -> tuple[list[str] | str, list[str]]:
+    """``(target_modules, target_parameters)`` from target names alone, without the model (e.g. for verl's
+    config): :func:`resolve_targets`'s split by name. Empty ``names``: GPT-OSS's attention projections and fused
+    experts, else ``"all-linear"`` (every decoder linear layer: what the default names cover in Llama-family
+    models). A parameter target is a name with an ``experts`` component or, in GPT-OSS (whose only MLP weights
+    are the fused experts), one ending in ``gate_up_proj`` / ``down_proj``. ValueError as resolve_targets."""
+    names = list(names) or (ATTENTION + GPT_OSS_EXPERTS if gpt_oss else ["all-linear"])
+    if names == ["all-linear"]:
+        return "all-linear", []
+    modules: list[str] = []
+    parameters: list[str] = []
+    for name in names:
+        _check_target_name(name)
+        parts = name.split(".")
+        expert = "experts" in parts or (gpt_oss and parts[-1] in ("gate_up_proj", "down_proj"))
+        (parameters if expert else modules).append(name)
+    return modules, parameters
+
+
 def resolve_targets(model: nn.Module, names: list[str]) -> tuple[list[str] | str, list[str]]:
     """``(target_modules, target_parameters)`` for PEFT from ``names`` (empty: :func:`default_targets`).
 
@@ -121,16 +154,7 @@ def resolve_targets(model: nn.Module, names: list[str]) -> tuple[list[str] | str
     modules: list[str] = []
     parameters: list[str] = []
     for name in names:
-        if "router" in name.split("."):
-            raise ValueError(
-                f"actor.lora.target_modules: {name!r} is the MoE router, which LoRA does not adapt here (routing "
-                "replay forces its choices and the on-policy fix needs its plain logits); drop it"
-            )
-        if name.split(".")[-1] in ("lm_head", "embed_tokens"):
-            raise ValueError(
-                f"actor.lora.target_modules: {name!r}: the trainer scores tokens with the LM head's and embeddings' "
-                "own weights (chunked log-probs), which an adapter there would bypass; target the decoder layers"
-            )
+        _check_target_name(name)
         if any(_matches(n, name) for n in linear):
             modules.append(name)
         elif any(_matches(p, name) for p in params):

@@ -181,6 +181,20 @@ class AlgorithmConfig:
 
 
 @dataclass
+class LoraSection:
+    """LoRA adapters through PEFT (:mod:`agentrl.models.lora`): ``rank`` > 0 trains low-rank adapters only, the
+    base weights stay frozen, the KL reference is the base with the adapters disabled (no second copy) and
+    checkpoints hold the adapter and its optimizer state only."""
+
+    rank: int = key(0, "LoRA rank (0: no LoRA, train the full model)", min=0, verl="actor_rollout_ref.model.lora_rank")
+    alpha: float | None = key(None, "LoRA scale numerator (alpha / rank multiplies B A; null: 2 * rank)", gt=0)
+    dropout: float = key(0.0, "dropout on the adapters' input, in [0, 1) (linear targets only)", min=0)
+    target_modules: list[str] = key([], "layer or weight names to adapt: suffixes such as q_proj or GPT-OSS's fused "
+                                    "experts mlp.experts.gate_up_proj (PEFT target_parameters); [] = the "
+                                    "architecture's default (attention + MLP / GPT-OSS experts); [all-linear]")
+
+
+@dataclass
 class ActorConfig:
     """Optimisation. One optimizer step per mini-batch (``ppo_epochs`` x ``num_mini_batches`` steps, fewer when
     the usable rows make fewer chunks). A batch that gets exactly one step is trained on-policy: old log-probs
@@ -207,7 +221,8 @@ class ActorConfig:
     clip_ratio_c: float = key(3.0, "dual-clip bound for negative advantages", gt=1,
                               verl="actor_rollout_ref.actor.clip_ratio_c")
     entropy_coeff: float = key(0.0, "weight of the entropy bonus", verl="actor_rollout_ref.actor.entropy_coeff")
-    use_kl_loss: bool = key(False, "add a KL loss to the reference policy (the initial or SFT'd weights)",
+    use_kl_loss: bool = key(False, "add a KL loss to the reference policy (the initial or SFT'd weights; with "
+                            "LoRA the base model, adapters disabled)",
                             verl="actor_rollout_ref.actor.use_kl_loss")
     kl_loss_coef: float = key(0.001, "weight of the KL loss", min=0, verl="actor_rollout_ref.actor.kl_loss_coef")
     kl_loss_type: str = key("low_var_kl", "KL estimator", choices=KL_TYPES, verl="actor_rollout_ref.actor.kl_loss_type")
@@ -217,6 +232,7 @@ class ActorConfig:
                                        verl="actor_rollout_ref.model.enable_gradient_checkpointing")
     freeze: list[str] = key([], "parameter groups kept fixed", choices=FREEZE_GROUPS)
     routing_replay: bool = key(False, "replay the rollout's MoE routing in the training forwards")
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass
@@ -356,6 +372,12 @@ def profile_values(profile: str) -> dict[str, Any]:
     return {k: m[profile] for k, m in declarations(TrainConfig).items() if profile in m}
 
 
+LORA_LR_KEYS = ("actor.lr", "sft.lr")
+LORA_LR_SCALE = 10.0
+"""A fresh run with ``actor.lora.rank > 0`` starts from these learning rates times this (its device's and
+command's defaults, e.g. actor.lr 1e-4 and sft.lr 5e-4 on the CPU): adapters of a low rank need a larger step
+than full fine-tuning to move the model as much. Set either key to override."""
+
 DEVICE_KEYS = tuple(sorted(profile_values("gpu")))
 """Keys whose default differs on a GPU or verl run."""
 
@@ -376,6 +398,8 @@ def describe_device_defaults(cfg: Any) -> str:
     for name in DEVICE_KEYS:
         value = OmegaConf.select(cfg, name)
         default = profile.get(name, OmegaConf.select(schema, name))
+        if name in LORA_LR_KEYS and cfg.actor.lora.rank:
+            default = float(f"{default * LORA_LR_SCALE:.6g}")
         note = "" if value == default else " (set)"
         shown.append(f"{name}={value!r}{note}")
     where = "backend=verl" if cfg.backend == "verl" else f"device={cfg.device}"
@@ -394,6 +418,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"rollout.batch_size*rollout.n={total} must be divisible by actor.num_mini_batches={cfg.actor.num_mini_batches}"
         )
+    _validate_lora(cfg)
     if cfg.rollout.deterministic and (cfg.rollout.engine == "transformers"
                                       or (cfg.rollout.engine == "auto" and cfg.device != "cuda")):
         raise ConfigError(
@@ -417,11 +442,24 @@ def validate(cfg: DictConfig) -> None:
         check_data(str(cfg.sft.data), min_reward=cfg.sft.min_reward, correct_only=cfg.sft.correct_only)
 
 
+def _validate_lora(cfg: DictConfig) -> None:
+    """``actor.lora``: dropout below 1, and no ``actor.freeze`` with it (LoRA already freezes the base)."""
+    lora = cfg.actor.lora
+    if not lora.dropout < 1:
+        raise ConfigError(f"actor.lora.dropout={lora.dropout} must be in [0, 1)")
+    if lora.rank and cfg.actor.freeze:
+        raise ConfigError(
+            f"actor.freeze={list(cfg.actor.freeze)} with actor.lora.rank={lora.rank}: LoRA already keeps every base "
+            "weight fixed and trains the adapters only; drop actor.freeze (or set actor.lora.rank=0)"
+        )
+
+
 def _sft_aliases() -> dict[str, str]:
     """``steps`` -> ``sft.steps``: the ``sft`` section's keys that are not top-level keys (``data=PATH`` is
-    ``sft.data``; ``data.tasks`` stays as it is)."""
+    ``sft.data``; ``data.tasks`` stays as it is), and ``lora.*`` -> ``actor.lora.*``."""
     top = {k.split(".", 1)[0] for k in schema_keys(TrainConfig)}
-    return {name: f"sft.{name}" for name in SFTConfig.__dataclass_fields__ if name not in top or name == "data"}
+    aliases = {name: f"sft.{name}" for name in SFTConfig.__dataclass_fields__ if name not in top or name == "data"}
+    return {**aliases, "lora.": "actor.lora."}
 
 
 SPEC = CommandSpec(
@@ -440,7 +478,8 @@ SFT_SPEC = CommandSpec(
     aliases=_sft_aliases(),
     examples={"env": "env=retool"},
     check=validate,
-    notes="Keys of the sft section may be given without their prefix (steps=12 is sft.steps=12).",
+    notes="Keys of the sft section may be given without their prefix (steps=12 is sft.steps=12); lora.rank=16 is "
+    "actor.lora.rank=16.",
 )
 
 
@@ -468,16 +507,28 @@ def build_config(
 def _profile_defaults(given: list[str], profile: str | None) -> DictConfig | None:
     """The defaults of a fresh run with the ``gpu`` profile (when ``given`` asks for a GPU or verl run) and
     ``profile`` applied, or None when neither applies."""
-    chosen = {k: v for k, _, v in (t.partition("=") for t in given) if k in ("device", "backend")}
+    chosen = {k: v for k, _, v in (t.partition("=") for t in given) if k in ("device", "backend", "actor.lora.rank")}
     layers = ["gpu"] if chosen.get("device") == "cuda" or chosen.get("backend") == "verl" else []
     layers += [profile] if profile else []
-    if not layers:
+    lora = _is_lora_rank(chosen.get("actor.lora.rank"))
+    if not layers and not lora:
         return None
     cfg = OmegaConf.structured(TrainConfig)
     for layer in layers:
         for name, value in profile_values(layer).items():
             OmegaConf.update(cfg, name, value, merge=False)
+    if lora:
+        for name in LORA_LR_KEYS:
+            OmegaConf.update(cfg, name, float(f"{OmegaConf.select(cfg, name) * LORA_LR_SCALE:.6g}"), merge=False)
     return cfg
+
+
+def _is_lora_rank(text: str | None) -> bool:
+    """True when ``text`` (an ``actor.lora.rank=`` value as given) is a positive integer."""
+    try:
+        return text is not None and int(text) > 0
+    except ValueError:
+        return False  # the parser reports the bad value
 
 
 def help_text(spec: CommandSpec = SPEC, profile: str | None = None) -> str:
@@ -488,4 +539,6 @@ def help_text(spec: CommandSpec = SPEC, profile: str | None = None) -> str:
     lines.append(f"Defaults on a GPU run (device=cuda) or a verl run (backend=verl): {gpu}")
     sft = " ".join(f"{k}={v!r}" for k, v in profile_values("sft").items())
     lines.append(f"Defaults of agentrl sft: {sft}")
+    lines.append(f"With actor.lora.rank > 0 (a fresh run): {' and '.join(LORA_LR_KEYS)} default to {LORA_LR_SCALE:g}x the "
+                 "above (LoRA needs a larger learning rate than full fine-tuning)")
     return "\n".join(lines)

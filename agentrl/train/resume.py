@@ -5,7 +5,8 @@ A checkpoint written inside the SFT stage (``sft_<k>``) holds the SFT optimizer'
 (``step_<n>``, step 0 included) holds RL's. Resuming from an SFT-stage checkpoint therefore restores a fresh SFT
 optimizer (:attr:`Checkpoints.sft_optimizer`, which the SFT stage then continues with), and the RL optimizer
 starts fresh when the stage ends, exactly as in an uninterrupted run. After the SFT stage, the KL reference is
-the SFT'd policy, kept in ``RUN_DIR/sft/reference.pt`` for resumed runs.
+the SFT'd policy, kept in ``RUN_DIR/sft/reference.pt`` for resumed runs; except in a LoRA run, whose reference
+stays the base model with the adapters disabled (nothing to keep: no second copy of the weights).
 """
 
 from __future__ import annotations
@@ -91,14 +92,15 @@ class Checkpoints:
         state = self.parallel.load_checkpoint(ckpt, self.actor.model, self.sft_optimizer or self.actor.optimizer)
         self.state.restore(state)
         ref = self.actor.ref_model
-        if ref is not None and self.state.sft_done and os.path.exists(self.reference):
+        if ref is not None and ref is not self.actor.model and self.state.sft_done and os.path.exists(self.reference):
             state = load_file(self.reference, map_location=self.actor.model.device)
             load_state_into(ref, state, self.reference)
         return ckpt
 
     def keep_reference(self) -> None:
-        """After the SFT stage: the KL reference becomes the SFT'd policy (saved for resumed runs)."""
-        if self.actor.ref_model is None:
+        """After the SFT stage: the KL reference becomes the SFT'd policy (saved for resumed runs). A LoRA run's
+        reference (the model itself, adapters disabled) stays the base model."""
+        if self.actor.ref_model is None or self.actor.ref_model is self.actor.model:
             return
         self.actor.ref_model.load_state_dict(self.actor.model.state_dict())
         if self.parallel.is_main:

@@ -94,6 +94,11 @@ class Trainer:
                                 eval_seed=cfg.seed + cfg.eval.seed_offset, num_held_out=cfg.eval.num_tasks,
                                 generator_kwargs=generator_kwargs)
         self.actor = build_actor(cfg, self.parallel)
+        if cfg.actor.lora.rank:
+            params = list(self.model.parameters())
+            trainable = sum(p.numel() for p in params if p.requires_grad)
+            self.reporter.print(f"LoRA rank {cfg.actor.lora.rank}: training {trainable:,} adapter parameters of "
+                                f"{sum(p.numel() for p in params):,}", markup=False, highlight=False)
         self.state = RunState(cfg.seed)
         self.checkpoints = Checkpoints(self.run_dir, cfg, self.parallel, self.actor, self.state)
         self.heldout = HeldOutEvaluation(cfg, self.run_dir, self.env_cls, self.actor, self.parallel)
@@ -177,6 +182,8 @@ class Trainer:
         state.data_position += cfg.rollout.batch_size
         metrics["training/data_position"] = float(state.data_position)
         metrics["timing_s/step"] = par.max(time.perf_counter() - t_step)
+        if self.model.device.type == "cuda":  # the run's peak so far (weights, optimizer, activations, KV cache)
+            metrics["perf/gpu_peak_gb"] = par.max(torch.cuda.max_memory_allocated(self.model.device) / 1e9)
         return metrics, episodes
 
     def _update(self, episodes: list[EpisodeResult]) -> dict[str, float]:

@@ -22,6 +22,11 @@ The on-policy fix is chosen afterwards, on verl's *resolved* config (ours plus e
 ``verl.overrides``), by :func:`choose_policy_loss`: the user's loss (``actor.policy_loss`` or a raw
 ``loss_mode`` override) becomes ``agentrl_onpolicy[_<loss>]`` exactly when the resolved config makes one
 optimizer step per batch, and is otherwise left as it is; it is never replaced by another loss.
+LoRA (``actor.lora.*``, :func:`lora_settings`): ``rank`` -> ``actor_rollout_ref.model.lora_rank``, ``alpha`` ->
+``lora_alpha`` (an integer; null: ``2 * rank``), ``target_modules`` split into ``target_modules`` (linear layers;
+``all-linear`` by default, GPT-OSS's attention projections) and ``+target_parameters`` (GPT-OSS's fused
+experts); verl has no LoRA dropout (refused). verl then trains the adapters only, and its reference is the
+actor with the adapters disabled, as in the embedded trainer.
 ``verl.rollout`` -> ``actor_rollout_ref.rollout.name`` as resolved on this machine by
 :func:`~agentrl.train.verl_backend.rollout_backend.choose_rollout` (``auto``: vllm or sglang, whichever is
 installed); with ``verl.rollout=agentrl``, ``rollout.max_batch_size`` -> ``rollout.max_num_seqs`` (the most
@@ -273,6 +278,41 @@ def check_ours(cfg: Any) -> None:
         )
 
 
+def lora_settings(cfg: Any) -> dict[str, Any]:
+    """verl's LoRA keys for ``actor.lora`` (rank > 0; the rank itself maps by its declaration):
+    ``actor_rollout_ref.model.lora_alpha`` (an integer in verl; None -> ``2 * rank``), ``target_modules`` and,
+    for GPT-OSS's fused experts, ``+actor_rollout_ref.model.target_parameters`` (PEFT's parameter targeting),
+    split by :func:`agentrl.models.lora.split_target_names`. Raises VerlConfigError for a fractional alpha or a
+    dropout (verl's FSDP LoRA has none)."""
+    rank = int(select(cfg, "actor.lora.rank") or 0)
+    if not rank:
+        return {}
+    alpha = select(cfg, "actor.lora.alpha")
+    alpha = 2 * rank if alpha is None else float(alpha)
+    if alpha != int(alpha):
+        raise VerlConfigError(
+            f"actor.lora.alpha={alpha:g}: verl's lora_alpha is an integer; set actor.lora.alpha to a whole number "
+            f"(e.g. {max(1, round(alpha))}) or use backend=embedded"
+        )
+    dropout = float(select(cfg, "actor.lora.dropout") or 0.0)
+    if dropout:
+        raise VerlConfigError(
+            f"actor.lora.dropout={dropout:g}: verl's LoRA has no dropout; set actor.lora.dropout=0 or use backend=embedded"
+        )
+    from agentrl.models.lora import split_target_names
+
+    try:
+        modules, parameters = split_target_names(list(select(cfg, "actor.lora.target_modules") or []),
+                                                 gpt_oss=is_gpt_oss(str(select(cfg, "model"))))
+    except ValueError as exc:
+        raise VerlConfigError(str(exc)) from None
+    out: dict[str, Any] = {"actor_rollout_ref.model.lora_alpha": int(alpha),
+                           "actor_rollout_ref.model.target_modules": modules}
+    if parameters:
+        out["+actor_rollout_ref.model.target_parameters"] = parameters
+    return out
+
+
 def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]) -> dict[str, Any]:
     """The verl keys we set and their values, in a stable order (see module docstring)."""
     cfg = with_verl_defaults(cfg)
@@ -303,6 +343,7 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
     if keep is not None:
         out["trainer.max_actor_ckpt_to_keep"] = int(keep)
     out.update(_resume_settings(cfg))
+    out.update(lora_settings(cfg))
     attention = resolved_attention(cfg)
     out["actor_rollout_ref.model.use_remove_padding"] = packs_sequences(attention)
     if attention:

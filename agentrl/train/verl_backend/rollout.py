@@ -13,11 +13,19 @@ Contract with verl (``verl.workers.rollout.base.BaseRollout``):
   ``weights`` yields ``(name, tensor)`` with the actor's full tensors (FSDP ``get_per_tensor_param``:
   HF state-dict names; Qwen-style packed MoE experts arrive split per expert and are packed back). Each
   tensor is copied into the engine's model (cast to its dtype). Every parameter must be written, else
-  ValueError naming the ones missing; an unknown name is a KeyError. LoRA adapters (``peft_config``) and
-  the ``delta_flush`` wire format are refused (NotImplementedError): set ``model.lora.merge=true``.
+  ValueError naming the ones missing; an unknown name is a KeyError. The ``delta_flush`` wire format is
+  refused (NotImplementedError).
+- LoRA (``actor_rollout_ref.model.lora_rank > 0`` without ``lora.merge``): verl first syncs the base weights
+  (``peft_config`` set, ``base_sync_done=False``; PEFT's ``.base_layer`` is stripped from their names), then,
+  at every step, the adapter alone (``base_sync_done=True``: PEFT's ``lora_A``/``lora_B`` tensors), which
+  :func:`agentrl.models.lora.attach_adapter` injects into the rollout model (the first time, with verl's
+  ``peft_config``) and copies exactly; an adapter whose settings or tensors do not fit is a ValueError. The
+  rollout samples from base + adapter only once both have arrived. With ``lora.merge=true`` verl sends
+  merged full weights instead (the plain path).
 - ``release()`` (verl calls it through the replica's ``sleep`` before training): with
   ``rollout.free_cache_engine`` the weights' device memory is freed (verl's vLLM "level 2" sleep: the
-  next ``update_weights`` restores them), otherwise nothing; the engine's KV cache is freed either way.
+  next ``update_weights`` restores them), otherwise nothing; the engine's KV cache is freed either way. A
+  LoRA rollout keeps its base weights through sleep (verl's "level 1": it syncs them only once).
   ``resume(tags)``: ``"weights"`` allocates the weights again (contents undefined until the next update);
   ``"kv_cache"`` is a no-op (the engine allocates its cache when it next generates).
 - Sampling refuses to run on weights that are not the actor's: before the first update when
@@ -50,6 +58,9 @@ _LOCAL: dict[int, AgentrlRollout] = {}
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+_ADAPTER_NAME_IN_KEY = re.compile(r"\.(lora_[AB])\.default\.")
+"""An adapter key that still names PEFT's adapter (``...lora_A.default.weight``): PEFT's files drop it."""
 
 _SPLIT_EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -137,6 +148,7 @@ class AgentrlRollout(BaseRollout):
         self.eos_token_ids = _eos_ids(self.model_config)
         self.global_steps: int | None = None
         self.synced = "dummy" not in str(self.config.load_format)
+        self.base_synced = self.synced  # the base weights are the actor's (loaded, or synced once)
         self.updating = False
         self._released: list[tuple[torch.nn.Parameter, torch.Size]] = []
         _LOCAL[self.replica_rank] = self
@@ -208,34 +220,56 @@ class AgentrlRollout(BaseRollout):
                 f"rollout.name=agentrl takes full tensors (wire_format='named_tensors'), got {wire_format!r}; "
                 "use checkpoint_engine.backend=naive"
             )
-        if peft_config is not None:
-            raise NotImplementedError(
-                "rollout.name=agentrl does not load LoRA adapters; set actor_rollout_ref.model.lora.merge=true "
-                "so verl sends merged weights"
-            )
+        adapter_only = peft_config is not None and bool(kwargs.get("base_sync_done", True))
         if self._released:
             self.resume_memory(["weights"])
         self.updating = True
         self.synced = False
         try:
-            loader = WeightLoader(self.model)
-            async for name, tensor in ensure_async_iterator(weights):
-                loader.write(name, tensor)
-            loader.finish()
+            if adapter_only:
+                await self._load_adapter(weights, peft_config)
+            else:
+                loader = WeightLoader(self.model)
+                async for name, tensor in ensure_async_iterator(weights):
+                    loader.write(name, tensor)
+                loader.finish()
+                self.base_synced = True
         finally:
             self.updating = False
-        self.synced = True
+        # a LoRA base sync alone is not the actor's policy yet: its adapter follows
+        self.synced = peft_config is None or adapter_only
         self.global_steps = global_steps
+
+    async def _load_adapter(self, weights: Any, peft_config: Any) -> None:
+        """A LoRA sync: the adapter tensors (PEFT's names) into the rollout model, injected the first time."""
+        from verl.workers.rollout.utils import ensure_async_iterator
+
+        from agentrl.models.lora import PEFT_PREFIX, attach_adapter
+
+        if not self.base_synced:
+            raise RuntimeError(
+                "agentrl rollout: a LoRA adapter sync arrived before the base weights (load_format=dummy and no base "
+                "sync); verl syncs the base first, so check actor_rollout_ref.rollout.load_format"
+            )
+        state = {}
+        async for name, tensor in ensure_async_iterator(weights):
+            name = _ADAPTER_NAME_IN_KEY.sub(r".\1.", name)
+            state[name if name.startswith(PEFT_PREFIX) else PEFT_PREFIX + name] = tensor
+        config = peft_config if isinstance(peft_config, dict) or not hasattr(peft_config, "to_dict") else peft_config.to_dict()
+        attach_adapter(self.model, config, state, source="agentrl rollout: the actor's LoRA adapter")
+        self.model.requires_grad_(False)
 
     # ------------------------------------------------------------------ memory (verl's sleep / wake-up)
     def release_memory(self) -> None:
-        """Free the engine's KV cache, and the weights' device memory (with ``free_cache_engine``); see
-        module docstring."""
+        """Free the engine's KV cache, and the weights' device memory (with ``free_cache_engine``; not a LoRA
+        rollout's); see module docstring."""
+        from agentrl.models.lora import has_lora
+
         release = getattr(self.engine, "release", None)
         if release is not None:
             release()
-        if not self.config.free_cache_engine or self._released:
-            return
+        if not self.config.free_cache_engine or self._released or has_lora(self.model):
+            return  # a LoRA rollout keeps its base weights: verl syncs them only once
         for param in self.model.parameters():
             self._released.append((param, param.shape))
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -263,11 +297,14 @@ class WeightLoader:
 
     def __init__(self, model: Any):
         self.model = model
-        self.targets = model.state_dict()  # detached aliases of the parameters' current storage
+        # detached aliases of the parameters' current storage, under their plain names (a LoRA model's base
+        # weights without PEFT's ``.base_layer``); adapter tensors come through the adapter sync instead
+        self.targets = {_plain(n): t for n, t in model.state_dict().items() if ".lora_" not in n}
         self.written: dict[int, int] = {}
 
     @torch.no_grad()
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        name = _plain(name)
         if name not in self.targets:
             name = self._checkpoint_name(name)
         if name in self.targets:
@@ -289,7 +326,8 @@ class WeightLoader:
         self.written[target.data_ptr()] = self.written.get(target.data_ptr(), 0) + view.numel()
 
     def finish(self) -> None:
-        missing = [n for n, p in self.model.named_parameters() if self.written.get(p.data_ptr(), 0) < p.numel()]
+        missing = [n for n, p in self.model.named_parameters()
+                   if ".lora_" not in n and self.written.get(p.data_ptr(), 0) < p.numel()]
         if missing:
             raise ValueError(
                 f"agentrl rollout: the weight update did not cover {len(missing)} parameter(s), e.g. "
@@ -303,6 +341,12 @@ class WeightLoader:
             if n:
                 return renamed
         return name
+
+
+def _plain(name: str) -> str:
+    """A weight's name without PEFT's ``.base_layer`` (verl's base sync of a LoRA actor keeps it on the
+    targeted linear layers; nested parameter-targeting wrappers may add several)."""
+    return name.replace(".base_layer", "")
 
 
 def _cut(c: Completion, prompt_len: int, limit: int) -> Completion:
