@@ -133,3 +133,20 @@ def test_routing_recording_covers_fed_tokens(model):
         assert (layers, k) == (2, 2)
         assert n == len(prompt) + len(comp.token_ids) - 1  # the last sampled token is never fed
         assert comp.routing.min() >= 0 and comp.routing.max() < 4
+
+
+def test_generation_records_no_autograd_graph_on_any_thread(model):
+    """A model whose parameters train (requires_grad) decodes without autograd, also through the async path whose
+    sampling runs on a worker thread (grad mode is per thread). With a graph, the KV cache keeps every step's
+    activations alive: GPT-OSS-20B with LoRA ran out of 140 GB of GPU memory in its first rollout."""
+    grad_modes: list[bool] = []
+    hook = model.register_forward_hook(lambda *_: grad_modes.append(torch.is_grad_enabled()))
+    assert any(p.requires_grad for p in model.parameters())
+    engine = TransformersEngine(model, pad_token_id=0)
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=0)
+    try:
+        engine.generate_sync([[1, 2, 3]], params)
+        asyncio.run(engine.generate([[4, 5, 6]], params))
+    finally:
+        hook.remove()
+    assert grad_modes and not any(grad_modes)

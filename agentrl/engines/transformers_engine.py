@@ -200,6 +200,7 @@ class TransformersEngine:
         return n if n >= self.min_shared_prefix else 0
 
     # ------------------------------------------------------------------ sync core
+    @torch.no_grad()  # also on the worker thread `generate` uses: grad mode is per thread
     def generate_sync(
         self,
         prompts: Sequence[Sequence[int]],
