@@ -394,7 +394,9 @@ def parse(
     try:
         cfg = OmegaConf.merge(schema, base) if base is not None else schema
     except OmegaConfBaseException as exc:
-        raise UsageError(f"{base_name} does not fit this version: {str(exc).splitlines()[0]}") from None
+        where = f" at {exc.full_key}" if getattr(exc, "full_key", None) else ""
+        raise UsageError(f"{base_name} does not fit this version{where}: {str(exc).splitlines()[0]}; the file is "
+                         "damaged or written by another agentrl version: fix that key or start a new run") from None
     for item in dotlist:  # one at a time, so an error names the exact key and value
         key, _, value = item.partition("=")
         try:
