@@ -9,8 +9,8 @@ process and everything it waited for (its sandbox workers included: ``os.wait4``
 the load's own CPU is not counted. A per-episode figure that stays flat under load means the work costs
 the same CPU and only waits longer for it; the goal is loaded <= 1.5 x quiet.
 
-Both runs use agentrl's thread settings (:mod:`agentrl.cpu_threads`: torch's OpenMP threads wait
-passively). With ``--baseline`` (the default) the same two runs are repeated with ``GOMP_SPINCOUNT=300000``,
+Both runs use agentrl's thread settings (:mod:`agentrl.cpu_threads`: torch's OpenMP threads spin
+``GOMP_SPINCOUNT=30000``, a tenth of libgomp's default, before they sleep). With ``--baseline`` (the default) the same two runs are repeated with ``GOMP_SPINCOUNT=300000``,
 libgomp's own default spinning (a real setting: a user who sets ``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY``
 keeps it), which is what agentrl did before; ``--no-baseline`` skips them.
 

@@ -29,15 +29,16 @@ def _python(code: str, env: dict[str, str], tmp_path: Path) -> dict:
 
 
 @pytest.mark.parametrize("env, expected", [
-    ({}, "PASSIVE"),
-    ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),  # the user's choice stays
-    ({"GOMP_SPINCOUNT": "300000"}, None),  # libgomp's own spinning, chosen by the user: no policy added
+    ({}, {"policy": None, "spin": "30000"}),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, {"policy": "PASSIVE", "spin": None}),  # the user's choice stays
+    ({"GOMP_SPINCOUNT": "300000"}, {"policy": None, "spin": "300000"}),  # the user's spin count stays
 ])
 def test_the_command_sets_the_wait_policy_before_torch_loads(tmp_path, env, expected):
     """A command module imported by ``agentrl`` sees the policy in its environment, and torch not loaded."""
     (tmp_path / "probe_command.py").write_text(textwrap.dedent("""
         import json, os, sys
-        SEEN = {"policy": os.environ.get("OMP_WAIT_POLICY"), "torch_loaded": "torch" in sys.modules}
+        SEEN = {"policy": os.environ.get("OMP_WAIT_POLICY"), "spin": os.environ.get("GOMP_SPINCOUNT"),
+                "torch_loaded": "torch" in sys.modules}
         def main(argv):
             print(json.dumps(SEEN))
             return 0
@@ -47,7 +48,7 @@ def test_the_command_sets_the_wait_policy_before_torch_loads(tmp_path, env, expe
         cli.COMMANDS["probe"] = ("probe_command:main", "test probe")
         raise SystemExit(cli.main(["probe"]))
     """
-    assert _python(code, env, tmp_path) == {"policy": expected, "torch_loaded": False}
+    assert _python(code, env, tmp_path) == {**expected, "torch_loaded": False}
 
 
 def test_nothing_is_set_once_torch_is_loaded(tmp_path):
@@ -64,9 +65,9 @@ def test_the_user_s_thread_count_is_kept(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch", raising=False)  # as before torch loads (configure only reads this)
     monkeypatch.setattr(cpu_threads, "available_cpus", lambda: 1)
     env = {"OMP_NUM_THREADS": "3"}
-    assert cpu_threads.configure(env) == {"OMP_WAIT_POLICY": "PASSIVE"} and env["OMP_NUM_THREADS"] == "3"
+    assert cpu_threads.configure(env) == {"GOMP_SPINCOUNT": "30000"} and env["OMP_NUM_THREADS"] == "3"
     env = {}
-    assert cpu_threads.configure(env) == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    assert cpu_threads.configure(env) == {"GOMP_SPINCOUNT": "30000", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.parametrize("files, cpus", [
