@@ -12,9 +12,8 @@ beside a competing load).
 
 - ``GOMP_SPINCOUNT=30000``: a waiting thread spins a tenth as long (about 0.3 ms) before it sleeps, so on a
   busy machine it burns a tenth of the CPU for nothing, while on a quiet one the other thread still arrives
-  within the spin. ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) was measured slower on the quiet 2-core box
-  (2026-12-02, SmolLM2-135M: a training step 13-17 % slower, 40 decode steps 30-100 % slower; the spin count
-  30000 within noise of libgomp's default): the user can still choose it. Nothing is set when
+  within the spin. ``OMP_WAIT_POLICY=PASSIVE`` (sleep at once) is slower on a quiet machine (the A/B in
+  benchmarks/RESULTS.md, "The embedded default after the 2026-12-02 merges ... and OpenMP waiting"); the user can still choose it. Nothing is set when
   ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is set already.
 - ``OMP_NUM_THREADS``: the CPUs this process may use (its affinity mask, and its cgroup's CPU quota) when
   they are fewer than the machine's; torch would otherwise size its pool by the machine's cores, e.g. 64
