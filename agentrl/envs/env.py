@@ -20,7 +20,12 @@ Contract (generic like gymnasium's ``Env[ObsType, ActType]``: ``AgentEnv`` is an
 - Bad model actions never raise: unparseable output, unknown tools, bad arguments, tool timeouts and tool
   exceptions become observations the model can read and are recorded in the trajectory with an error
   kind (``parse_error``, ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``,
-  ``truncation``). A reward function that raises does not reach the caller either: the episode is
+  ``truncation``). A failure of a tool's backend (error kind ``tool_infrastructure``: a sandbox pool that admits
+  no session, a lost worker, an unreachable server; see :class:`~agentrl.envs.tools.base.ToolInfrastructureError`)
+  is not the model's: it ends the episode at once with ``truncated=True``, ``stop_reason="infrastructure"``,
+  reward 0 and no reward computed, ``trajectory.error`` (and ``info["infrastructure_error"]``) saying what
+  failed and :attr:`AgentEnv.infrastructure_tracebacks` its tracebacks; callers retry such an episode or
+  leave it out, never score it. A reward function that raises does not reach the caller either: the episode is
   scored 0, and the error is recorded (``trajectory.reward_error``, error kind ``reward_error``,
   ``info["reward_error"]`` on the last step) and shown once per message as a :class:`RewardErrorWarning`.
   Only API misuse raises (stepping a finished episode, mismatched log-probs).
@@ -30,7 +35,7 @@ Contract (generic like gymnasium's ``Env[ObsType, ActType]``: ``AgentEnv`` is an
   reason. The final step also puts it in ``info["trajectory"]`` together with ``info["reward_components"]``
   and ``info["stop_reason"]`` (also ``trajectory.stop_reason``): ``answer`` (a final answer), ``no_answer``
   (a single-turn env's action without one), ``tool_limit``, ``turn_limit`` or ``token_limit`` (the
-  total-token budget, or a last completion cut before its stop token).
+  total-token budget, or a last completion cut before its stop token), or ``infrastructure`` (above).
 - ``areset``/``astep`` are the async twins (tool calls of one action run concurrently); the sync methods
   drive them on a private event loop. Use one style per env instance. ``close()``/``aclose()`` are
   idempotent.
@@ -63,7 +68,7 @@ from agentrl.envs.tools.dispatch import Sessions, ToolBox
 from agentrl.harmony.builder import TrajectoryBuilder
 from agentrl.harmony.factory import default_format
 from agentrl.harmony.format import ChatFormat
-from agentrl.harmony.trajectory import ToolRecord, Trajectory, parse_error_kind
+from agentrl.harmony.trajectory import INFRASTRUCTURE, ToolRecord, Trajectory, parse_error_kind
 from agentrl.harmony.types import Message, ParsedTurn, ParseError, ParseErrorKind
 
 
@@ -186,6 +191,12 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         self._tool_calls = 0
 
     @property
+    def infrastructure_tracebacks(self) -> list[str]:
+        """The full tracebacks of the current episode's ``tool_infrastructure`` failures (for the run's
+        ``errors.log``); empty when there were none."""
+        return list(self._sessions.tracebacks)
+
+    @property
     def env_name(self) -> str:
         """The name this env's class is registered under (``agentrl.make`` / ``agentrl eval env=``), else its
         class name; recorded in every trajectory as ``env``."""
@@ -277,6 +288,7 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         self._check_open()
         super().reset(seed=seed)
         await self._sessions.release_all()
+        self._sessions.tracebacks.clear()
         options = options or {}
         if options.get("task") is not None:
             task = dict(options["task"])
@@ -346,6 +358,10 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
                 obs_messages = [
                     self._tool_message(c.recipient, r) for c, r in zip(calls, records, strict=True)
                 ]
+                broken = [r for r in records if r.error == "tool_infrastructure"]
+                if broken:  # the backend failed, not the model: end here, unscored (module docstring)
+                    truncated, limit_hit = True, INFRASTRUCTURE
+                    traj.error = "; ".join(f"tool_infrastructure: {r.name}: {r.result}" for r in broken)
         elif parsed.final is not None:
             terminated = True
         else:
@@ -384,6 +400,8 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
             if traj.reward_error is not None:
                 info["reward_error"] = traj.reward_error
                 errors.append("reward_error")
+            if limit_hit == INFRASTRUCTURE:
+                info["infrastructure_error"] = traj.error
         obs: Observation = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
         return obs, reward, terminated, truncated, info
 
@@ -532,6 +550,10 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         traj.terminated, traj.truncated = terminated, truncated
         traj.stop_reason = stop_reason
         traj.errors = dict(self._errors)
+        if stop_reason == INFRASTRUCTURE:  # not the model's episode to score
+            traj.reward, traj.reward_components = 0.0, {}
+            await self._sessions.release_all()
+            return 0.0
         final = traj.final_answer
         ctx = RewardContext(
             task=self.task,

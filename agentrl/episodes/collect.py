@@ -6,22 +6,34 @@ other episodes' tool calls run, and an episode whose tool returned joins the eng
 
 Failures never stop the collection and never lose data: an exception inside an episode (env bug, sandbox
 crash, endpoint down) ends that episode; its partial trajectory is kept with ``error`` set (also the
-trajectory's ``error``, with ``stop_reason="error"``), ``usable`` is False, and its env is replaced by a fresh
-one. Each result's trajectory carries its job's labels (``task_id``, ``group``, ``sample``).
+trajectory's ``error``, with ``stop_reason="error"``), ``traceback`` the full traceback, ``usable`` is False,
+and its env is replaced by a fresh one. With ``AGENTRL_DEBUG=1`` (:mod:`agentrl.errorlog`) the exception is
+re-raised instead. An episode that a tool's backend ended (``stop_reason="infrastructure"``: not the model's
+failure) is run again, up to ``infra_retries`` times; the result is the last run, with ``retries`` and
+``retried_errors`` saying what happened before (a last run still ended so has ``error`` set and is not usable).
+Each result's trajectory carries its job's labels (``task_id``, ``group``, ``sample``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl import errorlog
 from agentrl.envs.env import AgentEnv
 from agentrl.episodes.lockstep import LockstepSampler
 from agentrl.episodes.policy import Policy
 from agentrl.episodes.runner import EpisodeLimits, EpisodeResult, StepHook, run_episode
 from agentrl.harmony.trajectory import Trajectory
+
+
+#: How many times :func:`collect` runs a job again after a tool's backend ended it (``stop_reason="infrastructure"``).
+INFRA_RETRIES = 2
+#: Seconds :func:`collect` waits before the ``k``-th run again of such a job: ``k`` times this.
+INFRA_RETRY_DELAY_S = 0.5
 
 
 class EnvPool:
@@ -104,6 +116,7 @@ async def collect(
     on_episode: Callable[[EpisodeResult], Any] | None = None,
     should_stop: Callable[[], bool] | None = None,
     lockstep: LockstepSampler | None = None,
+    infra_retries: int = INFRA_RETRIES,
 ) -> list[EpisodeResult]:
     """Run every job concurrently (at most ``pool.size`` at a time); returns the results in job order.
 
@@ -118,11 +131,14 @@ async def collect(
         lockstep: the :class:`~agentrl.episodes.lockstep.LockstepSampler` the policies sample through, if
             any: their engine calls are then batched in lockstep, in job order, so that the batches and the
             engine's random draws do not depend on timing (two runs of one seed are identical).
+        infra_retries: how many times a job that a tool's backend ended is run again (on the same env, after
+            ``k * INFRA_RETRY_DELAY_S`` seconds, with a fresh policy from ``policy(job)``).
 
     Returns:
         One :class:`~agentrl.episodes.EpisodeResult` per job that ran (skipped ones are left out; each
         result carries its job's labels); an episode that raised has ``error`` set,
-        ``stop_reason="error"`` and its partial trajectory. Raises only what ``on_episode`` raises.
+        ``stop_reason="error"`` and its partial trajectory. Raises only what ``on_episode`` raises (and, under
+        ``AGENTRL_DEBUG=1``, what an episode raises).
     """
     make_policy = policy if not hasattr(policy, "act") else (lambda job: policy)  # type: ignore[misc]
 
@@ -135,25 +151,38 @@ async def collect(
         finally:
             lockstep.finished()
 
+    async def attempt(env: AgentEnv, job: EpisodeJob) -> EpisodeResult:
+        previous = env.trajectory  # the last episode's, until this episode's reset replaces it
+        try:
+            return await run_episode(
+                env, make_policy(job), task=job.task, seed=job.seed, limits=limits, on_step=on_step
+            )
+        except Exception as exc:  # noqa: BLE001 - one bad episode must not stop the others
+            if errorlog.debug():
+                raise
+            error = f"{type(exc).__name__}: {exc}"
+            started = env.trajectory is not None and env.trajectory is not previous
+            partial = env.trajectory if started else Trajectory(prompt_ids=[])
+            partial.error, partial.stop_reason = error, "error"
+            return EpisodeResult(partial, "error", error=error, traceback=traceback.format_exc())
+
     async def episode(job: EpisodeJob) -> EpisodeResult | None:
         env = await pool.acquire()
         if should_stop is not None and should_stop():
             pool.release(env)
             return None
-        previous = env.trajectory  # the last episode's, until this episode's reset replaces it
-        try:
-            result = await run_episode(
-                env, make_policy(job), task=job.task, seed=job.seed, limits=limits, on_step=on_step
-            )
-        except Exception as exc:  # noqa: BLE001 - one bad episode must not stop the others
-            error = f"{type(exc).__name__}: {exc}"
-            started = env.trajectory is not None and env.trajectory is not previous
-            partial = env.trajectory if started else Trajectory(prompt_ids=[])
-            partial.error, partial.stop_reason = error, "error"
-            pool.replace(env)
-            result = EpisodeResult(partial, "error", error=error)
-        else:
-            pool.release(env)
+        retried: list[str] = []
+        while True:
+            result = await attempt(env, job)
+            if result.stop_reason == "error":
+                pool.replace(env)
+                break
+            if not result.infrastructure or len(retried) >= infra_retries:
+                pool.release(env)
+                break
+            retried.append(f"{result.error}\n{result.traceback or ''}".rstrip())
+            await asyncio.sleep(INFRA_RETRY_DELAY_S * len(retried))
+        result.retries, result.retried_errors = len(retried), retried
         result.task_id, result.group, result.sample = job.task_id, job.group, job.sample
         traj = result.trajectory
         traj.task_id, traj.sample = job.task_id, job.sample

@@ -26,9 +26,12 @@ from agentrl.episodes.state import EpisodeState, Step
 from agentrl.harmony.trajectory import Trajectory
 
 #: Why an episode ended: the env's reasons (``answer``: a final answer; ``no_answer``: a single-turn env's
-#: action without one; ``tool_limit`` / ``turn_limit`` / ``token_limit``: an env limit), the runner's
-#: ``time_limit``, and ``error`` (the episode raised; set by :func:`~agentrl.episodes.collect`).
-STOP_REASONS = ("answer", "no_answer", "tool_limit", "turn_limit", "token_limit", "time_limit", "error")
+#: action without one; ``tool_limit`` / ``turn_limit`` / ``token_limit``: an env limit; ``infrastructure``: a
+#: tool's backend failed, not the model), the runner's ``time_limit``, and ``error`` (the episode raised; set by
+#: :func:`~agentrl.episodes.collect`).
+STOP_REASONS = (
+    "answer", "no_answer", "tool_limit", "turn_limit", "token_limit", "infrastructure", "time_limit", "error",
+)
 
 StepHook = Callable[[Step], Any]
 
@@ -83,7 +86,10 @@ class EpisodeResult:
       model tokens are placeholders).
     - Collection labels (set by :func:`~agentrl.episodes.collect`): ``task_id``, ``group`` (the id
       shared by the samples of one task), ``sample`` (which sample of its task), ``error`` (the
-      exception's last line when the episode raised; the trajectory is then the partial one).
+      exception's last line when the episode raised, the trajectory then being the partial one; or, for an
+      episode a tool's backend ended, its ``trajectory.error``), ``traceback`` (the full traceback(s) behind
+      ``error``, for the run's ``errors.log``), ``retries`` (how many earlier runs of this job a tool's backend
+      ended and :func:`~agentrl.episodes.collect` ran again) and ``retried_errors`` (their errors and tracebacks).
     """
 
     trajectory: Trajectory
@@ -97,6 +103,15 @@ class EpisodeResult:
     group: int | None = None
     sample: int = 0
     error: str | None = None
+    traceback: str | None = None
+    retries: int = 0
+    retried_errors: list[str] = field(default_factory=list)
+
+    @property
+    def infrastructure(self) -> bool:
+        """True when a tool's backend ended the episode (``stop_reason == "infrastructure"``): not the model's
+        failure, never scored or trained on."""
+        return self.stop_reason == "infrastructure"
 
     @property
     def reward_error(self) -> str | None:
@@ -106,9 +121,9 @@ class EpisodeResult:
 
     @property
     def usable(self) -> bool:
-        """False when the episode raised or its reward function did: the trajectory is kept and counted, not
-        trained on."""
-        return self.error is None and self.reward_error is None
+        """False when the episode raised, a tool's backend ended it, or its reward function raised: the
+        trajectory is kept and counted, not trained on."""
+        return self.error is None and self.reward_error is None and not self.infrastructure
 
     @property
     def tool_s(self) -> float:
@@ -215,6 +230,8 @@ class _Run:
         assert traj is not None
         traj.stop_reason = stop_reason
         steps = self.state.steps if self.state is not None else []
+        broken = stop_reason == "infrastructure"
+        tracebacks = self.env.infrastructure_tracebacks if broken else []
         return EpisodeResult(
             trajectory=traj,
             stop_reason=stop_reason,
@@ -223,4 +240,6 @@ class _Run:
             env_s=self.env_s,
             wall_s=time.perf_counter() - self.t0,
             has_logprobs=all(getattr(s.action, "logprobs", None) is not None for s in steps),
+            error=traj.infrastructure_error if broken else None,
+            traceback="\n".join(tracebacks) or None,
         )

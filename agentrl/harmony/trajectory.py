@@ -36,10 +36,17 @@ SCHEMA_VERSION = 2
 """The JSONL schema :meth:`Trajectory.to_dict` writes (1: the untyped record, metadata only)."""
 
 #: The error taxonomy: every error an episode records is one of these (a tool's ``ToolOutput(error=...)`` of
-#: another name keeps that name).
+#: another name keeps that name). ``tool_exception`` and ``tool_timeout`` are the model's (its call failed or ran
+#: too long); ``tool_infrastructure`` is not: the tool's backend failed (a sandbox pool that admits no session,
+#: a lost worker, a server that does not answer), and the episode ends at once with ``stop_reason``
+#: ``"infrastructure"``, unscored (see :attr:`Trajectory.infrastructure_error`).
 ERROR_KINDS = (
-    "parse_error", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception", "truncation", "reward_error",
+    "parse_error", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception", "tool_infrastructure",
+    "truncation", "reward_error",
 )
+
+#: The stop reason of an episode ended by a ``tool_infrastructure`` error.
+INFRASTRUCTURE = "infrastructure"
 
 #: Parse-error kinds with a more specific taxonomy entry (the other kinds are ``parse_error``).
 _PARSE_KINDS = {
@@ -60,8 +67,8 @@ def parse_error_kind(kind: ParseErrorKind | str) -> str:
 @dataclass
 class ToolRecord(PlainRecord):
     """One tool invocation as it happened: what was asked, what came back, how long, which error
-    (``None`` or a taxonomy kind: ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``, or
-    a tool's own kind)."""
+    (``None`` or a taxonomy kind: ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``,
+    ``tool_infrastructure``, or a tool's own kind)."""
 
     name: str
     arguments: Any
@@ -129,8 +136,9 @@ class Trajectory:
     Tokens and outcome: ``prompt_ids``, ``response_ids``, ``response_mask``, ``rollout_logprobs`` (the
     sampler's natural-log probabilities; 0.0 on env tokens), ``reward`` and ``reward_components``, ``turns``,
     ``terminated`` / ``truncated`` (gymnasium's), ``stop_reason`` (why it ended: ``answer``, ``no_answer``,
-    ``tool_limit``, ``turn_limit``, ``token_limit``, ``time_limit``, ``error``), ``errors`` (the env's count per
-    :data:`ERROR_KINDS` entry), ``error`` (the exception that ended the episode, ``"Type: message"``),
+    ``tool_limit``, ``turn_limit``, ``token_limit``, ``time_limit``, ``error``, ``infrastructure``), ``errors`` (the
+    env's count per :data:`ERROR_KINDS` entry), ``error`` (the exception that ended the episode, ``"Type: message"``,
+    or the tool backend's failure that did: see :attr:`infrastructure_error`),
     ``reward_error`` (the exception the env's reward function raised: the episode finished, scored 0).
 
     Provenance: ``env`` (the registered env name), ``task`` and ``task_id``, ``group`` (the id shared by the
@@ -194,6 +202,15 @@ class Trajectory:
         return float(score) >= 1.0
 
     @property
+    def infrastructure_error(self) -> str | None:
+        """The failure of a tool's backend that ended the episode (``stop_reason == "infrastructure"``), or None.
+        Such an episode is not the model's doing: it has no reward, is never trained on and is no evaluation's
+        wrong answer (it is retried, else left out and counted)."""
+        if self.stop_reason != INFRASTRUCTURE:
+            return None
+        return self.error or "tool_infrastructure"
+
+    @property
     def tool_calls(self) -> int:
         """Tool calls the env ran (one record each, failed ones included)."""
         return sum(len(t.tools) for t in self.turns)
@@ -207,7 +224,8 @@ class Trajectory:
     def error_counts(self) -> Counter[str]:
         """The episode's errors per taxonomy kind: the env's own count (``errors``) or, for a trajectory
         without one, recounted from the turns (a parse error per :func:`parse_error_kind`, one per failed
-        tool call). An episode cut by a limit (``truncated``) counts one ``truncation`` unless one is there."""
+        tool call). An episode cut by a limit (``truncated``, not an infrastructure stop) counts one ``truncation``
+        unless one is there."""
         if self.errors:
             counts: Counter[str] = Counter({k: int(n) for k, n in self.errors.items()})
         else:
@@ -215,7 +233,7 @@ class Trajectory:
             for turn in self.turns:
                 counts.update(parse_error_kind(e.kind) for e in turn.parsed.errors)
                 counts.update(rec.error for rec in turn.tools if rec.error)
-        if self.truncated and not counts["truncation"]:
+        if self.truncated and self.stop_reason != INFRASTRUCTURE and not counts["truncation"]:
             counts["truncation"] += 1
         return +counts
 

@@ -4,7 +4,10 @@ A tool is either stateless (:class:`Tool`) or stateful (:class:`StatefulTool`, w
 session from ``create_session`` and gives it back in ``release_session``). ``call`` returns the text the
 model sees, or a :class:`ToolOutput` when the tool wants to flag the result as an error of a given kind.
 A tool signals a failure the model should read by raising :class:`ToolError`; any other exception is
-caught by the dispatcher and reported as ``tool_exception``. Nothing a tool does reaches the trainer as an
+caught by the dispatcher and reported as ``tool_exception``. A failure of the tool's own backend, which is not
+the model's doing (a sandbox pool that admits no session, a lost worker, an unreachable server), is raised as
+:class:`ToolInfrastructureError` (kind ``tool_infrastructure``): the env then ends the episode at once, unscored,
+and the trainer and evaluations retry it or leave it out. Nothing a tool does reaches the trainer as an
 exception.
 """
 
@@ -21,7 +24,7 @@ from agentrl.envs.tools.schema import parse_docstring, schema_from_signature
 from agentrl.harmony.trajectory import ERROR_KINDS  # the taxonomy of ToolRecord.error and step infos
 from agentrl.harmony.types import ToolSpec
 
-__all__ = ["ERROR_KINDS", "StatefulTool", "Tool", "ToolError", "ToolOutput"]
+__all__ = ["ERROR_KINDS", "StatefulTool", "Tool", "ToolError", "ToolInfrastructureError", "ToolOutput"]
 
 
 @dataclass
@@ -44,6 +47,16 @@ class ToolError(Exception):
             raise ValueError(f"unknown tool error kind {kind!r}; use one of {ERROR_KINDS}")
         super().__init__(message)
         self.kind = kind
+
+
+class ToolInfrastructureError(ToolError):
+    """Raised by a tool when its backend failed, not the call: the sandbox pool admits no session (full, or the
+    admission wait timed out), a worker was lost, a sandbox server or cloud service does not answer. Kind
+    ``tool_infrastructure``: the env ends the episode at once (``stop_reason="infrastructure"``) without scoring
+    it. An error in the model's code stays an ordinary result, a call that runs too long ``tool_timeout``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "tool_infrastructure")
 
 
 class Tool(ABC):

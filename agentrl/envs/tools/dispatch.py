@@ -1,8 +1,12 @@
 """Dispatch parsed tool calls to tools: validation, per-episode sessions, timeouts, bounded results.
 
 Every failure becomes a :class:`~agentrl.harmony.trajectory.ToolRecord` whose ``error`` is one of
-``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception`` and whose ``result`` is a message
-the model can read. :meth:`ToolBox.call` never raises (except ``asyncio.CancelledError``).
+``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``, ``tool_infrastructure`` and whose
+``result`` is a message the model can read. ``tool_infrastructure`` is a failure of the tool's backend, not of the
+call: a :class:`~agentrl.envs.tools.base.ToolInfrastructureError`, or any exception while creating the episode's
+session of a stateful tool (the model gave that no input). Its traceback is kept in
+:attr:`Sessions.tracebacks` for the run's ``errors.log``. :meth:`ToolBox.call` never raises (except
+``asyncio.CancelledError``).
 """
 
 from __future__ import annotations
@@ -10,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jsonschema
 
-from agentrl.envs.tools.base import StatefulTool, Tool, ToolError, ToolOutput
+from agentrl.envs.tools.base import StatefulTool, Tool, ToolError, ToolInfrastructureError, ToolOutput
 from agentrl.harmony.trajectory import ToolRecord
 from agentrl.harmony.types import ToolCall, ToolSpec
 
@@ -28,19 +33,30 @@ def truncate_text(text: str, max_chars: int) -> str:
 
 
 class Sessions:
-    """The per-episode sessions of stateful tools, created lazily on first use."""
+    """The per-episode sessions of stateful tools, created lazily on first use, and ``tracebacks``: the full
+    tracebacks of the episode's ``tool_infrastructure`` failures, oldest first (for the run's ``errors.log``)."""
 
     def __init__(self) -> None:
         self._sessions: dict[str, tuple[StatefulTool, Any]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self.tracebacks: list[str] = []
 
     async def get(self, tool: StatefulTool) -> Any:
+        """The episode's session of ``tool``; raises :class:`ToolInfrastructureError` when it cannot be created."""
         if tool.name in self._sessions:
             return self._sessions[tool.name][1]
         lock = self._locks.setdefault(tool.name, asyncio.Lock())
         async with lock:
             if tool.name not in self._sessions:
-                self._sessions[tool.name] = (tool, await tool.create_session())
+                try:
+                    session = await tool.create_session()
+                except ToolInfrastructureError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the model gave this no input: the backend failed
+                    raise ToolInfrastructureError(
+                        f"{tool.name} could not start its session: {type(exc).__name__}: {exc}"
+                    ) from exc
+                self._sessions[tool.name] = (tool, session)
         return self._sessions[tool.name][1]
 
     async def release_all(self) -> None:
@@ -144,6 +160,8 @@ class ToolBox:
                 text = f"Error: {tool.name} did not finish within {timeout:g} s; its result was abandoned."
             return record(text, "tool_timeout")
         except ToolError as e:
+            if e.kind == "tool_infrastructure":
+                sessions.tracebacks.append("".join(traceback.format_exception(e)))
             return record(f"Error: {e}", e.kind)
         except asyncio.CancelledError:
             raise

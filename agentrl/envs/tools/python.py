@@ -12,7 +12,7 @@ import weakref
 from typing import Any
 
 from agentrl.envs.sandbox.base import SandboxBackend, make_backend
-from agentrl.envs.tools.base import StatefulTool, ToolError, ToolOutput
+from agentrl.envs.tools.base import StatefulTool, ToolInfrastructureError, ToolOutput
 
 #: event loop -> {backend spec -> [backend, number of tools using it]}; entries vanish with their loop.
 _SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, list[Any]]] = (
@@ -37,8 +37,14 @@ class PythonTool(StatefulTool):
         backend_kwargs: passed to ``make_backend`` when ``sandbox`` is a name.
 
     Results: the run's rendered output (stdout, display value, stderr, and a status note on failure). A run
-    that times out is recorded as ``tool_timeout``; a sandbox failure as ``tool_exception``; an exception in the
-    code is an ordinary result the model reads (recorded without an error kind).
+    that times out is recorded as ``tool_timeout``; an exception in the code is an ordinary result the model
+    reads (recorded without an error kind). A failure of the sandbox itself raises
+    :class:`~agentrl.envs.tools.base.ToolInfrastructureError` (kind ``tool_infrastructure``; the episode ends
+    unscored): the backend could not be built or started, a session could not be created (the pool admits
+    no more, or its admission wait timed out), a run came back with status ``sandbox_error`` (a worker died,
+    hung or failed before the code ran; a server did not answer or answered garbage; E2B failed), or ``run``
+    raised (the backend was closed or lost the session). None of these depends on the model's code: the
+    sandbox contract reports everything the code does as a status other than ``sandbox_error``.
     """
 
     name = "python"
@@ -75,17 +81,25 @@ class PythonTool(StatefulTool):
         return self._backend
 
     async def create_session(self) -> str:
-        return await (await self.backend()).create_session()
+        try:
+            return await (await self.backend()).create_session()
+        except Exception as exc:  # noqa: BLE001 - nothing of the model's is involved: the sandbox failed
+            raise ToolInfrastructureError(
+                f"the code sandbox could not start a session: {type(exc).__name__}: {exc}"
+            ) from exc
 
     async def release_session(self, session: Any) -> None:
         if self._backend is not None:
             await self._backend.release_session(session)
 
     async def call(self, arguments: dict[str, Any], session: Any = None) -> ToolOutput:
-        backend = await self.backend()
-        result = await backend.run(arguments["code"], session=session, timeout_s=self.exec_timeout_s)
+        try:
+            backend = await self.backend()
+            result = await backend.run(arguments["code"], session=session, timeout_s=self.exec_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - run raises only for a closed backend or a lost session
+            raise ToolInfrastructureError(f"the code sandbox failed: {type(exc).__name__}: {exc}") from exc
         if result.status == "sandbox_error":
-            raise ToolError(f"the code sandbox failed: {result.message or 'unknown error'}", "tool_exception")
+            raise ToolInfrastructureError(f"the code sandbox failed: {result.message or 'unknown error'}")
         return ToolOutput(result.render(), "tool_timeout" if result.status == "timeout" else None)
 
     async def aclose(self) -> None:

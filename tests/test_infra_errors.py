@@ -1,0 +1,237 @@
+"""A failure of a tool's backend (the sandbox pool admits no session, a worker is lost) is never the model's
+failure: the env ends the episode at once as ``infrastructure``, unscored; collection runs it again; what still
+fails is left out of training and of the evaluation's score, counted, and its traceback goes to ``errors.log``."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from _scripted_engine import ScriptedEngine
+
+import agentrl.envs.registry as registry
+from agentrl.engines.base import SamplingParams
+from agentrl.envs import AgentEnv
+from agentrl.envs.sandbox.base import ExecResult, SandboxError
+from agentrl.envs.tools.base import Tool, ToolInfrastructureError
+from agentrl.envs.tools.python import PythonTool
+from agentrl.episodes import EnvPool, EpisodeJob, TokenPolicy, collect
+from agentrl.harmony import HarmonyFormat, Message, Trajectory
+
+collect_module = importlib.import_module("agentrl.episodes.collect")  # the package exports the function
+FMT = HarmonyFormat()
+ENV = "infra-flaky"
+SAMPLING = SamplingParams(max_new_tokens=200)
+
+
+class FakeSandbox:
+    """A sandbox backend whose first ``full`` session requests are refused as a full pool and whose first
+    ``lost`` runs come back as ``sandbox_error`` (a lost worker); code containing ``raise`` fails as code does."""
+
+    def __init__(self, full: int = 0, lost: int = 0) -> None:
+        self.full, self.lost, self.sessions = full, lost, 0
+
+    async def create_session(self) -> str:
+        if self.full > 0:
+            self.full -= 1
+            raise SandboxError("the sandbox pool is full: 42 live sessions, at most 7 per worker")
+        self.sessions += 1
+        return f"s{self.sessions}"
+
+    async def release_session(self, session: str) -> None:
+        pass
+
+    async def run(self, code: str, *, session=None, timeout_s: float = 10.0, stdin: str = "") -> ExecResult:
+        if self.lost > 0:
+            self.lost -= 1
+            return ExecResult("", "", None, "sandbox_error", 0.0, message="sandbox worker 1 died")
+        if "raise" in code:
+            return ExecResult("", "ValueError: bad\n", 1, "error", 0.0, error={"ename": "ValueError", "evalue": "bad"})
+        return ExecResult("42\n", "", 0, "ok", 0.0)
+
+    async def aclose(self) -> None:
+        pass
+
+
+#: the backend every FlakyEnv's python tool uses (a test sets it)
+BACKEND = FakeSandbox()
+
+
+class FlakyEnv(AgentEnv):
+    """Compute with python, answer in \\boxed{}; the python tool runs on :data:`BACKEND`."""
+
+    def make_tools(self):
+        return [PythonTool(BACKEND)]
+
+    @classmethod
+    def generate_task(cls, rng, split="train"):
+        return {"prompt": f"compute 6*7 (#{int(rng.integers(1000))})", "answer": "42"}
+
+    def reward(self, ctx):
+        ok = ctx.final is not None and "\\boxed{42}" in ctx.final
+        return float(ok), {"correct": float(ok)}
+
+
+def script(prompt: str, sampling) -> list[Message]:
+    """Call python once, then answer what it printed."""
+    if "<|start|>python to=assistant" not in prompt:
+        code = "raise" if "raise" in prompt.rsplit("<|start|>user", 1)[1] else "print(6*7)"
+        return [Message("assistant", code, channel="analysis", recipient="python")]
+    return [Message("assistant", "\\boxed{42}", channel="final")]
+
+
+@pytest.fixture(autouse=True)
+def _setup(monkeypatch):
+    registry.register(ENV, f"{__name__}:FlakyEnv")
+    monkeypatch.setattr(collect_module, "INFRA_RETRY_DELAY_S", 0.0)
+    global BACKEND
+    BACKEND = FakeSandbox()
+
+
+def _policy():
+    return TokenPolicy(ScriptedEngine(FMT, script), SAMPLING)
+
+
+async def _run(env: AgentEnv, task: dict) -> Trajectory:
+    from agentrl.episodes import run_episode
+
+    result = await run_episode(env, _policy(), task=task)
+    return result
+
+
+TASK = {"prompt": "compute 6*7", "answer": "42"}
+
+
+# ----------------------------------------------------------------------------- the env and the tool
+
+
+async def test_a_full_pool_ends_the_episode_as_infrastructure_unscored():
+    global BACKEND
+    BACKEND = FakeSandbox(full=1)
+    env = FlakyEnv(format=FMT)
+    result = await _run(env, TASK)
+    traj = result.trajectory
+    assert result.stop_reason == traj.stop_reason == "infrastructure" and result.infrastructure
+    assert traj.truncated and not traj.terminated and traj.reward == 0.0 and traj.reward_components == {}
+    assert traj.errors == {"tool_infrastructure": 1} and traj.error_counts() == {"tool_infrastructure": 1}
+    assert "the sandbox pool is full" in traj.error and traj.infrastructure_error == traj.error
+    assert result.error == traj.error and not result.usable
+    assert "SandboxError" in result.traceback and "Traceback" in result.traceback  # for errors.log
+    assert len(result.steps) == 1 and result.steps[-1].info["infrastructure_error"] == traj.error
+    (rec,) = traj.turns[0].tools
+    assert rec.error == "tool_infrastructure"
+    # the record survives serialisation
+    again = Trajectory.from_json(traj.to_json())
+    assert again.infrastructure_error == traj.error
+    await env.aclose()
+
+
+async def test_a_lost_worker_is_infrastructure_but_the_models_code_failing_is_not():
+    global BACKEND
+    BACKEND = FakeSandbox(lost=1)
+    env = FlakyEnv(format=FMT)
+    lost = await _run(env, TASK)
+    assert lost.stop_reason == "infrastructure" and "sandbox worker 1 died" in lost.trajectory.error
+    raised = await _run(env, {"prompt": "compute raise", "answer": "42"})  # the worker is back; the code raises
+    assert raised.stop_reason == "answer" and raised.usable and raised.trajectory.error is None
+    assert raised.trajectory.tool_errors == 0  # an exception in the code is the code's result
+    await env.aclose()
+
+
+async def test_a_tool_raising_tool_infrastructure_error_ends_the_episode():
+    class Down(Tool):
+        name = "lookup"
+        parameters = {"type": "object", "properties": {}}
+
+        async def call(self, arguments, session=None):
+            raise ToolInfrastructureError("the lookup service does not answer")
+
+    env = AgentEnv(format=FMT, tools=[Down()])
+    await env.areset(options={"task": {"prompt": "look it up"}})
+    call = '<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>{}<|call|>'
+    obs, reward, terminated, truncated, info = await env.astep(call)
+    assert truncated and not terminated and reward == 0.0 and len(obs["tokens"]) == 0
+    assert info["stop_reason"] == "infrastructure" and info["errors"] == ["tool_infrastructure"]
+    assert env.trajectory.error == "tool_infrastructure: lookup: Error: the lookup service does not answer"
+    await env.aclose()
+
+
+def test_tool_infrastructure_is_in_the_taxonomy():
+    from agentrl.episodes import STOP_REASONS
+    from agentrl.harmony.trajectory import ERROR_KINDS
+
+    assert "tool_infrastructure" in ERROR_KINDS and "infrastructure" in STOP_REASONS
+    assert ToolInfrastructureError("x").kind == "tool_infrastructure"
+
+
+# ----------------------------------------------------------------------------- collection: retried, then left out
+
+
+async def test_collect_runs_an_infrastructure_failure_again():
+    global BACKEND
+    BACKEND = FakeSandbox(full=2)  # the first two session requests are refused
+    pool = EnvPool(lambda: FlakyEnv(format=FMT), 1)
+    results = await collect(pool, lambda job: _policy(), [EpisodeJob(TASK, 0, "a")])
+    await pool.aclose()
+    (r,) = results
+    assert r.stop_reason == "answer" and r.usable and r.trajectory.reward == 1.0 and r.error is None
+    assert r.retries == 2 and len(r.retried_errors) == 2 and "pool is full" in r.retried_errors[0]
+
+
+async def test_collect_gives_up_after_the_retries_and_keeps_the_record():
+    global BACKEND
+    BACKEND = FakeSandbox(full=3)
+    pool = EnvPool(lambda: FlakyEnv(format=FMT), 1)
+    results = await collect(pool, lambda job: _policy(), [EpisodeJob(TASK, 0, "a"), EpisodeJob(TASK, 1, "b")])
+    await pool.aclose()
+    failed, ok = results
+    assert failed.infrastructure and not failed.usable and failed.retries == 2 and "pool is full" in failed.error
+    assert failed.trajectory.stop_reason == "infrastructure" and failed.trajectory.task_id == "a"
+    assert ok.usable and ok.retries == 0
+
+
+async def test_collect_without_retries():
+    global BACKEND
+    BACKEND = FakeSandbox(full=1)
+    pool = EnvPool(lambda: FlakyEnv(format=FMT), 1)
+    (r,) = await collect(pool, lambda job: _policy(), [EpisodeJob(TASK, 0, "a")], infra_retries=0)
+    await pool.aclose()
+    assert r.infrastructure and r.retries == 0
+
+
+# ----------------------------------------------------------------------------- tracebacks for developers
+
+
+class _Boom:
+    async def act(self, episode):
+        raise RuntimeError("policy exploded")
+
+
+async def test_a_failed_episode_keeps_its_full_traceback(monkeypatch):
+    monkeypatch.delenv("AGENTRL_DEBUG", raising=False)
+    pool = EnvPool(lambda: FlakyEnv(format=FMT), 1)
+    (r,) = await collect(pool, _Boom(), [EpisodeJob(TASK, 0, "a")])
+    await pool.aclose()
+    assert r.error == "RuntimeError: policy exploded"  # the user's line
+    assert r.traceback.startswith("Traceback") and "in act" in r.traceback and "policy exploded" in r.traceback
+
+
+async def test_agentrl_debug_reraises_a_failing_episode(monkeypatch):
+    monkeypatch.setenv("AGENTRL_DEBUG", "1")
+    pool = EnvPool(lambda: FlakyEnv(format=FMT), 1)
+    with pytest.raises(RuntimeError, match="policy exploded"):
+        await collect(pool, _Boom(), [EpisodeJob(TASK, 0, "a")])
+    await pool.aclose()
+
+
+def test_errorlog_appends_blocks(tmp_path):
+    from agentrl import errorlog
+
+    try:
+        raise ValueError("first")
+    except ValueError as exc:
+        errorlog.append(tmp_path / "run", "episode a", errorlog.format_exception(exc))
+    errorlog.append(tmp_path / "run", "episode b", "RuntimeError: second")
+    text = (tmp_path / "run" / "errors.log").read_text()
+    assert text.count("=== ") == 2 and "episode a\nTraceback" in text and "ValueError: first" in text
+    assert "episode b\nRuntimeError: second" in text
