@@ -6,6 +6,7 @@ Two kinds of run directory exist (:func:`run_kind` tells them apart)::
     RUN_DIR/config.yaml         resolved config       OUT/config.json        what was evaluated
     RUN_DIR/metrics.jsonl       one record per step   OUT/trajectories.jsonl one finished episode per line
     RUN_DIR/summary.json        headline figures      OUT/errors.jsonl       episodes that failed
+    RUN_DIR/errors.log          tracebacks            OUT/errors.log         tracebacks (:mod:`agentrl.errorlog`)
     RUN_DIR/trajectories/       step_000001.jsonl ... OUT/metrics.json       the evaluation's metrics
                                 (verl: step_000001-<pid>.jsonl, eval_step_...-<pid>.jsonl)
     RUN_DIR/eval/config.json    the held-out evaluation (``agentrl eval model=RUN_DIR`` starts from it)
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.cli_args import UsageError
+from agentrl.errorlog import ERRORS_LOG
 from agentrl.harmony.trajectory import Trajectory
 
 TRAIN = "train"
@@ -66,7 +68,7 @@ EVAL_TRAJECTORIES = "trajectories.jsonl"
 EVAL_ERRORS = "errors.jsonl"
 EVAL_CONFIG = "config.json"
 EVAL_METRICS = "metrics.json"
-EVAL_FILES = (EVAL_TRAJECTORIES, EVAL_ERRORS, EVAL_CONFIG, EVAL_METRICS, "trajectories.html")
+EVAL_FILES = (EVAL_TRAJECTORIES, EVAL_ERRORS, EVAL_CONFIG, EVAL_METRICS, "trajectories.html", ERRORS_LOG)
 
 ADAPTER_DIR = "adapter"
 """The folder of a checkpoint that holds a LoRA adapter (instead of ``model.pt``)."""

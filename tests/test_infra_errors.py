@@ -5,6 +5,7 @@ fails is left out of training and of the evaluation's score, counted, and its tr
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 from _scripted_engine import ScriptedEngine
@@ -235,3 +236,132 @@ def test_errorlog_appends_blocks(tmp_path):
     text = (tmp_path / "run" / "errors.log").read_text()
     assert text.count("=== ") == 2 and "episode a\nTraceback" in text and "ValueError: first" in text
     assert "episode b\nRuntimeError: second" in text
+
+
+# ----------------------------------------------------------------------------- training: left out, counted
+
+
+def _episode(group, sample, *, infra=False, error=None, reward=1.0):
+    from agentrl.episodes import EpisodeResult
+
+    traj = Trajectory(prompt_ids=[1], response_ids=[2, 3], response_mask=[1, 1], rollout_logprobs=[0.0, 0.0],
+                      reward=reward)
+    stop = "infrastructure" if infra else ("error" if error else "answer")
+    traj.stop_reason = stop
+    return EpisodeResult(traj, stop, group=group, sample=sample,
+                         error="tool_infrastructure: python: down" if infra else error)
+
+
+def test_trainable_leaves_out_infrastructure_failures_and_the_groups_they_leave_alone():
+    from agentrl.train.rollout import trainable
+
+    episodes = [
+        _episode(0, 0), _episode(0, 1),  # a whole group: trained on
+        _episode(1, 0), _episode(1, 1, infra=True),  # one left: its own baseline, dropped
+        _episode(2, 0), _episode(2, 1), _episode(2, 2, infra=True),  # two left: trained on
+        _episode(3, 0, error="RuntimeError: x"), _episode(3, 1, infra=True),  # nothing left
+        _episode(4, 0),  # rollout.n=1: a group of one is what it is
+    ]
+    assert trainable(episodes) == [True, True, False, False, True, True, False, False, False, True]
+
+
+def test_episode_metrics_count_infrastructure_failures_outside_the_score():
+    from agentrl.train.metrics import episode_metrics
+
+    ok, broken = _episode(0, 0, reward=1.0), _episode(0, 1, infra=True, reward=0.0)
+    broken.retries = 2
+    m = episode_metrics([ok, broken])
+    assert m["critic/score/mean"] == 1.0 and m["episode/infra_errors"] == 1.0 and m["episode/infra_retries"] == 2.0
+    assert m["episode/rollout_errors"] == 1.0
+    only = episode_metrics([broken])
+    assert only["episode/infra_errors"] == 1.0 and only["critic/score/mean"] != only["critic/score/mean"]  # NaN
+
+
+class LookupEnv(AgentEnv):
+    """Look the task up with a tool, then answer; the lookup service is down for tasks marked ``down``."""
+
+    instructions = "Look the task up, then answer in \\\\boxed{}."
+
+    def make_tools(self):
+        return [Lookup()]
+
+    @classmethod
+    def generate_task(cls, rng, split="train"):
+        n = int(rng.integers(10**6))
+        return {"prompt": f"task {n} {'down' if n % 2 == 0 else 'up'}", "answer": "7"}
+
+    def reward(self, ctx):
+        ok = ctx.final is not None and "\\boxed{7}" in ctx.final
+        return float(ok), {"correct": float(ok)}
+
+
+class Lookup(Tool):
+    name = "lookup"
+    parameters = {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}
+
+    async def call(self, arguments, session=None):
+        if "down" in arguments["q"]:
+            raise ToolInfrastructureError("the lookup service does not answer")
+        return "7"
+
+
+def lookup_script(prompt: str, sampling) -> list[Message]:
+    if "<|start|>functions.lookup to=assistant" not in prompt:
+        q = prompt.rsplit("<|start|>user<|message|>", 1)[1].split("<|end|>", 1)[0]
+        return [Message("assistant", json.dumps({"q": q}), channel="commentary", recipient="functions.lookup",
+                        content_type="json")]
+    return [Message("assistant", "\\boxed{7}", channel="final")]
+
+
+class _TrainerEngine(ScriptedEngine):
+    """The scripted engine with what the trainer asks of its engine: ``stats`` and ``reseed``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stats = {"generate_s": 0.0, "generated_tokens": 0}
+
+    def reseed(self, seed: int) -> None:
+        pass
+
+    async def generate(self, prompts, sampling):
+        out = await super().generate(prompts, sampling)
+        self.stats["generated_tokens"] += sum(len(c.token_ids) for c in out)
+        return out
+
+
+def test_training_leaves_infrastructure_failures_out_and_the_summary_says_so(tmp_path):
+    from agentrl.train.config import build_config
+    from agentrl.train.reporting import headline
+    from agentrl.train.trainer import Trainer
+
+    registry.register("infra-lookup", f"{__name__}:LookupEnv")
+    run = tmp_path / "run"
+    cfg = build_config([
+        "env=infra-lookup", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "data.tasks=env", "eval.num_tasks=4",
+        "rollout.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=64", "rollout.max_turns=3",
+        "trainer.total_steps=1", "trainer.progress=false", "trainer.tensorboard=false", "trainer.export_hf=false",
+        "sft.steps=0", "eval.before=false", f"run_dir={run}",
+    ])
+    trainer = Trainer(cfg)
+    trainer.actor.engine = _TrainerEngine(trainer.format, lookup_script)
+    summary = trainer.fit()
+    down_eval = sum("down" in task["prompt"] for _, task in trainer.heldout.items)
+    step = [Trajectory.from_json(x) for x in (run / "trajectories" / "step_000001.jsonl").read_text().splitlines()]
+    down_train = sum(t.stop_reason == "infrastructure" for t in step)
+    assert down_eval and down_train  # the seed marks some tasks of each down
+    assert all(("down" in str(t.task)) == (t.stop_reason == "infrastructure") for t in step)
+    assert all(t.train_logprobs is None for t in step if t.stop_reason == "infrastructure")  # never trained on
+    after = summary["eval_after"]
+    assert after["infra_errors"] == after["incomplete"] == down_eval and after["infra_retries"] == 2 * down_eval
+    assert after["episodes"] == 4 - down_eval and after["mean"] == 1.0  # the others are right: no wrong answer
+    assert summary["infra_errors"] == down_eval + down_train and summary["incomplete_evaluations"] == 1
+    assert summary["infra_retries"] == 2 * (down_eval + down_train)
+    assert summary["complete"] is False and summary["stopped_by"] is None
+    line = headline(summary)
+    assert line.startswith(f"agentrl train: INCOMPLETE (1/1 steps): {down_eval + down_train} infrastructure errors, "
+                           "1 incomplete evaluations (tracebacks in errors.log)")
+    log = (run / "errors.log").read_text()
+    assert log.count("infrastructure failure, left out") == down_eval + down_train
+    assert "ToolInfrastructureError: the lookup service does not answer" in log and "Traceback" in log
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["episode/infra_errors"] == down_train and record["eval/infra_errors"] == down_eval

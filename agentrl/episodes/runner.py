@@ -125,6 +125,21 @@ class EpisodeResult:
         trajectory is kept and counted, not trained on."""
         return self.error is None and self.reward_error is None and not self.infrastructure
 
+    def failures(self) -> list[tuple[str, str]]:
+        """What went wrong, for the run's ``errors.log`` (:mod:`agentrl.errorlog`): ``(what, text)`` for each
+        earlier run that a tool's backend ended, then for this run when it failed (``text``: the traceback, or
+        the message when there is none). Empty for an episode that ran without a failure."""
+        label = f"task {self.task_id} sample {self.sample}"
+        out = [(f"{label}: infrastructure failure, run again ({k + 1})", text)
+               for k, text in enumerate(self.retried_errors)]
+        if self.error is not None:
+            kind = "infrastructure failure, left out" if self.infrastructure else "episode failed"
+            out.append((f"{label}: {kind}: {self.error.splitlines()[0] if self.error else ''}",
+                        self.traceback or self.error))
+        elif self.reward_error is not None:
+            out.append((f"{label}: the reward function raised", self.reward_error))
+        return out
+
     @property
     def tool_s(self) -> float:
         """Seconds the episode's tool calls took (summed; calls of one action run concurrently)."""

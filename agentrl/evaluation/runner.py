@@ -17,7 +17,7 @@ import multiprocessing
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from agentrl.episodes import EnvPool, EpisodeJob, EpisodeResult, collect
@@ -28,7 +28,7 @@ from agentrl.evaluation.policies import EpisodeRunner, open_runner
 from agentrl.evaluation.store import ResultStore, items_digest
 from agentrl.harmony.trajectory import Trajectory
 
-__all__ = ["Evaluation", "eval_jobs", "run_async", "run_jobs", "summarize_items"]
+__all__ = ["Evaluation", "JobCounts", "eval_jobs", "run_async", "run_jobs", "summarize_items"]
 
 
 def eval_jobs(config: EvalConfig, items: list[tuple[str, dict[str, Any]]], done: set | frozenset = frozenset()) -> list[EpisodeJob]:
@@ -42,31 +42,50 @@ def eval_jobs(config: EvalConfig, items: list[tuple[str, dict[str, Any]]], done:
     ]
 
 
+@dataclass
+class JobCounts:
+    """What :func:`run_jobs` ran: ``finished`` and ``failed`` episodes, ``seconds`` from the first episode's start
+    to the last one's end, ``infra_errors`` (the failed episodes that a tool's backend ended, after their runs
+    again: incomplete, not wrong) and ``infra_retries`` (runs again after such a failure)."""
+
+    finished: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    infra_errors: int = 0
+    infra_retries: int = 0
+
+
 async def run_jobs(
     runner: EpisodeRunner, jobs: list[EpisodeJob], store: Any, *, concurrency: int,
     on_progress: Callable[[int, int, int], Any] | None = None, pool: EnvPool | None = None,
     abort_when_all_fail: bool = True,
-) -> tuple[int, int, float]:
+) -> JobCounts:
     """Run ``jobs`` with ``runner`` over a pool of ``concurrency`` envs (:func:`agentrl.episodes.collect`; or over
     ``pool``, left open, e.g. the trainer's), handing each result to ``store`` as it finishes: a finished
     episode to ``store.write`` (its trajectory labelled by :meth:`EpisodeRunner.label`), a failed one to
-    ``store.write_error`` (it is not in the metrics; ``agentrl eval`` retries it on the next run). With
-    ``abort_when_all_fail``, stops early when every episode so far failed (``2 * concurrency + 2`` in a row: the
-    model is unreachable) and then raises RuntimeError with the last error. Returns ``(finished, failed,
-    seconds)``, the seconds from the first episode's start to the last one's end. ``on_progress(done, total,
-    failed)``: at the start and after each episode."""
+    ``store.write_error`` (it is not in the metrics; ``agentrl eval`` retries it on the next run), and the
+    tracebacks of every failure (:meth:`~agentrl.episodes.EpisodeResult.failures`, runs again after an
+    infrastructure failure included) to ``store.log_error(what, text)``. An episode that a tool's backend ended
+    is run again by :func:`~agentrl.episodes.collect`, and when it still fails it is a failed episode: left out
+    of the score, never a wrong answer. With ``abort_when_all_fail``, stops early when every episode so far
+    failed (``2 * concurrency + 2`` in a row: the model is unreachable) and then raises RuntimeError with the
+    last error. ``on_progress(done, total, failed)``: at the start and after each episode."""
     if not jobs:
-        return 0, 0, 0.0
-    counts = {"done": 0, "failed": 0, "streak": 0}
+        return JobCounts()
+    counts = {"done": 0, "failed": 0, "streak": 0, "infra_errors": 0, "infra_retries": 0}
     abort_after = 2 * concurrency + 2
     last_error: list[str] = []
 
     def finished(result: EpisodeResult) -> None:
+        for what, text in result.failures():
+            store.log_error(what, text)
+        counts["infra_retries"] += result.retries
         if result.error is not None:
             store.write_error(str(result.task_id), result.sample, result.error)
             last_error[:] = [result.error]
             counts["failed"] += 1
             counts["streak"] += 1
+            counts["infra_errors"] += result.infrastructure
         else:
             store.write(runner.label(result))
             counts["done"] += 1
@@ -91,7 +110,7 @@ async def run_jobs(
     seconds = time.monotonic() - t0
     if abort_when_all_fail and counts["done"] == 0 and counts["failed"]:
         raise RuntimeError(f"every episode failed ({counts['failed']}); last error: {last_error[0]}")
-    return counts["done"], counts["failed"], seconds
+    return JobCounts(counts["done"], counts["failed"], seconds, counts["infra_errors"], counts["infra_retries"])
 
 
 def summarize_items(config: EvalConfig, items: list[tuple[str, dict[str, Any]]], trajectories: list[Trajectory]) -> dict[str, Any]:
@@ -146,16 +165,19 @@ class Evaluation:
         t0 = time.perf_counter()
         try:
             if cfg.processes > 1 and len(todo) > 1 and self.runner is None:
-                finished, failed, episodes_wall = await self._run_processes(todo)
+                ran = await self._run_processes(todo)
             else:
-                finished, failed, episodes_wall = await self._run_all(todo)
+                ran = await self._run_all(todo)
         finally:
             self.store.close()
         wall = time.perf_counter() - t0
+        finished, failed, episodes_wall = ran.finished, ran.failed, ran.seconds
         metrics = summarize_items(cfg, items, self.store.load())
         metrics["run"] = {
             "episodes_run": finished,
             "episodes_failed": failed,
+            "infra_errors": ran.infra_errors,
+            "infra_retries": ran.infra_retries,
             "episodes_skipped": len(items) * cfg.n - len(todo),
             "wall_s": wall,
             "episodes_wall_s": episodes_wall,
@@ -165,11 +187,11 @@ class Evaluation:
         self.store.write_metrics(metrics)
         return metrics
 
-    async def _run_all(self, todo: list[EpisodeJob]) -> tuple[int, int, float]:
+    async def _run_all(self, todo: list[EpisodeJob]) -> JobCounts:
         """Run ``todo`` (:func:`run_jobs`) with this evaluation's runner, opening the default one (and its
         engine, sandbox, HTTP client) for the duration when none was given."""
         if not todo:
-            return 0, 0, 0.0
+            return JobCounts()
         async with contextlib.AsyncExitStack() as stack:
             runner = self.runner or await open_runner(self.config, stack)
             self.window = (time.monotonic(), 0.0)
@@ -178,7 +200,7 @@ class Evaluation:
             self.window = (self.window[0], time.monotonic())
         return result
 
-    async def _run_processes(self, todo: list[EpisodeJob]) -> tuple[int, int, float]:
+    async def _run_processes(self, todo: list[EpisodeJob]) -> JobCounts:
         """Split ``todo`` over ``processes`` child processes (each a client with its share of the
         concurrency), so Python's per-request CPU is spread over cores. Children append to the same
         files; the parent aggregates progress. Returns like :meth:`_run_all`."""
@@ -217,11 +239,11 @@ class Evaluation:
                 proc.join(timeout=30)
                 if proc.is_alive():
                     proc.kill()
-        finished = sum(r[0] for r in results.values())
-        failed = sum(r[1] for r in results.values())
-        start = min(r[2] for r in results.values())
-        end = max(r[3] for r in results.values())
-        return finished, failed, end - start
+        ran = [counts for counts, _, _ in results.values()]
+        start = min(r[1] for r in results.values())
+        end = max(r[2] for r in results.values())
+        return JobCounts(sum(c.finished for c in ran), sum(c.failed for c in ran), end - start,
+                         sum(c.infra_errors for c in ran), sum(c.infra_retries for c in ran))
 
 
 def _get(queue: Any, procs: list[Any]) -> Any:
@@ -255,10 +277,10 @@ def _child_main(cfg: EvalConfig, shard: list[EpisodeJob], queue: Any, k: int) ->
     async def go() -> None:
         ev = Evaluation(cfg, on_progress=progress, _child=True)
         try:
-            done, failed, _ = await ev._run_all(shard)
+            counts = await ev._run_all(shard)
         finally:
             ev.store.close()
-        queue.put(("done", k, done, failed, *ev.window))
+        queue.put(("done", k, counts, *ev.window))
 
     try:
         run_async(go())

@@ -2,7 +2,8 @@
 
 Layout (``out``, see :mod:`agentrl.rundir`): ``trajectories.jsonl`` (one finished episode per line, appended
 as it finishes; each carries its ``task_id``, ``sample``, ``env``, ``model``, ``latency_s``), ``errors.jsonl``
-(episodes that failed, e.g. an endpoint down after retries; they are retried on the next run),
+(episodes that failed, e.g. an endpoint down after retries; they are retried on the next run), ``errors.log``
+(the full traceback of each failure, :mod:`agentrl.errorlog`),
 ``config.json`` and ``metrics.json``. Rerunning with the same ``out`` skips finished ``(item, sample)`` pairs;
 a config that changes what is measured (:data:`~agentrl.evaluation.config.RESUME_KEYS`) is refused unless
 ``overwrite=True``, which starts the directory afresh. A training run's directory is refused as ``out``.
@@ -17,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from agentrl import rundir
+from agentrl import errorlog, rundir
 from agentrl.evaluation.config import RESUME_KEYS, EvalConfig
 from agentrl.harmony.trajectory import Trajectory
 
@@ -86,6 +87,10 @@ class ResultStore:
         """Record a failed episode (``error``: ``"ExceptionType: message"``); it is retried next run."""
         record = {"item_id": item_id, "sample": sample, "error": error, "time": time.time()}
         self._errors.write(json.dumps(record))
+
+    def log_error(self, what: str, text: str) -> None:
+        """Append a failure's full traceback to the directory's ``errors.log`` (:mod:`agentrl.errorlog`)."""
+        errorlog.append(self.out, what, text)
 
     def last_error(self) -> str | None:
         """The error of the latest failed episode recorded, or None."""

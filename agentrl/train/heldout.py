@@ -11,8 +11,10 @@ problems behind ``summary.json``'s figures and, on the final weights, reproduces
 :class:`HeldOutEvaluation` runs it with the trainer's own engine (the weights being trained) through
 :func:`agentrl.evaluation.runner.run_jobs`; each evaluation's episodes and metrics go to
 ``RUN_DIR/eval/<label>/`` (an ``agentrl eval`` directory). Failed episodes are recorded in its
-``errors.jsonl`` and left out of the metrics, as in ``agentrl eval``. Under torchrun each rank runs its share
-and rank 0 writes.
+``errors.jsonl`` and left out of the metrics, as in ``agentrl eval``: an episode that a tool's backend ended is
+run again, and when it still fails it is incomplete, not a wrong answer. Each evaluation's figures say how many
+(``incomplete``: episodes left out, ``infra_errors`` of them a tool's backend ended, ``infra_retries``), and
+the tracebacks go to ``RUN_DIR/errors.log``. Under torchrun each rank runs its share and rank 0 writes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl import rundir
+from agentrl import errorlog, rundir
 from agentrl.evaluation import EvalConfig
 from agentrl.evaluation.config import load_tasks
 from agentrl.evaluation.metrics import headline
@@ -93,13 +95,15 @@ class HeldOutEvaluation:
         lines = ProgressLines(f"eval {label}", len(jobs), interval_s=self.cfg.trainer.progress_interval_s)
         with par.gathered(self.actor.model), lines:
             try:
-                _, _, seconds = await run_jobs(self.runner(), jobs, collected, concurrency=self.config.concurrency,
-                                               pool=pool, abort_when_all_fail=False, on_progress=lines.update)
+                ran = await run_jobs(self.runner(), jobs, collected, concurrency=self.config.concurrency,
+                                     pool=pool, abort_when_all_fail=False, on_progress=lines.update)
             finally:
                 release = getattr(self.actor.engine, "release", None)
                 if release is not None:  # the decode engine's cache: the update that follows needs the memory
                     release()
         finished, failed = par.gather(collected.finished), par.gather(collected.failed)
+        logged = par.gather(collected.logged)
+        infra_errors, infra_retries = sum(par.gather([ran.infra_errors])), sum(par.gather([ran.infra_retries]))
         for traj in finished:
             traj.policy_version = step
         if not finished:
@@ -107,10 +111,14 @@ class HeldOutEvaluation:
         metrics = summarize_items(self.config, self.items, finished)
         if par.is_main:
             self._write(label, finished, failed, metrics)
-        self.seconds = par.max(seconds)
+            for what, text in logged:
+                errorlog.append(self.run.root, f"eval {label}, {what}", text)
+        self.seconds = par.max(ran.seconds)
         figures = headline(metrics)
+        figures.update(incomplete=len(failed), infra_errors=infra_errors, infra_retries=infra_retries)
         flat = {f"eval/{k}": float(v) for k, v in _numbers(metrics).items()}
-        flat.update({"eval/episodes_failed": float(len(failed)), "eval/timing_s": self.seconds})
+        flat.update({"eval/episodes_failed": float(len(failed)), "eval/timing_s": self.seconds,
+                     "eval/infra_errors": float(infra_errors), "eval/infra_retries": float(infra_retries)})
         return flat, figures
 
     def _write(self, label: str, finished: list[Trajectory], failed: list[tuple], metrics: dict[str, Any]) -> None:
@@ -132,12 +140,16 @@ class _Collected:
     def __init__(self) -> None:
         self.finished: list[Trajectory] = []
         self.failed: list[tuple[str, int, str]] = []
+        self.logged: list[tuple[str, str]] = []
 
     def write(self, traj: Trajectory) -> None:
         self.finished.append(traj)
 
     def write_error(self, item_id: str, sample: int, error: str) -> None:
         self.failed.append((item_id, sample, error))
+
+    def log_error(self, what: str, text: str) -> None:
+        self.logged.append((what, text))
 
 
 def _numbers(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:

@@ -7,7 +7,10 @@ Names follow verl where the concept is the same: ``critic/score/mean`` (episode 
 ``episode/tool_call_rate`` (episodes with at least one tool call / episodes), ``episode/tool_error_rate``
 (tool calls with an error kind / tool calls: the record's own tool statistics,
 :attr:`~agentrl.harmony.trajectory.Trajectory.tool_errors`, as in ``agentrl eval``), ``episode/parse_error_rate``
-(model turns with a parse error / model turns), ``episode/truncated_frac``, ``episode/rollout_errors``.
+(model turns with a parse error / model turns), ``episode/truncated_frac``, ``episode/rollout_errors``,
+``episode/infra_errors`` (episodes a tool's backend ended, after their runs again: left out of the update and of
+``critic/score/*``), ``episode/infra_retries`` (runs again after such a failure), ``actor/dropped_groups``
+(task groups with no episode trained on).
 Held-out evaluations are ``agentrl eval``'s metrics (:mod:`agentrl.train.heldout`), logged as ``eval/*``.
 
 Files go through :mod:`agentrl.rundir`: each record is one appended line of ``RUN_DIR/metrics.jsonl``.
@@ -32,11 +35,13 @@ __all__ = ["MetricsSink", "NullSink", "episode_metrics", "mean_and_sem"]
 def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict[str, float]:
     """Reward, length, turn, tool and error statistics over ``episodes`` (failed ones count as reward 0
     in ``critic/score/*`` so that breakage shows up as a drop, and are counted in ``episode/rollout_errors``;
-    those whose reward function raised are also counted in ``episode/reward_errors``)."""
+    those whose reward function raised are also counted in ``episode/reward_errors``). An episode a tool's
+    backend ended is not the model's: it is left out of ``critic/score/*`` (NaN when every episode is one) and
+    counted in ``episode/infra_errors``."""
     if not episodes:
         return {}
     trajs = [e.trajectory for e in episodes]
-    rewards = [t.reward if e.usable else 0.0 for e, t in zip(episodes, trajs, strict=True)]
+    rewards = [t.reward if e.usable else 0.0 for e, t in zip(episodes, trajs, strict=True) if not e.infrastructure]
     model_tokens = [sum(t.response_mask) for t in trajs]
     env_tokens = [len(t.response_mask) - sum(t.response_mask) for t in trajs]
     turns = [len(t.turns) for t in trajs]
@@ -46,8 +51,8 @@ def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict
     out: dict[str, float] = {
         "critic/score/mean": mean_r,
         "critic/score/sem": sem_r,
-        "critic/score/max": max(rewards),
-        "critic/score/min": min(rewards),
+        "critic/score/max": max(rewards, default=math.nan),
+        "critic/score/min": min(rewards, default=math.nan),
         "response_length/mean": sum(model_tokens) / len(trajs),
         "response_length/max": float(max(model_tokens)),
         "response_length/env_tokens_mean": sum(env_tokens) / len(trajs),
@@ -62,6 +67,8 @@ def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict
         "episode/truncated_frac": sum(1 for t in trajs if t.truncated) / len(trajs),
         "episode/rollout_errors": float(sum(1 for e in episodes if not e.usable)),
         "episode/reward_errors": float(sum(1 for e in episodes if e.reward_error is not None)),
+        "episode/infra_errors": float(sum(1 for e in episodes if e.infrastructure)),
+        "episode/infra_retries": float(sum(e.retries for e in episodes)),
     }
     components: dict[str, list[float]] = defaultdict(list)
     for t in trajs:

@@ -1,13 +1,17 @@
 """What a run reports: the console (start line, progress bar, one line per step and per evaluation), the metrics
 sinks (``RUN_DIR/metrics.jsonl``, TensorBoard, W&B; :mod:`agentrl.train.metrics`) and ``RUN_DIR/summary.json``.
 
-``summary.json`` starts with the run's headline: ``complete`` (every one of ``total_steps`` RL steps ran),
-``stopped_by`` (null, or the budget that stopped the run before ``total_steps``: ``"max_wall_s"``), ``steps``,
-``total_steps``, then the held-out figures, each evaluation once: ``eval_before`` (before anything; absent with
+``summary.json`` starts with the run's headline: ``complete`` (every one of ``total_steps`` RL steps ran, and no
+infrastructure error or incomplete evaluation remains), ``stopped_by`` (null, or the budget that stopped the run
+before ``total_steps``: ``"max_wall_s"``), ``steps``, ``total_steps``, ``infra_errors`` (episodes, of RL steps and
+evaluations, that a tool's backend ended even after their runs again: left out, never scored), ``infra_retries``
+(runs again after such a failure), ``incomplete_evaluations`` (held-out evaluations that left an episode out),
+``commit`` (the git commit of the agentrl source that ran, when it is a git checkout), then the held-out figures, each evaluation once: ``eval_before`` (before anything; absent with
 ``eval.before=false``), ``eval_after_sft`` (after the SFT stage, when RL steps followed), ``eval_after`` (the last
 one; :func:`agentrl.evaluation.
 metrics.headline`: ``mean``, ``sem``, ``tool_call_rate``, ``tool_success_rate``, ``tool_calls_mean``,
-``turns_mean``, ``pass@k``, ``episodes``, ``errors``, and the ``step`` it was taken at), ``eval_tasks``, the SFT
+``turns_mean``, ``pass@k``, ``episodes``, ``errors``, ``incomplete``, ``infra_errors``, ``infra_retries``, and the
+``step`` it was taken at), ``eval_tasks``, the SFT
 stage's ``sft`` info, data position, wall times and memory: ``peak_rss_gb``, the trainer process's resident-set
 high-water mark, and ``peak_rss_children_gb``, the largest of its ended child processes' (GiB, ``getrusage``). :func:`headline` is the same headline as the console's last
 line.
@@ -88,6 +92,8 @@ class Reporter:
             f"eval {label}: reward {figures['mean']:.3f} ± {figures['sem']:.3f} (n={figures['episodes']})  "
             f"tool calls {figures['tool_call_rate']:.2f} of episodes, {figures['tool_calls_mean']:.2f}/episode, "
             f"success {success}  turns {figures['turns_mean']:.2f}  {seconds:.0f} s"
+            + (f"  INCOMPLETE: {figures['incomplete']} episodes left out ({figures.get('infra_errors', 0)} "
+               "infrastructure errors; errors.log)" if figures.get("incomplete") else "")
         )
 
     def summary(self, state: Any, *, wall_s: float, t_created: float, load_s: float,
@@ -95,9 +101,15 @@ class Reporter:
         """The run's summary (module docstring), written to ``summary.json`` by rank 0. ``stopped_by``: the
         budget that ended the RL stage before ``trainer.total_steps`` (``"max_wall_s"``), or None."""
         total = int(self.cfg.trainer.total_steps)
+        evals = list(state.eval_history.values())
+        infra_errors = state.infra["errors"] + sum(int(e.get("infra_errors", 0)) for e in evals)
+        incomplete = sum(1 for e in evals if e.get("incomplete", 0))
         summary: dict[str, Any] = {
-            "complete": stopped_by is None and state.step >= total, "stopped_by": stopped_by,
-            "steps": state.step, "total_steps": total,
+            "complete": stopped_by is None and state.step >= total and not infra_errors and not incomplete,
+            "stopped_by": stopped_by, "steps": state.step, "total_steps": total,
+            "infra_errors": infra_errors,
+            "infra_retries": state.infra["retries"] + sum(int(e.get("infra_retries", 0)) for e in evals),
+            "incomplete_evaluations": incomplete, "commit": source_commit(),
         }
         summary.update(_eval_figures(state.eval_history))
         if state.eval_history:
@@ -119,6 +131,23 @@ class Reporter:
         self.sink.close()
 
 
+def source_commit() -> str | None:
+    """The git commit of the agentrl source that runs (with ``+dirty`` when its tracked files have changes), or
+    None when it is not a git checkout or git is missing."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}+dirty" if dirty else sha or None
+
+
 def peak_rss_gb() -> dict[str, float]:
     """``peak_rss_gb`` (this process's resident-set high-water mark) and ``peak_rss_children_gb`` (the largest
     of its ended and waited-for child processes'), in GiB."""
@@ -132,17 +161,24 @@ def peak_rss_gb() -> dict[str, float]:
 
 
 def headline(summary: dict[str, Any], prog: str = "agentrl train") -> str:
-    """The console's last line for a run's ``summary``: complete or not (and what stopped it), the held-out
-    rewards, the run directory; e.g. ``agentrl train: complete (10/10 steps); held-out reward 0.000 ± 0.000
+    """The console's last line for a run's ``summary``: complete or not (what stopped it, the infrastructure errors
+    and incomplete evaluations that remain), the held-out rewards, the run directory; e.g. ``agentrl train: complete (10/10 steps); held-out reward 0.000 ± 0.000
     before, 0.672 ± 0.042 after SFT, 0.773 ± 0.037 after step 10; runs/retool-...``."""
     steps = f"{summary['steps']}/{summary['total_steps']} steps" if summary["total_steps"] else "no RL step"
+    broken = []
+    if summary.get("infra_errors"):
+        broken.append(f"{summary['infra_errors']} infrastructure errors")
+    if summary.get("incomplete_evaluations"):
+        broken.append(f"{summary['incomplete_evaluations']} incomplete evaluations")
+    why = f": {', '.join(broken)} (tracebacks in errors.log)" if broken else ""
     if summary["complete"]:
         state = f"complete ({steps})"
     elif summary["stopped_by"] == "max_wall_s":
         state = (f"INCOMPLETE: stopped by trainer.max_wall_s={summary['max_wall_s']:g} after {steps} "
                  "(trainer.max_wall_s=0, the default, runs every step)")
+        state += f"; {', '.join(broken)}" if broken else ""
     else:
-        state = f"INCOMPLETE ({steps})"
+        state = f"INCOMPLETE ({steps}){why}"
     labelled = [("eval_before", "before"), ("eval_after_sft", "after SFT")]
     if summary.get("eval_after", {}).get("step", 0) > 0:  # an RL step was evaluated (else: one of the above)
         labelled.append(("eval_after", f"after step {summary['eval_after']['step']}"))

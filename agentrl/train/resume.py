@@ -26,7 +26,8 @@ class RunState:
     """``step``: RL steps done; ``data_position``: the next training task index; ``update_generator``: the
     mini-batch shuffling RNG; ``eval_history``: label (``before``, ``after_sft``, ``step_N``) -> the held-out
     evaluation's headline figures; ``sft_done``, ``sft_step`` (SFT steps done), ``sft_info`` (where its data came
-    from, its last loss)."""
+    from, its last loss); ``infra``: the RL steps' episodes that a tool's backend ended (``errors``: left out after
+    their runs again; ``retries``: runs again)."""
 
     seed: int
     step: int = 0
@@ -35,6 +36,7 @@ class RunState:
     sft_step: int = 0
     sft_info: dict[str, Any] = field(default_factory=dict)
     eval_history: dict[str, dict[str, Any]] = field(default_factory=dict)
+    infra: dict[str, int] = field(default_factory=lambda: {"errors": 0, "retries": 0})
     update_generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -48,6 +50,7 @@ class RunState:
             "sft_done": not in_sft and self.sft_done,
             "sft_step": self.sft_step,
             "sft_info": self.sft_info,
+            "infra": self.infra,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -58,6 +61,7 @@ class RunState:
         self.sft_done = bool(state.get("sft_done", True))
         self.sft_step = int(state.get("sft_step", 0))
         self.sft_info = dict(state.get("sft_info", {}))
+        self.infra = {"errors": 0, "retries": 0, **{k: int(v) for k, v in state.get("infra", {}).items()}}
 
 
 class Checkpoints:

@@ -2,7 +2,9 @@
 
 Episodes run concurrently over an :class:`~agentrl.episodes.EnvPool` (see :func:`agentrl.episodes.collect`),
 each driven by a :class:`~agentrl.episodes.TokenPolicy` on the trainer's local engine. An episode that
-raises is kept (``usable=False``, its partial trajectory saved and counted) and never stops training.
+raises is kept (``usable=False``, its partial trajectory saved and counted) and never stops training. One that a
+tool's backend ended (``stop_reason="infrastructure"``: not the model's failure) is run again by
+:func:`~agentrl.episodes.collect`, and left out of the update when it still fails (:func:`trainable`).
 
 With an engine that has clients (:meth:`agentrl.engines.decode_engine.DecodeEngine.open_client`), each
 episode samples through its own client, keyed by its env seed, so what it samples does not depend on which
@@ -13,6 +15,7 @@ engine's memory is released after the rollout (:meth:`release`), before the upda
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +90,10 @@ async def _collect_through_clients(
     the engine's memory is released afterwards. ``on_episode``: called with each result as it finishes."""
     clients: dict[tuple[Any, int], Any] = {}
 
-    def policy(job: EpisodeJob) -> TokenPolicy:
+    def policy(job: EpisodeJob) -> TokenPolicy:  # called again for a job run again after an infrastructure failure
+        previous = clients.pop((job.group, job.sample), None)
+        if previous is not None:
+            previous.close()
         clients[(job.group, job.sample)] = client = engine.open_client(job.seed)
         return TokenPolicy(client, sampling)
 
@@ -104,3 +110,14 @@ async def _collect_through_clients(
         for client in clients.values():
             client.close()
         engine.release()
+
+
+def trainable(episodes: Sequence[EpisodeResult]) -> list[bool]:
+    """Which of a rollout's episodes the update trains on: the usable ones with model tokens (not one that
+    raised, one a tool's backend ended, or one whose reward function raised), and of a task's samples (its
+    group, when it has two or more) only while at least two of them are: a sample left alone would be its own
+    baseline (GRPO gives a singleton group its raw score as advantage), so its group is dropped."""
+    ok = [e.usable and sum(e.trajectory.response_mask) > 0 for e in episodes]
+    size = Counter(e.group for e in episodes)
+    kept = Counter(e.group for e, k in zip(episodes, ok, strict=True) if k)
+    return [k and (size[e.group] < 2 or kept[e.group] >= 2) for e, k in zip(episodes, ok, strict=True)]

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl import rundir
+from agentrl import errorlog, rundir
 from agentrl.engines.base import SamplingParams
 from agentrl.envs.task_source import TaskSource
 from agentrl.episodes import EnvPool, EpisodeResult
@@ -44,7 +44,7 @@ from agentrl.train.metrics import episode_metrics
 from agentrl.train.parallel import SingleProcess
 from agentrl.train.reporting import Reporter, headline
 from agentrl.train.resume import Checkpoints, RunState
-from agentrl.train.rollout import rollout
+from agentrl.train.rollout import rollout, trainable
 from agentrl.train.stages import TrainingFailed, run_stages
 from agentrl.train.update import run_update
 
@@ -169,6 +169,9 @@ class Trainer:
         update = self._update(result.episodes)
         episodes = par.gather(result.episodes)
         self._save_trajectories(state.step + 1, episodes)
+        self._log_failures(state.step + 1, episodes)
+        state.infra["errors"] += sum(1 for e in episodes if e.infrastructure)
+        state.infra["retries"] += sum(e.retries for e in episodes)
         metrics = episode_metrics(episodes)
         metrics.update(par.mean({
             "timing_s/rollout": result.wall_s,
@@ -188,16 +191,20 @@ class Trainer:
 
     def _update(self, episodes: list[EpisodeResult]) -> dict[str, float]:
         """The policy update on this rank's episodes; records each trained episode's train-side log-probs.
-        One process trains on the usable episodes only; ranks of a parallel run keep every row (equal batch
-        shapes keep FSDP's collectives in step) and zero the loss mask of failed or empty episodes."""
-        trainable = [e.usable and sum(e.trajectory.response_mask) > 0 for e in episodes]
+        One process trains on the :func:`~agentrl.train.rollout.trainable` episodes only; ranks of a parallel run
+        keep every row (equal batch shapes keep FSDP's collectives in step), zero the loss mask of the others and
+        give each of those a group of its own, so that its reward is in no other sample's baseline."""
+        keep = trainable(episodes)
+        dropped = len({e.group for e in episodes if e.group is not None}) - len(
+            {e.group for e, k in zip(episodes, keep, strict=True) if k and e.group is not None})
         equal = self.parallel.equal_batches
-        rows = list(episodes) if equal else [e for e, ok in zip(episodes, trainable, strict=True) if ok]
+        rows = list(episodes) if equal else [e for e, ok in zip(episodes, keep, strict=True) if ok]
         if not rows:
-            return {"actor/skipped_update": 1.0}
-        batch = collate([e.trajectory for e in rows], [e.group for e in rows], self.actor.pad_token_id)
+            return {"actor/skipped_update": 1.0, "actor/dropped_groups": float(dropped)}
+        groups = [e.group if not equal or keep[i] else -1 - i for i, e in enumerate(rows)]
+        batch = collate([e.trajectory for e in rows], groups, self.actor.pad_token_id)
         if equal:
-            batch.response_mask[~torch.tensor(trainable, dtype=torch.bool)] = 0
+            batch.response_mask[~torch.tensor(keep, dtype=torch.bool)] = 0
         update = run_update(
             model=self.model, optimizer=self.optimizer, batch=batch.to(self.model.device), cfg=self.cfg,
             temperature=self.cfg.rollout.temperature, ref_model=self.ref_model,
@@ -207,17 +214,25 @@ class Trainer:
         if update.old_log_prob is not None:
             old = update.old_log_prob.float().cpu()
             for i, e in enumerate(rows):
-                if e.usable and any(e.trajectory.response_mask):
+                if not equal or keep[i]:
                     mask = e.trajectory.response_mask
                     lps = old[i, : len(mask)].tolist()
                     e.trajectory.train_logprobs = [v if m else 0.0 for v, m in zip(lps, mask, strict=True)]
-        return self.parallel.mean(update.metrics)
+        return self.parallel.mean({**update.metrics, "actor/dropped_groups": float(dropped)})
 
     def _save_trajectories(self, step: int, episodes: list[EpisodeResult]) -> None:
         """Write every episode of step ``step`` (all ranks'; failed ones too); rank 0 only."""
         if self.cfg.trainer.save_trajectories and self.parallel.is_main:
             rundir.write_trajectories(rundir.TrainRun(self.run_dir).step_trajectories(step),
                                       (e.trajectory for e in episodes))
+
+    def _log_failures(self, step: int, episodes: list[EpisodeResult]) -> None:
+        """Append the tracebacks of step ``step``'s failed episodes (and of their runs again) to
+        ``RUN_DIR/errors.log`` (:mod:`agentrl.errorlog`); rank 0 only."""
+        if self.parallel.is_main:
+            for e in episodes:
+                for what, text in e.failures():
+                    errorlog.append(self.run_dir, f"step {step}, {what}", text)
 
     # ------------------------------------------------------------------ run
     def maybe_resume(self) -> None:
