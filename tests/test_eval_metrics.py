@@ -101,6 +101,7 @@ def test_summary_report_counts_tools_errors_and_latency():
         "bad_arguments": 0,
         "tool_timeout": 1,
         "tool_exception": 0,
+        "tool_infrastructure": 0,
         "truncation": 1,
         "reward_error": 0,
     }

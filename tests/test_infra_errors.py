@@ -4,6 +4,7 @@ fails is left out of training and of the evaluation's score, counted, and its tr
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 
@@ -46,6 +47,8 @@ class FakeSandbox:
         if self.lost > 0:
             self.lost -= 1
             return ExecResult("", "", None, "sandbox_error", 0.0, message="sandbox worker 1 died")
+        if "down" in code:  # this worker is always lost
+            return ExecResult("", "", None, "sandbox_error", 0.0, message="sandbox worker 2 died")
         if "raise" in code:
             return ExecResult("", "ValueError: bad\n", 1, "error", 0.0, error={"ename": "ValueError", "evalue": "bad"})
         return ExecResult("42\n", "", 0, "ok", 0.0)
@@ -76,7 +79,8 @@ class FlakyEnv(AgentEnv):
 def script(prompt: str, sampling) -> list[Message]:
     """Call python once, then answer what it printed."""
     if "<|start|>python to=assistant" not in prompt:
-        code = "raise" if "raise" in prompt.rsplit("<|start|>user", 1)[1] else "print(6*7)"
+        request = prompt.rsplit("<|start|>user", 1)[1]
+        code = "raise" if "raise" in request else ("down" if "down" in request else "print(6*7)")
         return [Message("assistant", code, channel="analysis", recipient="python")]
     return [Message("assistant", "\\boxed{42}", channel="final")]
 
@@ -365,3 +369,74 @@ def test_training_leaves_infrastructure_failures_out_and_the_summary_says_so(tmp
     assert "ToolInfrastructureError: the lookup service does not answer" in log and "Traceback" in log
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["episode/infra_errors"] == down_train and record["eval/infra_errors"] == down_eval
+
+
+# ----------------------------------------------------------------------------- agentrl eval: incomplete, not wrong
+
+
+def test_agentrl_eval_counts_an_infrastructure_failure_as_incomplete_not_wrong(tmp_path):
+    from agentrl.engines.server import BackgroundServer, create_app
+    from agentrl.evaluation import EvalConfig, Evaluation
+    from agentrl.evaluation.report import rows
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"prompt": p, "answer": "42"}) + "\n"
+                             for p in ["compute a", "compute b down", "compute c", "compute d"]))
+    out = tmp_path / "eval"
+
+    async def go():
+        with BackgroundServer(create_app(ScriptedEngine(FMT, script), FMT, model_name="script")) as srv:
+            cfg = EvalConfig(env=ENV, model=srv.base_url, tasks=str(tasks), limit=4, concurrency=2, out=str(out),
+                             progress=False, max_new_tokens=64)
+            return await Evaluation(cfg).run()
+
+    metrics = asyncio.run(go())
+    assert metrics["episodes"] == 3 and metrics["mean_reward"] == 1.0 and metrics["incomplete_items"] == 1
+    assert metrics["run"]["infra_errors"] == 1 and metrics["run"]["infra_retries"] == 2
+    assert metrics["run"]["episodes_failed"] == 1 and dict(rows(metrics))["run/infra_errors"] == 1
+    (failed,) = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    assert failed["item_id"] == "1" and "sandbox worker 2 died" in failed["error"]
+    log = (out / "errors.log").read_text()
+    assert log.count("infrastructure failure, run again") == 2 and log.count("infrastructure failure, left out") == 1
+    assert "ToolInfrastructureError: the code sandbox failed: sandbox worker 2 died" in log
+
+
+# ----------------------------------------------------------------------------- fatal errors: one line, traceback kept
+
+
+def _broken_trainer(monkeypatch):
+    import agentrl.train.trainer as trainer_module
+
+    class Broken:
+        def __init__(self, cfg, **kwargs):
+            raise RuntimeError("the model exploded while loading")
+
+    monkeypatch.setattr(trainer_module, "Trainer", Broken)
+
+
+def test_a_fatal_error_is_one_line_and_its_traceback_is_kept(tmp_path, monkeypatch, capsys):
+    from agentrl.train.cli import run_trainer
+    from agentrl.train.config import build_config
+
+    monkeypatch.delenv("AGENTRL_DEBUG", raising=False)
+    _broken_trainer(monkeypatch)
+    run = tmp_path / "run"
+    run.mkdir()
+    assert run_trainer(build_config(["env=retool", f"run_dir={run}"]), "agentrl train") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "agentrl train: the model exploded while loading"  # the user's line, unchanged
+    log = (run / "errors.log").read_text()
+    assert "fatal: RuntimeError" in log and "Traceback" in log and "in __init__" in log
+    fresh = tmp_path / "fresh"  # a run that never started writes nothing
+    assert run_trainer(build_config(["env=retool", f"run_dir={fresh}"]), "agentrl train") == 2
+    assert not fresh.exists()
+
+
+def test_agentrl_debug_reraises_a_fatal_error(tmp_path, monkeypatch):
+    from agentrl.train.cli import run_trainer
+    from agentrl.train.config import build_config
+
+    monkeypatch.setenv("AGENTRL_DEBUG", "1")
+    _broken_trainer(monkeypatch)
+    with pytest.raises(RuntimeError, match="the model exploded"):
+        run_trainer(build_config(["env=retool", f"run_dir={tmp_path / 'run'}"]), "agentrl train")

@@ -19,7 +19,7 @@ from typing import Any
 
 from rich.console import Console
 
-from agentrl import rundir
+from agentrl import errorlog, rundir
 from agentrl.cli_args import CommandSpec, UsageError, fail, is_help, run, to_object, value_of
 from agentrl.evaluation.config import EvalConfig
 from agentrl.evaluation.report import compare_table, compare_warnings, load_metrics, metrics_table
@@ -129,20 +129,28 @@ def _evaluate(cfg: Any) -> int:
     except UsageError:  # a run directory that cannot be used: one line, exit status 2
         raise
     except (RuntimeError, ValueError, FileNotFoundError) as exc:
+        if errorlog.debug():
+            raise
+        if config.out_dir().is_dir():  # the run started: its directory keeps the traceback
+            errorlog.append(config.out_dir(), "agentrl eval failed", errorlog.format_exception(exc))
         print(f"agentrl eval: {exc}", file=sys.stderr)
         return 1
     console.print(metrics_table(metrics))
     run_info = metrics["run"]
+    infra = run_info.get("infra_errors", 0)
+    infra_note = f", {infra} of them infrastructure errors: incomplete, not wrong" if infra else ""
     console.print(
         f"wrote {config.out_dir() / 'trajectories.jsonl'} ({run_info['episodes_run']} new episodes, "
-        f"{run_info['episodes_skipped']} already done, {run_info['episodes_failed']} failed; see errors.jsonl)"
+        f"{run_info['episodes_skipped']} already done, {run_info['episodes_failed']} failed{infra_note}; see "
+        "errors.jsonl and errors.log)"
     )
     return 0 if not run_info["episodes_failed"] else 3
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``agentrl eval``. Exit status: 0 done, 1 the run failed, 2 a usage error,
-    3 some episodes failed (they are retried by the next run)."""
+    3 some episodes failed (they are retried by the next run; an episode a tool's backend ended is one of them,
+    left out of the score). Tracebacks go to ``OUT/errors.log``; ``AGENTRL_DEBUG=1`` re-raises."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "--compare" and not is_help(argv):
         return _compare(argv[1:], Console())

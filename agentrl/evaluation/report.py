@@ -53,7 +53,7 @@ def rows(m: dict[str, Any]) -> list[tuple[str, Any]]:
         )
     ]
     run = m.get("run") or {}
-    out += [(f"run/{k}", run[k]) for k in ("episodes_run", "episodes_failed", "episodes_per_s") if k in run]
+    out += [(f"run/{k}", run[k]) for k in ("episodes_run", "episodes_failed", "infra_errors", "infra_retries", "episodes_per_s") if k in run]
     return out
 
 

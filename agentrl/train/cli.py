@@ -9,7 +9,9 @@ torchrun with FSDP2 (:func:`agentrl.train.trainer.run_distributed`).
 written only once the run starts (env, model and engine ready); one that already holds a run is refused
 unless ``resume=`` continues it or ``overwrite=true`` starts it afresh, and another command's directory (an
 ``agentrl eval`` one) is refused. Exit codes: 0 done, 2 bad config, arguments or run directory (one line, no
-traceback), 1 training failed (one line naming the first exception).
+traceback), 1 training failed (one line naming the first exception). The full traceback of a fatal error (other
+than a usage error) goes to ``RUN_DIR/errors.log`` when the run directory exists (a run that failed to start writes nothing), with those of
+failed episodes; ``AGENTRL_DEBUG=1`` re-raises instead (:mod:`agentrl.errorlog`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from agentrl import rundir
+from agentrl import errorlog, rundir
 from agentrl.cli_args import CommandSpec, UsageError, fail, interrupted, is_help, split_args
 from agentrl.train.config import SPEC, ConfigError, build_config, help_text
 
@@ -113,10 +115,16 @@ def run_trainer(cfg, prog: str, failures: tuple[type[BaseException], ...] = ()) 
     try:
         trainer = Trainer(cfg)
     except (ValueError, RuntimeError, OSError) as exc:  # bad model/device names and missing packages
+        if errorlog.debug():
+            raise
+        if not isinstance(exc, UsageError):  # a usage error's one line says it all; the rest may be bugs
+            _log_fatal(cfg.run_dir, exc)
         return fail(prog, str(exc))
     try:
         summary = trainer.fit()
     except UsageError as exc:  # a damaged run directory found on resume
+        if errorlog.debug():
+            raise
         return fail(prog, str(exc))
     except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: say how to go on
         what, code = interrupted(exc)
@@ -125,8 +133,20 @@ def run_trainer(cfg, prog: str, failures: tuple[type[BaseException], ...] = ()) 
         print(f"{prog}: {what}; `{prog} resume={trainer.run_dir}` continues the run {where}", file=sys.stderr)
         return code
     except (TrainingFailed, *failures) as exc:
+        if errorlog.debug():
+            raise
+        _log_fatal(trainer.run_dir, exc)
         print(f"{prog}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
         return 1
+    except Exception as exc:  # a bug: its traceback is printed, and kept with the run
+        _log_fatal(trainer.run_dir, exc)
+        raise
     print(json.dumps(summary, indent=2))
     print(headline(summary, prog))  # the last line: complete or stopped by a budget, and the held-out figures
     return 0
+
+
+def _log_fatal(run_dir: str | None, exc: BaseException) -> None:
+    """Keep ``exc``'s full traceback in ``run_dir/errors.log`` when the run directory exists."""
+    if run_dir and os.path.isdir(run_dir):
+        errorlog.append(run_dir, f"fatal: {type(exc).__name__}", errorlog.format_exception(exc))
