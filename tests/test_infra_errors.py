@@ -5,7 +5,6 @@ fails is left out of training and of the evaluation's score, counted, and its tr
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 
 import pytest
@@ -18,9 +17,9 @@ from agentrl.envs.sandbox.base import ExecResult, SandboxError
 from agentrl.envs.tools.base import Tool, ToolInfrastructureError
 from agentrl.envs.tools.python import PythonTool
 from agentrl.episodes import EnvPool, EpisodeJob, TokenPolicy, collect
+from agentrl.episodes import runner as episode_runner
 from agentrl.harmony import HarmonyFormat, Message, Trajectory
 
-collect_module = importlib.import_module("agentrl.episodes.collect")  # the package exports the function
 FMT = HarmonyFormat()
 ENV = "infra-flaky"
 SAMPLING = SamplingParams(max_new_tokens=200)
@@ -88,7 +87,7 @@ def script(prompt: str, sampling) -> list[Message]:
 @pytest.fixture(autouse=True)
 def _setup(monkeypatch):
     registry.register(ENV, f"{__name__}:FlakyEnv")
-    monkeypatch.setattr(collect_module, "INFRA_RETRY_DELAY_S", 0.0)
+    monkeypatch.setattr(episode_runner, "INFRA_RETRY_DELAY_S", 0.0)
     global BACKEND
     BACKEND = FakeSandbox()
 
@@ -440,3 +439,43 @@ def test_agentrl_debug_reraises_a_fatal_error(tmp_path, monkeypatch):
     _broken_trainer(monkeypatch)
     with pytest.raises(RuntimeError, match="the model exploded"):
         run_trainer(build_config(["env=retool", f"run_dir={tmp_path / 'run'}"]), "agentrl train")
+
+
+# ----------------------------------------------------------------------------- verl's agent loop: run again, then marked
+
+
+def test_verl_agent_loop_runs_an_infrastructure_failure_again_then_marks_it():
+    pytest.importorskip("verl")
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.workers.rollout.replica import TokenOutput
+
+    from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
+    from agentrl.train.verl_backend.agent_loop import AgentrlAgentLoop
+
+    engine = ScriptedEngine(FMT, script)
+
+    class ServerManager:
+        async def generate(self, request_id, *, prompt_ids, sampling_params):
+            sampling = SamplingParams(max_new_tokens=sampling_params["max_tokens"],
+                                      stop_token_ids=sampling_params["stop_token_ids"])
+            (c,) = await engine.generate([prompt_ids], sampling)
+            return TokenOutput(token_ids=c.token_ids, log_probs=c.logprobs)
+
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 1024, "response_length": 1024}}})
+    loop = AgentrlAgentLoop(DictConfigWrap(config), ServerManager(), harmony_hf_tokenizer(), None, None,
+                            DictConfigWrap(OmegaConf.create({})))
+
+    async def run(prompt):
+        spec = {"env": ENV, "format": "harmony", "task": {"prompt": prompt, "answer": "42"}, "max_new_tokens": 64}
+        return await loop.run({"temperature": 1.0}, agentrl=json.dumps(spec))
+
+    global BACKEND
+    BACKEND = FakeSandbox(full=2)  # refused twice, then admitted: the third run answers
+    ok = asyncio.run(run("compute 6*7"))
+    assert ok.reward_score == 1.0 and any(ok.response_mask) and ok.extra_fields["infrastructure_error"] is None
+    before = engine.requests
+    down = asyncio.run(run("compute down"))
+    assert engine.requests - before == 3  # run three times
+    assert down.reward_score == 0.0 and not any(down.response_mask) and down.response_ids
+    assert "sandbox worker 2 died" in down.extra_fields["infrastructure_error"]

@@ -26,14 +26,9 @@ from agentrl import errorlog
 from agentrl.envs.env import AgentEnv
 from agentrl.episodes.lockstep import LockstepSampler
 from agentrl.episodes.policy import Policy
-from agentrl.episodes.runner import EpisodeLimits, EpisodeResult, StepHook, run_episode
+from agentrl.episodes import runner
+from agentrl.episodes.runner import INFRA_RETRIES, EpisodeLimits, EpisodeResult, StepHook, run_episode
 from agentrl.harmony.trajectory import Trajectory
-
-
-#: How many times :func:`collect` runs a job again after a tool's backend ended it (``stop_reason="infrastructure"``).
-INFRA_RETRIES = 2
-#: Seconds :func:`collect` waits before the ``k``-th run again of such a job: ``k`` times this.
-INFRA_RETRY_DELAY_S = 0.5
 
 
 class EnvPool:
@@ -181,7 +176,7 @@ async def collect(
                 pool.release(env)
                 break
             retried.append(f"{result.error}\n{result.traceback or ''}".rstrip())
-            await asyncio.sleep(INFRA_RETRY_DELAY_S * len(retried))
+            await asyncio.sleep(runner.INFRA_RETRY_DELAY_S * len(retried))
         result.retries, result.retried_errors = len(retried), retried
         result.task_id, result.group, result.sample = job.task_id, job.group, job.sample
         traj = result.trajectory

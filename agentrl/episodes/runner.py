@@ -35,6 +35,12 @@ STOP_REASONS = (
 
 StepHook = Callable[[Step], Any]
 
+#: How many times an episode that a tool's backend ended (``stop_reason="infrastructure"``) is run again
+#: (:func:`~agentrl.episodes.collect`, the verl agent loop).
+INFRA_RETRIES = 2
+#: Seconds to wait before the ``k``-th run again of such an episode: ``k`` times this.
+INFRA_RETRY_DELAY_S = 0.5
+
 
 @dataclass(frozen=True)
 class EpisodeLimits:

@@ -44,7 +44,8 @@ class AgentResult:
     - ``tool_calls``: every tool invocation (name, arguments, result, latency, error kind).
     - ``trajectory``: the env's record of the episode, in the env's format (tokens rendered from the
       replies, so log-probs are 0; ``trajectory.api == "chat"``).
-    - ``reward``: the env's reward when the run was scored (:meth:`Agent.run_task`), else ``None``.
+    - ``reward``: the env's reward when the run was scored (:meth:`Agent.run_task`), else ``None`` (also when a
+      time limit or a tool backend's failure, ``stop_reason="infrastructure"``, ended it).
     - ``usage``: summed ``prompt_tokens`` / ``completion_tokens`` reported by the endpoint;
       ``requests``: chat requests made; ``latency_s``: wall time of the run.
     """
@@ -207,7 +208,7 @@ class Agent(AsyncClosing):
                 messages=policy.messages,
                 tool_calls=tool_calls,
                 trajectory=traj,
-                reward=traj.reward if score and result.stop_reason != "time_limit" else None,
+                reward=traj.reward if score and result.stop_reason not in ("time_limit", "infrastructure") else None,
                 usage=dict(policy.usage),
                 requests=policy.requests,
                 latency_s=result.wall_s,

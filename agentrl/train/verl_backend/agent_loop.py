@@ -29,6 +29,13 @@ for its staleness metrics and fails without them), next to our ``reward_componen
 The env's episode budget is set to ``len(prompt) + rollout.response_length`` tokens so the response
 always fits verl's padded width; a prompt longer than ``rollout.prompt_length`` raises.
 
+An episode that a tool's backend ended (``stop_reason="infrastructure"``: a sandbox pool that admits no session,
+a lost worker; not the model's failure) is run again, like :func:`agentrl.episodes.collect` does, up to
+:data:`agentrl.episodes.runner.INFRA_RETRIES` times, each with a fresh request id. One that still fails reaches
+verl marked, never as the model's answer: ``response_mask`` all 0 (no token of it is trained on), ``reward_score``
+0 and ``extra_fields["infrastructure_error"]`` saying what failed (``None`` for every other episode), and the agent
+loop logs it. verl's group baselines still see its 0 (verl has no way to drop one sample of a group).
+
 With ``trajectory_dir`` in the spec, each finished episode is appended as one JSON line
 (``Trajectory.to_json``: ``task_id``, ``group`` = verl's prompt ``uid``, ``policy_version`` = the weights
 version it was sampled with, verl's ``global_steps``) to ``<trajectory_dir>/step_<NNNNNN>-<pid>.jsonl`` (validation rows:
@@ -39,6 +46,7 @@ workers never interleave lines. A failed write is logged, never raised.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -49,6 +57,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 
 from agentrl import rundir
 from agentrl.episodes import Action, EpisodeLimits, EpisodeState, run_episode
+from agentrl.episodes import runner as episode_runner
 from agentrl.harmony import FORMAT_NAMES, make_format
 from agentrl.harmony.format import ChatFormat
 from agentrl.harmony.trajectory import SamplingRecord, Trajectory
@@ -95,22 +104,25 @@ def trajectory_to_output(
     logprobs: bool = True,
     routed_experts: Any = None,
     server_fields: dict[str, Any] | None = None,
+    infrastructure_error: str | None = None,
 ) -> AgentLoopOutput:
     """The verl ``AgentLoopOutput`` carrying ``traj`` unchanged (see module docstring); ``logprobs=False``
     (the server returned none) gives ``response_logprobs=None`` rather than the env's 0.0 placeholders.
     ``routed_experts``: the last generation's MoE routing from the server (routing replay), cut to the
     sequence length as verl's own loops do. ``server_fields``: what the servers reported in their outputs'
-    ``extra_fields`` (weight versions; see :meth:`VerlServerPolicy.record`)."""
+    ``extra_fields`` (weight versions; see :meth:`VerlServerPolicy.record`). ``infrastructure_error``: a tool's
+    backend ended the episode (module docstring): its ``response_mask`` is all 0 and its reward 0."""
     traj.validate()
+    broken = infrastructure_error is not None
     if routed_experts is not None:
         routed_experts = routed_experts[: len(traj.prompt_ids) + len(traj.response_ids)]
     return AgentLoopOutput(
         prompt_ids=list(traj.prompt_ids),
         response_ids=list(traj.response_ids),
-        response_mask=list(traj.response_mask),
+        response_mask=[0] * len(traj.response_mask) if broken else list(traj.response_mask),
         response_logprobs=list(traj.rollout_logprobs) if logprobs else None,
         routed_experts=routed_experts,
-        reward_score=float(traj.reward),
+        reward_score=0.0 if broken else float(traj.reward),
         num_turns=verl_num_turns(traj),
         metrics=AgentLoopMetrics(**metrics),
         extra_fields={
@@ -118,6 +130,7 @@ def trajectory_to_output(
             "reward_components": dict(traj.reward_components),
             "terminated": traj.terminated,
             "truncated": traj.truncated,
+            "infrastructure_error": infrastructure_error,
             "turn_scores": [],
             "tool_rewards": [],
         },
@@ -242,18 +255,26 @@ class AgentrlAgentLoop(AgentLoopBase):
         spec = parse_spec(kwargs[SPEC_COLUMN])
         fmt = resolve_format(spec.get("format", "auto"), self.tokenizer, self.hf_model_type)
         env = make_env(spec, fmt)
-        policy = VerlServerPolicy(
-            self.server_manager,
-            sampling_params,
-            list(fmt.stop_token_ids),
-            max_new_tokens=int(spec.get("max_new_tokens") or self.response_length),
-            prompt_length=self.prompt_length,
-            env_name=spec["env"],
-        )
         try:
-            result = await run_episode(
-                env, policy, task=spec["task"], limits=EpisodeLimits(max_response_tokens=self.response_length)
-            )
+            retries = episode_runner.INFRA_RETRIES
+            for attempt in range(retries + 1):  # a tool's backend that failed: run it again (module docstring)
+                policy = VerlServerPolicy(
+                    self.server_manager,
+                    sampling_params,
+                    list(fmt.stop_token_ids),
+                    max_new_tokens=int(spec.get("max_new_tokens") or self.response_length),
+                    prompt_length=self.prompt_length,
+                    env_name=spec["env"],
+                )
+                result = await run_episode(
+                    env, policy, task=spec["task"], limits=EpisodeLimits(max_response_tokens=self.response_length)
+                )
+                if not result.infrastructure:
+                    break
+                logger.warning("agentrl agent loop: %s (run %d of %d)\n%s", result.error, attempt + 1,
+                               retries + 1, result.traceback or "")
+                if attempt < retries:
+                    await asyncio.sleep(episode_runner.INFRA_RETRY_DELAY_S * (attempt + 1))
         finally:
             await env.aclose()
         metrics = {"generate_sequences": result.policy_s, "tool_calls": result.env_s}
@@ -262,5 +283,5 @@ class AgentrlAgentLoop(AgentLoopBase):
                             policy.server_fields)
         return trajectory_to_output(
             result.trajectory, metrics, logprobs=result.has_logprobs, routed_experts=policy.routed_experts,
-            server_fields=policy.server_fields,
+            server_fields=policy.server_fields, infrastructure_error=result.error if result.infrastructure else None,
         )
