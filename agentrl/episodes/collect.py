@@ -24,9 +24,9 @@ from typing import Any
 
 from agentrl import errorlog
 from agentrl.envs.env import AgentEnv
+from agentrl.episodes import runner
 from agentrl.episodes.lockstep import LockstepSampler
 from agentrl.episodes.policy import Policy
-from agentrl.episodes import runner
 from agentrl.episodes.runner import INFRA_RETRIES, EpisodeLimits, EpisodeResult, StepHook, run_episode
 from agentrl.harmony.trajectory import Trajectory
 
