@@ -218,6 +218,8 @@ async def test_a_failed_episode_keeps_its_full_traceback(monkeypatch):
     await pool.aclose()
     assert r.error == "RuntimeError: policy exploded"  # the user's line
     assert r.traceback.startswith("Traceback") and "in act" in r.traceback and "policy exploded" in r.traceback
+    ((what, text),) = r.failures()  # what the run's errors.log gets
+    assert what == "task a sample 0: episode failed: RuntimeError: policy exploded" and text == r.traceback
 
 
 async def test_agentrl_debug_reraises_a_failing_episode(monkeypatch):

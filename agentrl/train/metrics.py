@@ -64,7 +64,7 @@ def episode_metrics(episodes: Sequence[EpisodeResult], prefix: str = "") -> dict
         "episode/parse_error_rate": (
             sum(1 for turn in model_turns if turn.parsed.errors) / len(model_turns) if model_turns else 0.0
         ),
-        "episode/truncated_frac": sum(1 for t in trajs if t.truncated) / len(trajs),
+        "episode/truncated_frac": sum(1 for e in episodes if e.trajectory.truncated and not e.infrastructure) / len(trajs),
         "episode/rollout_errors": float(sum(1 for e in episodes if not e.usable)),
         "episode/reward_errors": float(sum(1 for e in episodes if e.reward_error is not None)),
         "episode/infra_errors": float(sum(1 for e in episodes if e.infrastructure)),
