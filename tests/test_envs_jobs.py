@@ -12,7 +12,7 @@ from gymnasium.utils.env_checker import check_env
 from agentrl.envs.builtin.jobs.data import make_dataset
 from agentrl.envs.builtin.jobs.env import JobsEnv, make_task
 from agentrl.envs.builtin.jobs.service import JobsService
-from agentrl.envs.tools import Sessions, ToolBox, ToolError
+from agentrl.envs.tools import Sessions, ToolBox, ToolError, ToolInfrastructureError
 from agentrl.envs.tools.openapi import OpenAPIToolset, resolve_refs, to_json_schema
 from agentrl.envs.tools.search import BM25Index, HttpSearchTool, SearchTool
 from agentrl.harmony import default_format
@@ -83,7 +83,7 @@ async def test_http_search_tool_against_real_service(service):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}/search"
-    with pytest.raises(ToolError, match="unreachable"):
+    with pytest.raises(ToolInfrastructureError, match="unreachable"):  # the service's failure, not the model's
         await HttpSearchTool(dead).call({"query": "x"})
 
 

@@ -48,6 +48,7 @@ _LAZY = {
     "StatefulTool": "agentrl.envs.tools",
     "Tool": "agentrl.envs.tools",
     "ToolError": "agentrl.envs.tools",
+    "ToolInfrastructureError": "agentrl.envs.tools",
     "ToolOutput": "agentrl.envs.tools",
     "tool": "agentrl.envs.tools",
 }
@@ -83,6 +84,7 @@ __all__ = [
     "TeacherError",
     "Tool",
     "ToolError",
+    "ToolInfrastructureError",
     "ToolOutput",
     "UnicodeText",
     "check_env_kwargs",

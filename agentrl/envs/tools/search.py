@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from agentrl.envs.tools.base import Tool, ToolError
+from agentrl.envs.tools.base import Tool, ToolError, ToolInfrastructureError
 
 _META = "agentrl_index.json"
 _DOCS = "docs.jsonl"
@@ -182,8 +182,10 @@ class HttpSearchTool(Tool):
     """``search(query, k)`` forwarded to an HTTP search API with httpx (GET ``url?{query_param}=...&{k_param}=k``).
 
     The JSON answer must hold a list of hits, at ``results_key`` (or be the list itself); each hit's
-    ``id_key``/``title_key``/``snippet_key`` are shown. Connection errors, timeouts and non-2xx answers become
-    tool errors the model reads (``tool_timeout`` / ``tool_exception``).
+    ``id_key``/``title_key``/``snippet_key`` are shown. Timeouts and 4xx answers become tool errors the model
+    reads (``tool_timeout`` / ``tool_exception``); a service that cannot be reached or answers 5xx is the
+    service's failure, not the model's (:class:`~agentrl.envs.tools.base.ToolInfrastructureError`, kind
+    ``tool_infrastructure``: the episode ends unscored and is run again).
     """
 
     def __init__(
@@ -229,7 +231,9 @@ class HttpSearchTool(Tool):
                 f"the search service did not answer within {self.http_timeout_s:g} s", "tool_timeout"
             ) from None
         except httpx.HTTPError as e:
-            raise ToolError(f"the search service is unreachable ({type(e).__name__})") from None
+            raise ToolInfrastructureError(f"the search service is unreachable ({type(e).__name__})") from None
+        if resp.status_code >= 500:
+            raise ToolInfrastructureError(f"the search service answered HTTP {resp.status_code}: {resp.text[:300]}")
         if resp.status_code >= 400:
             raise ToolError(f"the search service answered HTTP {resp.status_code}: {resp.text[:300]}")
         try:
