@@ -227,9 +227,15 @@ def headline(metrics: dict[str, Any]) -> dict[str, Any]:
     ``eval_after_sft`` / ``eval_after``) from :func:`summarize`'s metrics: ``mean`` and ``sem`` of the reward,
     ``tool_call_rate`` (share of episodes with a tool call), ``tool_success_rate`` (share of tool calls without
     an error kind; ``None`` when no tool was called), ``tool_calls_mean``, ``turns_mean``, plus every
-    ``pass@k`` / ``maj@k`` / ``mean@n``, the ``episodes`` evaluated and the ``errors`` taxonomy counts."""
+    ``pass@k`` / ``maj@k`` / ``mean@n``, the ``episodes`` evaluated and the ``errors`` taxonomy counts, and from
+    the run's record (``metrics["run"]``) ``incomplete`` (episodes that failed and are left out of the figures),
+    ``infra_errors`` (of them, those a tool's backend ended: not wrong answers) and ``infra_retries``."""
     out = {name: metrics.get(key) for name, key in HEADLINE.items()}
     out.update({k: v for k, v in metrics.items() if k.startswith(("pass@", "maj@", "mean@"))})
     out["episodes"] = metrics.get("episodes", 0)
     out["errors"] = dict(metrics.get("errors", {}))
+    run = metrics.get("run") or {}
+    out["incomplete"] = int(run.get("episodes_failed", 0))
+    out["infra_errors"] = int(run.get("infra_errors", 0))
+    out["infra_retries"] = int(run.get("infra_retries", 0))
     return out

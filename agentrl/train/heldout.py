@@ -109,14 +109,14 @@ class HeldOutEvaluation:
         if not finished:
             raise RuntimeError(f"every held-out episode failed ({len(failed)}); the first: {failed[0][2]}")
         metrics = summarize_items(self.config, self.items, finished)
+        metrics["run"] = {"episodes_failed": len(failed), "infra_errors": infra_errors, "infra_retries": infra_retries}
         if par.is_main:
             self._write(label, finished, failed, metrics)
             for what, text in logged:
                 errorlog.append(self.run.root, f"eval {label}, {what}", text)
         self.seconds = par.max(ran.seconds)
         figures = headline(metrics)
-        figures.update(incomplete=len(failed), infra_errors=infra_errors, infra_retries=infra_retries)
-        flat = {f"eval/{k}": float(v) for k, v in _numbers(metrics).items()}
+        flat = {f"eval/{k}": float(v) for k, v in _numbers({k: v for k, v in metrics.items() if k != "run"}).items()}
         flat.update({"eval/episodes_failed": float(len(failed)), "eval/timing_s": self.seconds,
                      "eval/infra_errors": float(infra_errors), "eval/infra_retries": float(infra_retries)})
         return flat, figures
