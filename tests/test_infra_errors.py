@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import pytest
 from _scripted_engine import ScriptedEngine
@@ -96,11 +97,11 @@ def _policy():
     return TokenPolicy(ScriptedEngine(FMT, script), SAMPLING)
 
 
-async def _run(env: AgentEnv, task: dict) -> Trajectory:
+async def _run(env: AgentEnv, task: dict):
+    """One episode of ``env`` on ``task`` with the scripted policy (an :class:`~agentrl.episodes.EpisodeResult`)."""
     from agentrl.episodes import run_episode
 
-    result = await run_episode(env, _policy(), task=task)
-    return result
+    return await run_episode(env, _policy(), task=task)
 
 
 TASK = {"prompt": "compute 6*7", "answer": "42"}
@@ -362,6 +363,7 @@ def test_training_leaves_infrastructure_failures_out_and_the_summary_says_so(tmp
     assert summary["infra_errors"] == down_eval + down_train and summary["incomplete_evaluations"] == 1
     assert summary["infra_retries"] == 2 * (down_eval + down_train)
     assert summary["complete"] is False and summary["stopped_by"] is None
+    assert summary["commit"] is None or re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", summary["commit"])
     line = headline(summary)
     assert line.startswith(f"agentrl train: INCOMPLETE (1/1 steps): {down_eval + down_train} infrastructure errors, "
                            "1 incomplete evaluations (tracebacks in errors.log)")
