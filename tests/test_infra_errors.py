@@ -15,7 +15,7 @@ import agentrl.envs.registry as registry
 from agentrl.engines.base import SamplingParams
 from agentrl.envs import AgentEnv
 from agentrl.envs.sandbox.base import ExecResult, SandboxError
-from agentrl.envs.tools.base import Tool, ToolInfrastructureError
+from agentrl.envs.tools.base import StatefulTool, Tool, ToolInfrastructureError
 from agentrl.envs.tools.python import PythonTool
 from agentrl.episodes import EnvPool, EpisodeJob, TokenPolicy, collect
 from agentrl.episodes import runner as episode_runner
@@ -159,6 +159,43 @@ async def test_a_tool_raising_tool_infrastructure_error_ends_the_episode():
     assert info["stop_reason"] == "infrastructure" and info["errors"] == ["tool_infrastructure"]
     assert env.trajectory.error == "tool_infrastructure: lookup: Error: the lookup service does not answer"
     await env.aclose()
+
+
+class SlowSession(StatefulTool):
+    """A stateful tool whose backend takes ``wait_s`` to admit a session."""
+
+    name = "slow"
+    parameters = {"type": "object", "properties": {}}
+    timeout_s = 0.05  # the call's own limit
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+
+    async def create_session(self):
+        await asyncio.sleep(self.wait_s)
+        return "s"
+
+    async def release_session(self, session):
+        pass
+
+    async def call(self, arguments, session=None):
+        return f"ran in {session}"
+
+
+async def test_waiting_for_a_session_is_not_the_calls_time(monkeypatch):
+    from agentrl.envs.tools import dispatch
+    from agentrl.envs.tools.dispatch import Sessions, ToolBox
+    from agentrl.harmony.types import ToolCall
+
+    monkeypatch.setattr(dispatch, "SESSION_TIMEOUT_S", 2.0)
+    call = ToolCall(recipient="functions.slow", name="slow", arguments={}, raw_arguments="{}")
+    rec = await ToolBox([SlowSession(0.2)]).call(call, Sessions())  # admitted after the call's own limit
+    assert rec.error is None and rec.result == "ran in s"
+    monkeypatch.setattr(dispatch, "SESSION_TIMEOUT_S", 0.1)  # never admitted: the backend failed, not the call
+    sessions = Sessions()
+    rec = await ToolBox([SlowSession(5.0)]).call(call, sessions)
+    assert rec.error == "tool_infrastructure" and "could not start its session within 0.1 s" in rec.result
+    assert "ToolInfrastructureError" in sessions.tracebacks[0]
 
 
 def test_tool_infrastructure_is_in_the_taxonomy():

@@ -4,7 +4,8 @@ Every failure becomes a :class:`~agentrl.harmony.trajectory.ToolRecord` whose ``
 ``unknown_tool``, ``bad_arguments``, ``tool_timeout``, ``tool_exception``, ``tool_infrastructure`` and whose
 ``result`` is a message the model can read. ``tool_infrastructure`` is a failure of the tool's backend, not of the
 call: a :class:`~agentrl.envs.tools.base.ToolInfrastructureError`, or any exception while creating the episode's
-session of a stateful tool (the model gave that no input). Its traceback is kept in
+session of a stateful tool (the model gave that no input), or a session that is not ready within
+:data:`SESSION_TIMEOUT_S` (session creation is outside the call's time limit). Its traceback is kept in
 :attr:`Sessions.tracebacks` for the run's ``errors.log``. :meth:`ToolBox.call` never raises (except
 ``asyncio.CancelledError``).
 """
@@ -23,6 +24,11 @@ import jsonschema
 from agentrl.envs.tools.base import StatefulTool, Tool, ToolError, ToolInfrastructureError, ToolOutput
 from agentrl.harmony.trajectory import ToolRecord
 from agentrl.harmony.types import ToolCall, ToolSpec
+
+#: Seconds a stateful tool may take to create an episode's session (e.g. waiting for a sandbox pool to admit it),
+#: at least the call's own limit. Creating the session is outside the call's time limit (a wait for the backend
+#: is not the model's call running long); past this, the backend failed (``tool_infrastructure``).
+SESSION_TIMEOUT_S = 300.0
 
 
 def truncate_text(text: str, max_chars: int) -> str:
@@ -147,8 +153,20 @@ class ToolBox:
             return record(f"Error: invalid arguments for {tool.name}: {detail}.", "bad_arguments")
         timeout = tool.timeout_s if tool.timeout_s is not None else self.timeout_s
 
+        session = None
+        if isinstance(tool, StatefulTool):  # outside the call's time limit: waiting for a session is not the call's
+            limit = max(timeout, SESSION_TIMEOUT_S)
+            try:
+                session = await _with_timeout(sessions.get(tool), limit)
+            except (TimeoutError, asyncio.TimeoutError):
+                return self._infrastructure(
+                    ToolInfrastructureError(f"{tool.name} could not start its session within {limit:g} s"),
+                    sessions, record,
+                )
+            except ToolInfrastructureError as e:
+                return self._infrastructure(e, sessions, record)
+
         async def run() -> str | ToolOutput:
-            session = await sessions.get(tool) if isinstance(tool, StatefulTool) else None
             return await tool.call(args, session)
 
         try:
@@ -159,9 +177,9 @@ class ToolBox:
             else:
                 text = f"Error: {tool.name} did not finish within {timeout:g} s; its result was abandoned."
             return record(text, "tool_timeout")
+        except ToolInfrastructureError as e:
+            return self._infrastructure(e, sessions, record)
         except ToolError as e:
-            if e.kind == "tool_infrastructure":
-                sessions.tracebacks.append("".join(traceback.format_exception(e)))
             return record(f"Error: {e}", e.kind)
         except asyncio.CancelledError:
             raise
@@ -170,6 +188,12 @@ class ToolBox:
         if isinstance(out, ToolOutput):
             return record(out.content, out.error)
         return record(str(out), None)
+
+    @staticmethod
+    def _infrastructure(exc: ToolInfrastructureError, sessions: Sessions, record: Any) -> ToolRecord:
+        """The record of a backend failure; its traceback is kept in ``sessions.tracebacks``."""
+        sessions.tracebacks.append("".join(traceback.format_exception(exc)))
+        return record(f"Error: {exc}", "tool_infrastructure")
 
     async def call_many(self, calls: Sequence[ToolCall], sessions: Sessions) -> list[ToolRecord]:
         """Run calls concurrently; results come back in call order."""
