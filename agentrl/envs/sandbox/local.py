@@ -850,7 +850,7 @@ class LocalSandbox:
 
     def _full_error(self) -> SandboxError:
         held = sum(len(w.sessions) for w in self._workers + self._retiring)
-        if not any(len(w.sessions) < self.max_sessions_per_worker for w in self._workers):
+        if held < self.max_sessions:  # room in the pool, but not on any worker in rotation
             why = (
                 f"no worker in rotation has room ({len(self._workers)} of {self._size} in rotation, "
                 f"{len(self._retiring)} retired ones still hold uid blocks)"
