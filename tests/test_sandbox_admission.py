@@ -141,3 +141,22 @@ async def test_long_legal_calls_queued_on_one_worker_never_wipe_another_episodes
     finally:
         await box.aclose()
         await sb.aclose()
+
+
+async def test_a_request_waits_while_no_worker_is_in_rotation_and_gets_the_replacement(pool):
+    """The run of issue 30: a worker left rotation while it held a session, and no uid block was free for its
+    replacement yet, so new sessions were refused at once ("pool is full: 1 live sessions"). They now wait until a
+    replacement worker can start."""
+    sid = await pool.create_session()
+    assert (await pool.run("x = 1", session=sid)).ok
+    spare, pool._free_blocks[:] = list(pool._free_blocks), []
+    pool._retire(pool._workers[0], "a failed health check, made up for this test")
+    assert not pool._workers
+    waiter = asyncio.create_task(pool.create_session())
+    await _settle()
+    assert not waiter.done()
+    pool._free_blocks.extend(spare)
+    await pool.release_session(sid)  # the retired worker's last session: it goes, its replacement comes
+    new = await waiter
+    assert (await pool.run("print(5)", session=new)).stdout == "5\n"
+    await pool.release_session(new)
