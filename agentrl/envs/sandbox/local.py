@@ -888,7 +888,11 @@ class LocalSandbox:
         task = asyncio.get_running_loop().create_task(self._close_session(sess))
         self._settings.background.add(task)
         task.add_done_callback(self._settings.background.discard)
-        await asyncio.shield(task)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not (task.cancelled() and self._closed):  # aclose() ended it: nothing is left to release
+                raise
 
     async def _close_session(self, sess: _Session) -> None:
         worker = sess.worker
