@@ -628,8 +628,10 @@ class LocalSandbox:
         self._retiring: list[_Worker] = []
         self._refill()
         self._sessions: dict[str, _Session] = {}
-        #: Requests for a session slot, first come first served: (session key, future of its worker).
-        self._waiters: collections.deque[tuple[str, asyncio.Future[_Worker]]] = collections.deque()
+        #: Live sessions, those being released included until their kernel is closed: at most max_sessions.
+        self._held = 0
+        #: Requests for a session's worker, first come first served: (session key, moving, future of its worker).
+        self._waiters: collections.deque[tuple[str, bool, asyncio.Future[_Worker]]] = collections.deque()
         self._closed = False
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -779,8 +781,8 @@ class LocalSandbox:
             ):  # its kernel is gone (else the worker would have served it): move the session
                 worker.sessions.discard(sess.key)
                 self._reap_retired()
-                try:  # it holds a slot already: it goes first
-                    sess.worker = await self._take_slot(sess.key, first=True)
+                try:
+                    sess.worker = await self._take_slot(sess.key, moving=True)
                 except SandboxError as exc:
                     return self._internal_error(str(exc), time.monotonic() - start)
                 sess.generation = -1  # its state is lost; say so
@@ -793,30 +795,30 @@ class LocalSandbox:
             sess.generation = worker.generation
         return self._to_result(resp, state_lost=lost)
 
-    def _open_worker(self) -> _Worker | None:
+    def _open_worker(self, moving: bool = False) -> _Worker | None:
         """The worker for one more session, now: the least loaded one in rotation that admits another, while the
-        pool holds fewer than :attr:`max_sessions` slots; else None. Every session holds its slot, on its worker,
-        from admission until its kernel is closed."""
+        pool holds fewer than :attr:`max_sessions` slots (a ``moving`` session holds one already); else None."""
         self._refill()
-        held = sum(len(w.sessions) for w in self._workers + self._retiring)
         open_workers = [w for w in self._workers if len(w.sessions) < self.max_sessions_per_worker]
-        if held >= self.max_sessions or not open_workers:
+        if (self._held >= self.max_sessions and not moving) or not open_workers:
             return None
         return min(open_workers, key=lambda w: (len(w.sessions), w.load))
 
-    async def _take_slot(self, key: str, *, first: bool = False) -> _Worker:
-        """A slot for session ``key`` (its worker, with the key added to its sessions): at once if one is free and
-        nobody waits, else after the requests ahead of it (``first``: ahead of every waiting one), within
-        :attr:`session_wait_s`. Raises SandboxError when none frees in time."""
-        worker = None if self._waiters and not first else self._open_worker()
+    async def _take_slot(self, key: str, *, moving: bool = False) -> _Worker:
+        """A worker for session ``key`` (the key added to its sessions): at once if there is room and nobody waits,
+        else after the requests ahead of it, within :attr:`session_wait_s`; raises SandboxError when none frees in
+        time. A new session takes one of the pool's slots (:attr:`_held`), which it holds until its kernel is
+        closed; a ``moving`` one (its worker left rotation) keeps its own and goes ahead of every waiting one."""
+        worker = None if self._waiters and not moving else self._open_worker(moving)
         if worker is not None:
             worker.sessions.add(key)
+            self._held += not moving
             return worker
         if self.session_wait_s <= 0:
             raise self._full_error()
-        entry = (key, asyncio.get_running_loop().create_future())
-        self._waiters.appendleft(entry) if first else self._waiters.append(entry)
-        future = entry[1]
+        entry = (key, moving, asyncio.get_running_loop().create_future())
+        self._waiters.appendleft(entry) if moving else self._waiters.append(entry)
+        future = entry[2]
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.session_wait_s)
         except asyncio.TimeoutError:
@@ -826,6 +828,7 @@ class LocalSandbox:
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().sessions.discard(key)  # admitted, never used: no kernel to close
+                self._held -= not moving
                 self._wake()
             raise
         finally:
@@ -835,21 +838,22 @@ class LocalSandbox:
                 self._waiters.remove(entry)
 
     def _wake(self) -> None:
-        """Hand freed slots to the waiting requests, in order."""
+        """Hand freed room to the waiting requests, in order."""
         while self._waiters:
-            key, future = self._waiters[0]
+            key, moving, future = self._waiters[0]
             if future.done():  # timed out or cancelled
                 self._waiters.popleft()
                 continue
-            worker = self._open_worker()
+            worker = self._open_worker(moving)
             if worker is None:
                 return
             self._waiters.popleft()
             worker.sessions.add(key)
+            self._held += not moving
             future.set_result(worker)
 
     def _full_error(self) -> SandboxError:
-        held = sum(len(w.sessions) for w in self._workers + self._retiring)
+        held = self._held
         if held < self.max_sessions:  # room in the pool, but not on any worker in rotation
             why = (
                 f"no worker in rotation has room ({len(self._workers)} of {self._size} in rotation, "
@@ -903,6 +907,7 @@ class LocalSandbox:
             pass  # the worker is gone, and the kernel with it
         finally:
             worker.sessions.discard(sess.key)
+            self._held -= 1
             if not self._closed:
                 if worker.retired:
                     self._reap_retired()
@@ -915,7 +920,7 @@ class LocalSandbox:
         self._closed = True
         self._sessions.clear()
         while self._waiters:
-            _, future = self._waiters.popleft()
+            _, _, future = self._waiters.popleft()
             if not future.done():
                 future.set_exception(SandboxError("this sandbox backend is closed"))
         await asyncio.gather(*(w.kill() for w in self._workers + self._retiring))
