@@ -15,7 +15,7 @@ from _scripted_engine import ScriptedEngine
 import agentrl.envs.registry as registry
 from agentrl.engines.base import Completion, SamplingParams
 from agentrl.engines.server import BackgroundServer, create_app
-from agentrl.envs import AgentEnv, tool
+from agentrl.envs import AgentEnv, StatefulTool, tool
 from agentrl.episodes import (
     Action,
     EnvPool,
@@ -374,3 +374,93 @@ async def test_collect_stops_starting_episodes_when_told():
     await pool.aclose()
     assert 3 <= len(results) <= 4 and all(r.error == "ConnectionError: endpoint down" for r in results)
     assert [r.task_id for r in results] == [str(i) for i in range(len(results))]  # job order, skipped left out
+
+
+class CountingTool(StatefulTool):
+    """A stateful tool whose backend admits ``capacity`` live sessions; it records how many are live at most. Its
+    calls block until ``gate`` is set (forever, by default)."""
+
+    name = "counter"
+    parameters = {"type": "object", "properties": {}}
+
+    def __init__(self, shared: dict):
+        self.shared = shared
+
+    async def create_session(self):
+        self.shared["live"] += 1
+        self.shared["peak"] = max(self.shared["peak"], self.shared["live"])
+        return object()
+
+    async def release_session(self, session):
+        self.shared["live"] -= 1
+
+    async def session_capacity(self):
+        return self.shared["capacity"]
+
+    async def call(self, arguments, session=None):
+        await self.shared["gate"].wait()
+        await asyncio.sleep(0.01)  # the episodes in flight overlap
+        return "counted"
+
+
+class CounterEnv(ParityEnv):
+    def __init__(self, shared, **kw):
+        self.shared = shared
+        super().__init__(format=FMT, **kw)
+
+    def make_tools(self):
+        return [CountingTool(self.shared)]
+
+
+COUNT = '<|channel|>commentary to=functions.counter <|constrain|>json<|message|>{}<|call|>'
+
+
+class _CountThenAnswer:
+    async def act(self, episode):
+        return [Action(FMT.encode(FINAL if episode.steps else COUNT, allow_special=True))]
+
+
+def _counter_state(capacity=None, open_gate=False):
+    gate = asyncio.Event()
+    if open_gate:
+        gate.set()
+    return {"live": 0, "peak": 0, "capacity": capacity, "gate": gate}
+
+
+async def test_sessions_are_released_when_an_episode_ends_by_time_limit_error_or_cancellation():
+    shared = _counter_state()
+    env = CounterEnv(shared)
+    task = {"prompt": "add: 1 and 2", "answer": "3"}
+    timed = await run_episode(env, _Replay([COUNT]), task=task, limits=EpisodeLimits(time_s=0.2))
+    assert timed.stop_reason == "time_limit" and shared["peak"] == 1 and shared["live"] == 0
+
+    class CallThenFail:
+        async def act(self, episode):
+            if episode.steps:
+                raise RuntimeError("policy exploded")
+            return [Action(FMT.encode(COUNT, allow_special=True))]
+
+    shared["gate"].set()
+    with pytest.raises(RuntimeError, match="exploded"):
+        await run_episode(env, CallThenFail(), task=task)
+    assert shared["live"] == 0
+    shared["gate"].clear()
+    episode = asyncio.create_task(run_episode(env, _Replay([COUNT]), task=task))
+    while not shared["live"]:
+        await asyncio.sleep(0.01)
+    episode.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await episode
+    assert shared["live"] == 0
+    await env.aclose()
+
+
+async def test_collect_keeps_episodes_in_flight_within_the_tools_session_capacity():
+    shared = _counter_state(capacity=3, open_gate=True)
+    made = []
+    pool = EnvPool(lambda: made.append(CounterEnv(shared)) or made[-1], 8)
+    jobs = [EpisodeJob({"prompt": f"add: {i} and 1", "answer": str(i + 1)}, i, str(i), i) for i in range(12)]
+    results = await collect(pool, _CountThenAnswer(), jobs)
+    await pool.aclose()
+    assert pool.in_flight == 3 and len(made) == 3 and shared["peak"] == 3 and shared["live"] == 0
+    assert all(r.usable for r in results) and len(results) == 12

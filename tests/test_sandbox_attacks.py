@@ -332,13 +332,15 @@ def test_out_of_memory_because_of_other_sessions_is_reported_as_the_workers(fres
             sb.release_session(sid)
 
 
-def test_sessions_beyond_the_pools_capacity_are_refused_with_the_fix(sb):
+def test_sessions_beyond_the_pools_capacity_wait_then_are_refused_with_the_fix(sb):
     backend = pool(sb)
     sids = [sb.create_session() for _ in range(backend.max_sessions)]
+    saved, backend.session_wait_s = backend.session_wait_s, 0.2
     try:
-        with pytest.raises(SandboxError, match="pool is full.*release_session"):
+        with pytest.raises(SandboxError, match="pool is full.*within session_wait_s=0.2 s.*release_session"):
             sb.create_session()
     finally:
+        backend.session_wait_s = saved
         for sid in sids:
             sb.release_session(sid)
     sb.release_session(sb.create_session())

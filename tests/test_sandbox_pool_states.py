@@ -57,7 +57,8 @@ class PoolUnderAttack(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.box = SyncSandbox(
-            "local", workers=WORKERS, memory_mb=96, tmpfs_mb=32, max_processes=24, output_limit_bytes=4096
+            "local", workers=WORKERS, memory_mb=96, tmpfs_mb=32, max_processes=24, output_limit_bytes=4096,
+            session_wait_s=0,  # a full pool refuses at once (the queue is tested in test_sandbox_admission.py)
         )
         self.pool = self.box._backend
         self.sessions: list[str] = []

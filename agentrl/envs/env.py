@@ -63,7 +63,7 @@ from agentrl.envs import registry
 from agentrl.envs.rewards.base import RewardContext, Rubric
 from agentrl.envs.spaces import CompletionSpace, as_token_array, observation_space
 from agentrl.envs.tasks import load_task_file
-from agentrl.envs.tools.base import Tool
+from agentrl.envs.tools.base import StatefulTool, Tool
 from agentrl.envs.tools.dispatch import Sessions, ToolBox
 from agentrl.harmony.builder import TrajectoryBuilder
 from agentrl.harmony.factory import default_format
@@ -404,6 +404,19 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
                 info["infrastructure_error"] = traj.error
         obs: Observation = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
         return obs, reward, terminated, truncated, info
+
+    async def episode_capacity(self) -> int | None:
+        """How many episodes of this env (together with every env sharing its tools' backends) can run at once:
+        the least :meth:`~agentrl.envs.tools.StatefulTool.session_capacity` of its stateful tools (an episode
+        holds one session of each), or None: no limit. Collectors keep their episodes in flight within it."""
+        tools = [t for t in self.toolbox.tools.values() if isinstance(t, StatefulTool)]
+        capacities = [c for c in [await t.session_capacity() for t in tools] if c is not None]
+        return min(capacities) if capacities else None
+
+    async def release_sessions(self) -> None:
+        """End the current episode's tool sessions now (they are created again on the next tool call). Every
+        path that ends an episode calls it: its end, a limit, an error, a cancellation."""
+        await self._sessions.release_all()
 
     async def aclose(self) -> None:
         """Release tool sessions, the tools' resources and the env's own (:meth:`aclose_resources`).

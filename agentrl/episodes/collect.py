@@ -17,6 +17,7 @@ Each result's trajectory carries its job's labels (``task_id``, ``group``, ``sam
 from __future__ import annotations
 
 import asyncio
+import logging
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,12 +31,16 @@ from agentrl.episodes.policy import Policy
 from agentrl.episodes.runner import INFRA_RETRIES, EpisodeLimits, EpisodeResult, StepHook, run_episode
 from agentrl.harmony.trajectory import Trajectory
 
+log = logging.getLogger(__name__)
+
 
 class EnvPool:
     """A fixed set of env instances handed out one episode at a time (envs are reused across episodes).
 
-    Envs are built lazily on first use (inside the running event loop). ``size`` bounds the episodes in
-    flight."""
+    Envs are built lazily on first use (inside the running event loop). At most :attr:`in_flight` episodes run
+    at once: ``size``, or fewer when the envs' tools admit fewer live sessions
+    (:meth:`~agentrl.envs.AgentEnv.episode_capacity`, e.g. the local sandbox pool's ``max_sessions``), so that no
+    episode waits for a tool session that only another episode in flight could free."""
 
     def __init__(self, make_env: Callable[[], AgentEnv], size: int) -> None:
         if size < 1:
@@ -44,24 +49,45 @@ class EnvPool:
         self._envs: list[AgentEnv] = []
         self._free: asyncio.Queue[AgentEnv] | None = None
         self.size = size
+        #: Episodes in flight at most (known once :meth:`open` ran; ``size`` until then).
+        self.in_flight = size
 
-    def _ensure(self) -> asyncio.Queue[AgentEnv]:
+    async def open(self) -> int:
+        """Build the envs (once) and return :attr:`in_flight`. A capacity query that fails (e.g. the sandbox
+        cannot be set up) leaves ``size``: the episodes then meet the error themselves."""
         if self._free is None:
+            first = self._make_env()
+            try:
+                capacity = await first.episode_capacity()
+            except Exception as exc:  # noqa: BLE001 - the episodes report it, one by one
+                log.warning("could not ask the envs' tools for their capacity (%s: %s)", type(exc).__name__, exc)
+                capacity = None
+            if capacity is not None and capacity < self.size:
+                log.info("%d episodes in flight instead of %d: the envs' tools admit %d sessions", max(1, capacity),
+                         self.size, capacity)
+            self.in_flight = self.size if capacity is None else max(1, min(self.size, capacity))
             self._free = asyncio.Queue()
-            for _ in range(self.size):
+            self._envs.append(first)
+            self._free.put_nowait(first)
+            for _ in range(self.in_flight - 1):
                 env = self._make_env()
                 self._envs.append(env)
                 self._free.put_nowait(env)
-        return self._free
+        return self.in_flight
 
     async def acquire(self) -> AgentEnv:
-        return await self._ensure().get()
+        if self._free is None:
+            await self.open()
+        assert self._free is not None
+        return await self._free.get()
 
     def release(self, env: AgentEnv) -> None:
-        self._ensure().put_nowait(env)
+        assert self._free is not None, "release() of an env that was never acquired"
+        self._free.put_nowait(env)
 
     def replace(self, env: AgentEnv) -> None:
         """Drop a broken env (closing it best-effort) and add a fresh one."""
+        assert self._free is not None, "replace() of an env that was never acquired"
         try:
             env.close()
         except Exception:  # noqa: BLE001 - a broken env may fail to close; a new one replaces it anyway
@@ -69,7 +95,7 @@ class EnvPool:
         self._envs.remove(env)
         fresh = self._make_env()
         self._envs.append(fresh)
-        self._ensure().put_nowait(fresh)
+        self._free.put_nowait(fresh)
 
     async def aclose(self) -> None:
         for env in self._envs:
@@ -113,7 +139,7 @@ async def collect(
     lockstep: LockstepSampler | None = None,
     infra_retries: int = INFRA_RETRIES,
 ) -> list[EpisodeResult]:
-    """Run every job concurrently (at most ``pool.size`` at a time); returns the results in job order.
+    """Run every job concurrently (at most ``pool.in_flight`` at a time); returns the results in job order.
 
     Args:
         pool: the envs to run on.
@@ -186,8 +212,9 @@ async def collect(
             on_episode(result)
         return result
 
+    in_flight = await pool.open()
     if lockstep is not None:
-        lockstep.open(len(jobs), pool.size)
+        lockstep.open(len(jobs), in_flight)
     try:
         results = await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
     finally:

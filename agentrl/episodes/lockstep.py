@@ -11,9 +11,11 @@ episode's call waits until every episode of the collection that is running or ab
 call or finished (episodes running tools are waited for); then the waiting calls go to the engine together,
 ordered by job index, one engine call per sampling setting in the order of their first job (when that call
 raises, each job's call is made alone, in order: a request the engine refuses fails its own episode). Which episodes
-are running at that point is fixed too: ``pool.size`` episodes run at once and jobs take free envs in job
-order, so once ``f`` jobs have finished, jobs ``0 .. f + pool.size - 1`` have started or are about to. The
-batches, their rows' order and the engine's draws are a function of the jobs and the engine's seed alone.
+are running at that point is fixed too: ``pool.in_flight`` episodes run at once and jobs take free envs in job
+order, so once ``f`` jobs have finished, jobs ``0 .. f + pool.in_flight - 1`` have started or are about to. The
+batches, their rows' order and the engine's draws are a function of the jobs, the engine's seed and
+``pool.in_flight`` alone (the pool's size, or less when the envs' tools admit fewer sessions, e.g. a local
+sandbox pool, whose capacity follows the machine's cores and memory).
 
 What lockstep cannot make independent of the machine's speed: an episode wall-time limit (``EpisodeLimits.time_s``,
 none by default; waiting for the batch counts), and a tool's own wall-clock limit for code that runs close to it

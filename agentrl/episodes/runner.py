@@ -185,7 +185,8 @@ async def run_episode(
 
     Raises:
         Whatever ``policy.act``, ``env.areset``/``env.astep`` or ``on_step`` raise (the env keeps the
-        partial trajectory in ``env.trajectory``); ``ValueError`` for a policy that returns no action.
+        partial trajectory in ``env.trajectory``); ``ValueError`` for a policy that returns no action. On
+        every path out, the episode's tool sessions are released (:meth:`~agentrl.envs.AgentEnv.release_sessions`).
     """
     run = _Run(env, policy, limits or EpisodeLimits(), on_step)
     saved_limits = env.limits
@@ -201,6 +202,7 @@ async def run_episode(
                 stop_reason = "time_limit"
     finally:
         env.limits = saved_limits
+        await env.release_sessions()  # a time limit, an error or a cancellation frees them too, at once
     return run.result(stop_reason)
 
 

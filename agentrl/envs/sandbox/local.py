@@ -11,14 +11,18 @@ they are released, and a fresh worker takes its place (the pool holds enough uid
 sequence of requests came before). A worker that dies or stops answering is killed with everything inside it and
 restarted on its next use; sessions it held restart from a fresh state and say so in ``ExecResult.message``.
 
-Sessions are admitted up to what the workers' memory can guarantee (``reserved_mb`` each); beyond that
-``create_session`` raises :class:`SandboxError`.
+Sessions are admitted up to what the workers' memory can guarantee (``reserved_mb`` each, :attr:`LocalSandbox.
+max_sessions` in all); beyond that ``create_session`` waits in a first-come first-served queue for a released
+session's slot (freed once its kernel is closed) and raises :class:`SandboxError` after ``session_wait_s``. A run
+whose worker dies under it (not one that hangs) runs once more on a fresh worker; a cancelled run finishes in the
+background without harming its worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import json
 import logging
@@ -64,9 +68,20 @@ _BLOCK_RETURN_S = 60.0
 #: Memory a worker's cgroup may hold beyond its executions' capacity: bubblewrap, the worker, session inits and
 #: kernel memory, bytes.
 _SYSTEM_MARGIN = 64 << 20
+#: The share of this machine's RAM that a pool's memory caps (``worker_memory_mb`` x workers) may add up to by
+#: default, so that every session's guaranteed memory is backed while the host (e.g. a trainer) keeps the rest.
+HOST_MEMORY_SHARE = 0.5
 #: Per-uid kernel quotas of one execution (Linux's defaults for a user); a worker's user namespace holds room
 #: for all of its executions at once.
 QUOTAS = {"msgqueue_bytes": 819200, "sigpending": 4096, "memlock_bytes": 8 << 20}
+
+
+class WorkerLost(ConnectionError):
+    """A worker died (``hung`` False) or stopped answering (``hung`` True) during a request; it was killed."""
+
+    def __init__(self, message: str, *, hung: bool) -> None:
+        super().__init__(message)
+        self.hung = hung
 
 
 class BlockBusy(SandboxUnavailable):
@@ -130,6 +145,7 @@ class _Worker:
         self.last_health: dict[str, Any] = {}
         self.proc: asyncio.subprocess.Process | None = None
         self._stderr_task: asyncio.Task | None = None
+        self._frame_size: int | None = None  # of a frame whose header was read, body not yet
 
     @property
     def alive(self) -> bool:
@@ -155,6 +171,7 @@ class _Worker:
                     f"processes {leftover[:5]} still run as uids of sandbox block {self.uid_base}; refusing to reuse it"
                 )
         self.generation += 1
+        self._frame_size = None
         self.cgroup = self._make_cgroup()
         cg_fd = self.cgroup.open_dir() if self.cgroup is not None else None
         source_fd = os.open(iso.WORKER_SOURCE, os.O_RDONLY) if s.mode != "none" else None
@@ -264,9 +281,11 @@ class _Worker:
         """Send one request and return the worker's answer, restarting a dead worker first.
 
         The worker then cleans up and sends a health frame; until it arrives the worker stays locked (in the
-        background: the caller has its answer), so cleanup is charged to no run's time budget.
+        background: the caller has its answer), so cleanup is charged to no run's time budget. ``timeout_s`` counts
+        from the moment the request is sent, never the wait for the lock. A caller cancelled mid-request leaves the
+        request to finish in the background (its answer is dropped): the worker and its sessions live on.
 
-        Raises ConnectionError if the worker died or hung (it is then killed; the next call restarts it), and
+        Raises WorkerLost if the worker died or hung (it is then killed; the next call restarts it), and
         SandboxUnavailable if it cannot be (re)started.
         """
         await self.lock.acquire()
@@ -275,27 +294,51 @@ class _Worker:
             if not self.alive:
                 await self.start()
             assert self.proc is not None and self.proc.stdin is not None
+            deadline = time.monotonic() + timeout_s + _GRACE_S  # the run's clock starts once it is sent
             try:
                 self._send(payload)
                 await self.proc.stdin.drain()
                 resp = await _within(self._read_frame(), timeout_s + _GRACE_S)
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
                 await self.kill()
-                raise ConnectionError(
-                    f"sandbox worker {self.index} failed ({type(exc).__name__}: {exc})"
+                raise WorkerLost(
+                    f"sandbox worker {self.index} failed ({type(exc).__name__}: {exc})",
+                    hung=isinstance(exc, asyncio.TimeoutError),
                 ) from None
             except asyncio.CancelledError:
-                # The answer may still come; it must never be read as the next request's. End this sandbox.
-                self._abandon()
+                # The caller is gone, not the run: it ends by itself (within its timeout), its answer is read and
+                # dropped in the background, and the worker with every other session's state lives on.
+                self._background(self._drop_answer(deadline))
+                handed_off = True
                 raise
-            task = asyncio.get_running_loop().create_task(self._await_health())
-            self.s.background.add(task)
-            task.add_done_callback(self.s.background.discard)
+            self._background(self._await_health())
             handed_off = True
             return resp
         finally:
             if not handed_off:
                 self.lock.release()
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.s.background.add(task)
+        task.add_done_callback(self.s.background.discard)
+
+    async def _drop_answer(self, deadline: float) -> None:
+        """Read and drop the answer of a request whose caller was cancelled, then its health frame (the worker
+        stays locked until then, so the answer is never read as the next request's)."""
+        try:
+            await _within(self._read_frame(), max(0.0, deadline - time.monotonic()))
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            if self.proc is not None:
+                log.warning("sandbox worker %d failed after its caller left (%r); killing it", self.index, exc)
+            await self.kill()
+            self.lock.release()
+            return
+        except asyncio.CancelledError:
+            self._abandon()
+            self.lock.release()
+            raise
+        await self._await_health()
 
     async def _await_health(self) -> None:
         """Read the health frame that follows every answer; then release the worker."""
@@ -316,19 +359,22 @@ class _Worker:
             self.lock.release()
 
     async def _read_frame(self) -> dict[str, Any]:
+        """The next frame. Safe to cancel: a frame whose header was read is resumed by the next call."""
         proc = self.proc
         if proc is None or proc.stdout is None:
             raise ConnectionError("the sandbox worker is gone")
-        head = await proc.stdout.readexactly(4)
-        (size,) = _HEADER.unpack(head)
-        obj = json.loads(await proc.stdout.readexactly(size))
+        if self._frame_size is None:
+            (self._frame_size,) = _HEADER.unpack(await proc.stdout.readexactly(4))
+        body = await proc.stdout.readexactly(self._frame_size)
+        self._frame_size = None
+        obj = json.loads(body)
         if not isinstance(obj, dict):
             raise ValueError("worker frame is not an object")
         return obj
 
     async def kill(self) -> None:
         """Kill the sandbox (its pid namespace dies with it) and forget its kernels."""
-        proc, self.proc = self.proc, None
+        proc, self.proc, self._frame_size = self.proc, None, None
         if proc is not None and proc.returncode is None:
             try:
                 os.killpg(proc.pid, 9)
@@ -344,7 +390,7 @@ class _Worker:
 
     def _abandon(self) -> None:
         """Kill the sandbox now, without waiting; reaping and cgroup removal finish in the background."""
-        proc, self.proc = self.proc, None
+        proc, self.proc, self._frame_size = self.proc, None, None
         if proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -402,6 +448,24 @@ class CodeUids:
         return 0 <= offset < self.blocks * _UIDS_PER_WORKER and offset % _UIDS_PER_WORKER != 0
 
 
+def _default_worker_mb(workers: int, memory_mb: int) -> int:
+    """``worker_memory_mb``'s default: 4 x ``memory_mb``, lowered so that ``workers`` caps fit in
+    :data:`HOST_MEMORY_SHARE` of this machine's RAM, never below ``memory_mb`` (warns when that floor exceeds it)."""
+    try:
+        host_mb = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) >> 20
+    except (ValueError, OSError):  # pragma: no cover - Linux always answers
+        return 4 * memory_mb
+    share_mb = int(host_mb * HOST_MEMORY_SHARE)
+    worker_mb = max(memory_mb, min(4 * memory_mb, share_mb // workers))
+    if worker_mb * workers > share_mb:
+        log.warning(
+            "%d sandbox workers x memory_mb=%d exceed %d MiB, %g of this machine's RAM: the sessions' guaranteed "
+            "memory is not backed (use fewer workers or a lower memory_mb)",
+            workers, memory_mb, share_mb, HOST_MEMORY_SHARE,
+        )
+    return worker_mb
+
+
 def _is_root() -> bool:
     return os.geteuid() == 0
 
@@ -442,12 +506,17 @@ class LocalSandbox:
         tmpfs_files: inodes (files, directories, hard links) in each of those, so that a flood of them is
             bounded and cheap to remove.
         worker_memory_mb: memory cap for everything one worker runs together (its session kernels and all
-            processes the code forks), MiB; default 4 x ``memory_mb``. Enforced with a memory cgroup.
+            processes the code forks), MiB. Enforced with a memory cgroup. Default: 4 x ``memory_mb``, lowered so
+            that the whole pool's caps fit in :data:`HOST_MEMORY_SHARE` of this machine's RAM (never below
+            ``memory_mb``; a warning says when the pool's guarantees then exceed that share).
         reserved_mb: memory every live session, and a worker's stateless runs, are guaranteed of their worker's
             ``worker_memory_mb``, MiB; default an eighth of it. A worker admits ``worker_memory_mb // reserved_mb
-            - 1`` live sessions; a session beyond the pool's capacity is refused (``create_session`` raises). An
-            execution may use up to ``memory_mb`` while the others leave that much free; when less than its
-            share is free, idle sessions holding more than theirs are ended first (they are told why).
+            - 1`` live sessions (:attr:`max_sessions` in all). An execution may use up to ``memory_mb`` while the
+            others leave that much free; when less than its share is free, idle sessions holding more than theirs
+            are ended first (they are told why).
+        session_wait_s: how long ``create_session`` waits, in a first-come first-served queue, for a slot when
+            the pool holds :attr:`max_sessions` live sessions (a released session's slot frees once its kernel
+            is closed); then it raises :class:`SandboxError`. 0: refuse at once.
         memory_cgroup: ``"auto"`` (use memory cgroups when running as root where one is writable; otherwise warn
             once), ``"required"`` (refuse to start without one) or ``"off"``.
         output_limit_bytes: bytes kept per stream (stdout, stderr); the rest is dropped and a marker added.
@@ -485,6 +554,7 @@ class LocalSandbox:
         ro_binds: tuple[str, ...] = (),
         start_timeout_s: float = 30.0,
         messages: SandboxMessages | None = None,
+        session_wait_s: float = 600.0,
     ) -> None:
         if isolation not in ("bubblewrap", "none"):
             raise SandboxError(f"isolation must be 'bubblewrap' or 'none', not {isolation!r}")
@@ -506,7 +576,10 @@ class LocalSandbox:
             "fsize_bytes": max_file_mb << 20,
             "nofile": max_open_files,
         }
-        worker_mb = worker_memory_mb or 4 * memory_mb
+        if not session_wait_s >= 0:
+            raise SandboxError(f"session_wait_s must be >= 0, got {session_wait_s!r}")
+        self.session_wait_s = float(session_wait_s)
+        worker_mb = worker_memory_mb or _default_worker_mb(n, memory_mb)
         reserved = reserved_mb or max(1, worker_mb // 8)
         if not 1 <= reserved <= worker_mb // 2:
             raise SandboxError(
@@ -555,6 +628,10 @@ class LocalSandbox:
         self._retiring: list[_Worker] = []
         self._refill()
         self._sessions: dict[str, _Session] = {}
+        #: Live sessions, those being released included until their kernel is closed: at most max_sessions.
+        self._held = 0
+        #: Requests for a session's worker, first come first served: (session key, moving, future of its worker).
+        self._waiters: collections.deque[tuple[str, bool, asyncio.Future[_Worker]]] = collections.deque()
         self._closed = False
         self._start_lock = asyncio.Lock()
         self._started = False
@@ -586,6 +663,7 @@ class LocalSandbox:
             self._reap_retired()
         except Exception:  # noqa: BLE001 - the worker is out of rotation whatever happens here
             log.exception("could not replace sandbox worker %d yet; the next request retries", worker.index)
+        self._wake()
 
     def _reap_retired(self) -> None:
         """Kill retired workers whose last session is gone and give their uid blocks back."""
@@ -609,6 +687,7 @@ class LocalSandbox:
                 self._free_blocks.append(w.uid_base)
                 if not self._closed:
                     self._refill()
+                    self._wake()
 
             task = asyncio.get_running_loop().create_task(stop())
             self._settings.background.add(task)
@@ -668,6 +747,7 @@ class LocalSandbox:
             "memory_bytes": (memory_mb << 20) if memory_mb and memory_mb > 0 else None,
         }
         start = time.monotonic()
+        retried = False
         for _ in range(3):  # a worker that refuses (it failed its health check) is replaced; try the next
             self._refill()
             if sess is None and not self._workers:
@@ -679,13 +759,22 @@ class LocalSandbox:
                 resp = await worker.call(payload, timeout_s)
             except BlockBusy as exc:  # its uids are still in use: replace it by a worker with a free block
                 resp = {"refused": str(exc)}
-            except (ConnectionError, SandboxUnavailable) as exc:  # the worker died, hung or cannot restart
+            except WorkerLost as exc:  # died under the run (killed from outside, crashed): once more, afresh
+                if exc.hung or retried:
+                    log.warning("sandbox run failed: %s", exc)
+                    return self._internal_error(str(exc), time.monotonic() - start)
+                log.warning("sandbox run failed: %s; running it again on a fresh worker", exc)
+                retried = True
+                resp = {"refused": None}
+            except (ConnectionError, SandboxUnavailable) as exc:  # the worker cannot restart
                 log.warning("sandbox run failed: %s", exc)
                 return self._internal_error(str(exc), time.monotonic() - start)
             finally:
                 worker.load -= 1
             if "refused" not in resp:
                 break
+            if resp["refused"] is None:
+                continue
             self._retire(worker, str(resp["refused"]))
             if (
                 sess is not None
@@ -693,10 +782,9 @@ class LocalSandbox:
                 worker.sessions.discard(sess.key)
                 self._reap_retired()
                 try:
-                    sess.worker = self._pick_session_worker(moving=True)
+                    sess.worker = await self._take_slot(sess.key, moving=True)
                 except SandboxError as exc:
                     return self._internal_error(str(exc), time.monotonic() - start)
-                sess.worker.sessions.add(sess.key)
                 sess.generation = -1  # its state is lost; say so
         else:
             return self._internal_error(
@@ -707,46 +795,123 @@ class LocalSandbox:
             sess.generation = worker.generation
         return self._to_result(resp, state_lost=lost)
 
-    def _pick_session_worker(self, moving: bool = False) -> _Worker:
-        """The worker for a new (or ``moving``) session: the least loaded one that admits another. Raises
-        SandboxError when the pool holds as many live sessions as it guarantees memory for."""
+    def _open_worker(self, moving: bool = False) -> _Worker | None:
+        """The worker for one more session, now: the least loaded one in rotation that admits another, while the
+        pool holds fewer than :attr:`max_sessions` slots (a ``moving`` session holds one already); else None."""
         self._refill()
         open_workers = [w for w in self._workers if len(w.sessions) < self.max_sessions_per_worker]
-        if len(self._sessions) - moving >= self.max_sessions or not open_workers:
-            raise SandboxError(
-                f"the sandbox pool is full: {len(self._sessions)} live sessions, at most "
-                f"{self.max_sessions_per_worker} per worker, each guaranteed "
-                f"{self._settings.memory_cap.reserved_bytes >> 20} MiB; release finished sessions with "
-                "release_session(), or raise workers or worker_memory_mb, or lower reserved_mb"
-            )
+        if (self._held >= self.max_sessions and not moving) or not open_workers:
+            return None
         return min(open_workers, key=lambda w: (len(w.sessions), w.load))
 
+    async def _take_slot(self, key: str, *, moving: bool = False) -> _Worker:
+        """A worker for session ``key`` (the key added to its sessions): at once if there is room and nobody waits,
+        else after the requests ahead of it, within :attr:`session_wait_s`; raises SandboxError when none frees in
+        time. A new session takes one of the pool's slots (:attr:`_held`), which it holds until its kernel is
+        closed; a ``moving`` one (its worker left rotation) keeps its own and goes ahead of every waiting one."""
+        worker = None if self._waiters and not moving else self._open_worker(moving)
+        if worker is not None:
+            worker.sessions.add(key)
+            self._held += not moving
+            return worker
+        if self.session_wait_s <= 0:
+            raise self._full_error()
+        entry = (key, moving, asyncio.get_running_loop().create_future())
+        self._waiters.appendleft(entry) if moving else self._waiters.append(entry)
+        future = entry[2]
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), self.session_wait_s)
+        except asyncio.TimeoutError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                return future.result()  # admitted at the last moment
+            raise self._full_error() from None
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().sessions.discard(key)  # admitted, never used: no kernel to close
+                self._held -= not moving
+                self._wake()
+            raise
+        finally:
+            if not future.done():
+                future.cancel()
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(entry)
+
+    def _wake(self) -> None:
+        """Hand freed room to the waiting requests, in order."""
+        while self._waiters:
+            key, moving, future = self._waiters[0]
+            if future.done():  # timed out or cancelled
+                self._waiters.popleft()
+                continue
+            worker = self._open_worker(moving)
+            if worker is None:
+                return
+            self._waiters.popleft()
+            worker.sessions.add(key)
+            self._held += not moving
+            future.set_result(worker)
+
+    def _full_error(self) -> SandboxError:
+        held = self._held
+        if held < self.max_sessions:  # room in the pool, but not on any worker in rotation
+            why = (
+                f"no worker in rotation has room ({len(self._workers)} of {self._size} in rotation, "
+                f"{len(self._retiring)} retired ones still hold uid blocks)"
+            )
+        else:
+            why = "no session was released"
+        return SandboxError(
+            f"the sandbox pool is full: {held} live sessions, at most {self.max_sessions_per_worker} per worker, "
+            f"each guaranteed {self._settings.memory_cap.reserved_bytes >> 20} MiB; {why} within "
+            f"session_wait_s={self.session_wait_s:g} s. Release finished sessions with release_session(), keep "
+            "the sessions in use at most max_sessions, or raise workers or worker_memory_mb, or lower reserved_mb"
+        )
+
     async def create_session(self) -> str:
-        """Reserve a stateful session (its kernel starts on the first run) and return its id."""
+        """Reserve a stateful session (its kernel starts on the first run) and return its id. When the pool holds
+        :attr:`max_sessions` sessions, waits for a slot (first come, first served) up to :attr:`session_wait_s`,
+        then raises SandboxError."""
         self._check_open()
         if not self._started:
             await self.start()
-        worker = self._pick_session_worker()
         sid = uuid.uuid4().hex
+        worker = await self._take_slot(sid)
+        if self._closed:
+            raise SandboxError("this sandbox backend is closed")
         self._sessions[sid] = _Session(worker, sid, worker.generation)
-        worker.sessions.add(sid)
         return sid
 
     async def release_session(self, session: str) -> None:
         """Kill the session's kernel; the worker then verifies that nothing of it remains before its uid is
-        used again. Unknown or already released ids are ignored."""
+        used again. The session's slot frees once its kernel is closed, even if this call is cancelled. Unknown
+        or already released ids are ignored."""
         sess = self._sessions.pop(session, None)
         if sess is None or self._closed:
             return
+        task = asyncio.get_running_loop().create_task(self._close_session(sess))
+        self._settings.background.add(task)
+        task.add_done_callback(self._settings.background.discard)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not (task.cancelled() and self._closed):  # aclose() ended it: nothing is left to release
+                raise
+
+    async def _close_session(self, sess: _Session) -> None:
         worker = sess.worker
-        if worker.alive:
-            try:
+        try:
+            if worker.alive:
                 await worker.call({"op": "close", "session": sess.key}, 10.0)
-            except (ConnectionError, SandboxUnavailable):
-                pass
-        worker.sessions.discard(sess.key)
-        if worker.retired:
-            self._reap_retired()
+        except (ConnectionError, SandboxUnavailable):
+            pass  # the worker is gone, and the kernel with it
+        finally:
+            worker.sessions.discard(sess.key)
+            self._held -= 1
+            if not self._closed:
+                if worker.retired:
+                    self._reap_retired()
+                self._wake()
 
     async def aclose(self) -> None:
         """Kill every worker and session. Idempotent."""
@@ -754,6 +919,10 @@ class LocalSandbox:
             return
         self._closed = True
         self._sessions.clear()
+        while self._waiters:
+            _, _, future = self._waiters.popleft()
+            if not future.done():
+                future.set_exception(SandboxError("this sandbox backend is closed"))
         await asyncio.gather(*(w.kill() for w in self._workers + self._retiring))
         for task in list(self._settings.background):
             task.cancel()

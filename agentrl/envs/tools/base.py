@@ -65,7 +65,10 @@ class Tool(ABC):
     Subclasses set ``name``, ``description`` and ``parameters`` (a JSON schema of type ``object``) and
     implement :meth:`call`. ``namespace`` is ``"functions"`` for function tools (Harmony recipient
     ``functions.<name>``); the built-in code tool uses ``"python"``. ``timeout_s`` overrides the env's
-    per-call timeout for this tool. Arguments are validated against ``parameters`` before ``call``.
+    per-call timeout for this tool. A tool whose calls bound their own run time (``times_itself = True``, e.g. a
+    code sandbox with its own execution timeout) gets no dispatcher timeout at all, so that its waits for
+    capacity (a session slot, a free worker) never count as its run time. Arguments are validated against
+    ``parameters`` before ``call``.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Tool(ABC):
     parameters: dict[str, Any] = {"type": "object", "properties": {}}
     namespace: str = "functions"
     timeout_s: float | None = None
+    times_itself: bool = False
     stateful: bool = False
 
     def spec(self) -> ToolSpec:
@@ -164,3 +168,8 @@ class StatefulTool(Tool):
     @abstractmethod
     async def release_session(self, session: Any) -> None:
         """Free the session. Must not raise for an already released session."""
+
+    async def session_capacity(self) -> int | None:
+        """How many sessions of this tool can be live at once (the episodes of every env sharing its backend
+        together), or None: no limit. Collectors keep their episodes in flight within it."""
+        return None

@@ -151,7 +151,7 @@ class ToolBox:
         if problems:
             detail = "; ".join(_describe(e) for e in problems[:5])
             return record(f"Error: invalid arguments for {tool.name}: {detail}.", "bad_arguments")
-        timeout = tool.timeout_s if tool.timeout_s is not None else self.timeout_s
+        timeout = None if tool.times_itself else tool.timeout_s if tool.timeout_s is not None else self.timeout_s
 
         session = None
         if isinstance(tool, StatefulTool):  # outside the call's time limit: waiting for a session is not the call's
@@ -209,9 +209,11 @@ class ToolBox:
                 pass
 
 
-async def _with_timeout(coro: Any, timeout: float) -> Any:
+async def _with_timeout(coro: Any, timeout: float | None) -> Any:
     """``asyncio.timeout`` where available (no extra task, so an instant tool does not yield to the loop),
-    else ``asyncio.wait_for``."""
+    else ``asyncio.wait_for``. ``None``: no timeout."""
+    if timeout is None:
+        return await coro
     if hasattr(asyncio, "timeout"):
         async with asyncio.timeout(timeout):
             return await coro

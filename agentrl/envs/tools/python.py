@@ -32,8 +32,10 @@ class PythonTool(StatefulTool):
         sandbox: a backend instance (shared across envs; this tool does not close it) or a backend name for
             :func:`~agentrl.envs.sandbox.make_backend` (created on first use and shared with the other tools on
             the same event loop; see :meth:`backend`).
-        exec_timeout_s: wall-clock limit of one run inside the sandbox; the dispatcher's per-call timeout
-            (``timeout_s``) is set a little above it so the sandbox reports the timeout itself.
+        exec_timeout_s: wall-clock limit of one run inside the sandbox, counted from the moment the run starts:
+            the sandbox enforces it and reports the timeout itself. The tool ``times_itself``: the dispatcher adds
+            no timeout of its own, so waiting for a session slot or a free worker never counts as run time (the
+            backend bounds those waits, e.g. the local pool's ``session_wait_s``).
         backend_kwargs: passed to ``make_backend`` when ``sandbox`` is a name.
 
     Results: the run's rendered output (stdout, display value, stderr, and a status note on failure). A run
@@ -49,6 +51,7 @@ class PythonTool(StatefulTool):
 
     name = "python"
     namespace = "python"
+    times_itself = True
     description = DESCRIPTION
     parameters = {
         "type": "object",
@@ -64,7 +67,6 @@ class PythonTool(StatefulTool):
         self._backend_kwargs = backend_kwargs
         self._shared_key: tuple[asyncio.AbstractEventLoop, str] | None = None
         self.exec_timeout_s = exec_timeout_s
-        self.timeout_s = exec_timeout_s + 5.0
 
     async def backend(self) -> SandboxBackend:
         """The sandbox backend. A backend given by name is shared by every PythonTool on the running event loop
@@ -91,6 +93,10 @@ class PythonTool(StatefulTool):
     async def release_session(self, session: Any) -> None:
         if self._backend is not None:
             await self._backend.release_session(session)
+
+    async def session_capacity(self) -> int | None:
+        """The backend's ``max_sessions`` (live sessions it admits at once), if it has one."""
+        return getattr(await self.backend(), "max_sessions", None)
 
     async def call(self, arguments: dict[str, Any], session: Any = None) -> ToolOutput:
         try:
