@@ -27,8 +27,10 @@ from agentrl.harmony.types import ToolCall, ToolSpec
 
 #: Seconds a stateful tool may take to create an episode's session (e.g. waiting for a sandbox pool to admit it),
 #: at least the call's own limit. Creating the session is outside the call's time limit (a wait for the backend
-#: is not the model's call running long); past this, the backend failed (``tool_infrastructure``).
-SESSION_TIMEOUT_S = 300.0
+#: is not the model's call running long); past this, the backend failed (``tool_infrastructure``). It is longer
+#: than the local sandbox pool's default admission wait (``session_wait_s=600``), so the pool's own error, which
+#: names its fix, comes first.
+SESSION_TIMEOUT_S = 900.0
 
 
 def truncate_text(text: str, max_chars: int) -> str:
@@ -155,7 +157,7 @@ class ToolBox:
 
         session = None
         if isinstance(tool, StatefulTool):  # outside the call's time limit: waiting for a session is not the call's
-            limit = max(timeout, SESSION_TIMEOUT_S)
+            limit = SESSION_TIMEOUT_S if timeout is None else max(timeout, SESSION_TIMEOUT_S)
             try:
                 session = await _with_timeout(sessions.get(tool), limit)
             except (TimeoutError, asyncio.TimeoutError):
