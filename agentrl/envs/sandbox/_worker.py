@@ -1629,15 +1629,18 @@ def _alive(pid_name):
 
 
 def _uid_tasks(uid, pids):
-    """Whether any of ``pids`` (processes in any state) has ``uid`` as its real uid."""
+    """Whether any of ``pids`` (processes in any state) runs as ``uid``.
+
+    The uid is the owner of the process's /proc directory (the kernel sets it to the effective uid), which the
+    code cannot write; its status file is never parsed, since its first line is the process name, the code's to
+    choose (``Uid:x`` or ``Uid:<another uid>``). The code's effective uid is its real uid: it holds no
+    capability and every mount it sees is nosuid."""
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/status", "rb") as f:
-                status = f.read()
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                return True
         except OSError:
             continue
-        if int(status.split(b"Uid:")[1].split()[0]) == uid:
-            return True
     return False
 
 
@@ -2021,7 +2024,7 @@ def main():
     if ready["error"]:
         return 2
     gc.freeze()  # keep the collector from touching (and so copying) the worker's pages in every child
-    write_frame(ctl_out, worker.cleanup_and_check())
+    write_frame(ctl_out, _checked_health(worker))
     while True:
         req = read_frame(ctl_in, 1 << 30)
         if req is None:
@@ -2031,7 +2034,19 @@ def main():
         except Exception as exc:
             resp = _internal_reply(f"worker error: {type(exc).__name__}: {exc}")
         write_frame(ctl_out, resp)
-        write_frame(ctl_out, worker.cleanup_and_check())
+        write_frame(ctl_out, _checked_health(worker))
+
+
+def _checked_health(worker):
+    """:meth:`Worker.cleanup_and_check`, never raising: a cleanup that fails (a bug of ours, whatever the code
+    did) fails the health check, so the worker takes no new work and is replaced once its sessions end, instead
+    of dying with them. What the failed cleanup had not given back yet (uids, cgroups) is never reused."""
+    try:
+        return worker.cleanup_and_check()
+    except Exception as exc:
+        problem = f"cleanup error: {type(exc).__name__}: {exc}"
+        worker.refusal = worker.refusal or problem
+        return {"health": False, "problems": [problem], "cleanup_s": 0.0}
 
 
 if __name__ == "__main__":

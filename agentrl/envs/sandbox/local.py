@@ -407,16 +407,21 @@ def _is_root() -> bool:
 
 
 def uid_processes(uids: range | CodeUids) -> list[int]:
-    """Host pids (zombies included) whose real uid is in ``uids``."""
+    """Host pids (zombies included) running as a uid in ``uids``.
+
+    The uid is the owner of ``/proc/<pid>`` (the kernel sets it to the effective uid), which no process can
+    write; ``/proc/<pid>/status`` is never parsed, since it starts with the process name, which sandboxed code
+    chooses (``Uid:x``, ``Uid:<a uid>``, bytes that are not UTF-8). Code runs without capabilities on nosuid
+    mounts, so its effective uid is its real uid."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            status = Path(f"/proc/{name}/status").read_text()
+            uid = os.stat(f"/proc/{name}").st_uid
         except OSError:
             continue
-        if int(status.split("Uid:")[1].split()[0]) in uids:
+        if uid in uids:
             found.append(int(name))
     return found
 

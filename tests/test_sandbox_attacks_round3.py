@@ -1,0 +1,147 @@
+"""Attacks on the local sandbox pool, round 3 (issue 35): what the code controls is never parsed as the pool's
+own data, and one session can never end its worker or another session's state.
+
+1. process names: the code names its processes (``prctl(PR_SET_NAME)``, ``/proc/self/comm``) like the fields
+   of ``/proc/<pid>/status`` that the worker's cleanup and the host's uid scan read; neither may crash, stall,
+   or be misled.
+
+Each attack runs as the code would, inside the sandbox; the checks look from the host where the code cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from test_sandbox_attacks import AS_ROOT, on_worker, pool, session_on
+
+from agentrl.envs.sandbox import SyncSandbox
+from agentrl.envs.sandbox.local import uid_processes
+
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def sb():
+    box = SyncSandbox("local", workers=WORKERS, memory_mb=128, max_processes=64, tmpfs_mb=64)
+    yield box
+    box.close()
+
+
+@pytest.fixture(autouse=True)
+def pool_serves(request):
+    yield
+    if "sb" not in request.fixturenames:
+        return
+    sb = request.getfixturevalue("sb")
+    for i in range(2 * WORKERS):
+        r = sb.run(f"print({i} * 3)", timeout_s=5)
+        assert r.ok and r.stdout == f"{i * 3}\n", r
+
+
+# ------------------------------------------------------------------ 1. process names
+
+#: Names that look like the ``Uid:`` line of /proc/<pid>/status: a non-ASCII digit, a non-digit, a byte that is
+#: not UTF-8, and (``{uids}``) the uids next to the code's own, so that a scan by name would see them taken.
+FORGED_NAMES = ["Uid:\u0663", "Uid:x", "Uid:\udcff", "{uids}"]
+
+#: A session leaves zombies (children it never waits for) named ``{names}``; prints their count.
+NAMED_ZOMBIES = """
+import ctypes, os
+names = {names!r}
+if names == ["{{uids}}"]:
+    names = [f"Uid:{{os.getuid() + d}}" for d in range(-20, 20) if d]
+libc = ctypes.CDLL(None)
+for name in names:
+    pid = os.fork()
+    if pid == 0:
+        libc.prctl(15, os.fsencode(name)[:15], 0, 0, 0)
+        os._exit(0)
+    while open(f"/proc/{{pid}}/stat", "rb").read().split(b") ")[-1][:1] != b"Z":
+        pass
+print(len(names))
+"""
+
+
+@pytest.mark.parametrize("name", FORGED_NAMES)
+def test_a_zombie_named_like_a_status_field_cannot_end_the_worker_or_other_sessions(sb, name):
+    """HIGH 1: the worker's cleanup read a dead child's uid from the text after the first ``Uid:`` of its
+    status, which is its name when the name starts so: the parse raised and the worker died with every session
+    on it (or, with a name of a uid of its block, the uid was held back and the worker retired)."""
+    attacker, victim = session_on(sb, 0), session_on(sb, 0)
+    worker = pool(sb)._workers[0]
+    try:
+        assert sb.run("kept = 'state'", session=victim).ok
+        r = sb.run(textwrap.dedent(NAMED_ZOMBIES.format(names=[name])), session=attacker, timeout_s=5)
+        assert r.ok, r
+        for _ in range(3):  # every stateless run's cleanup, then another session ending, sweeps the zombies
+            assert on_worker(sb, 0, "print('run')").stdout == "run\n"
+        other = session_on(sb, 0)
+        sb.release_session(other)
+        assert on_worker(sb, 0, "print('run')").stdout == "run\n"
+        assert worker.alive and not worker.retired, worker.last_health
+        assert worker.last_health["health"], worker.last_health
+        assert sb.run("kept", session=victim).display == "'state'"
+        assert sb.run("print('alive')", session=attacker).stdout == "alive\n"
+    finally:
+        sb.release_session(attacker)
+        sb.release_session(victim)
+
+
+#: A host process that names itself ``sys.argv[1]`` (as bytes) and waits for its stdin to close.
+NAMED_HOST_PROCESS = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None).prctl(15, os.fsencode(sys.argv[1])[:15], 0, 0, 0)\n"
+    "print('named', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+@pytest.mark.parametrize("name", ["Uid:\u0663", "Uid:x", "Uid:\udcff", "Uid:{uid}"])
+def test_the_host_uid_scan_reads_no_process_name(name):
+    """HIGH 3: the host's scan for processes of a uid block (before every worker start, and before a retired
+    block is reused) read the text after the first ``Uid:``: a process named ``Uid:x`` or with a non-UTF-8 byte
+    made every worker start on the host raise; one named ``Uid:<n>`` made uid ``n`` look taken."""
+    uid = 2_000_000_000 + os.getpid() % 1000  # a uid no process here runs as
+    proc = subprocess.Popen(
+        [sys.executable, "-c", NAMED_HOST_PROCESS, name.format(uid=uid)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout.readline() == b"named\n"
+        assert uid_processes(range(uid, uid + 1)) == []
+        assert proc.pid in uid_processes(range(os.getuid(), os.getuid() + 1))
+    finally:
+        proc.stdin.close()
+        proc.wait()
+
+
+def test_a_sandboxed_process_named_like_a_status_field_cannot_stop_workers_starting(sb):
+    """The same scan while a session's zombies are named so: a worker retired then replaced starts as usual."""
+    if not AS_ROOT:
+        pytest.skip("the uid scan runs in root mode only")
+    sid = session_on(sb, 1)
+    backend = pool(sb)
+    try:
+        r = sb.run(textwrap.dedent(NAMED_ZOMBIES.format(names=["Uid:x", "Uid:\udcff"])), session=sid)
+        assert r.stdout == "2\n", r
+
+        async def retire_then_wait() -> None:  # on the pool's loop, which replaces the worker in the background
+            backend._retire(backend._workers[0], "forced by the test")
+            deadline = time.monotonic() + 10
+            while (len(backend._workers) < WORKERS or backend._retiring) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+        sb._loop.run_until_complete(retire_then_wait())
+        assert len(backend._workers) == WORKERS and not backend._retiring
+        for index in range(WORKERS):  # the new worker starts on its first run
+            assert on_worker(sb, index, "print('served')").stdout == "served\n"
+            assert backend._workers[index].alive
+    finally:
+        sb.release_session(sid)
