@@ -394,7 +394,7 @@ def test_no_execution_can_address_another_sessions_processes(sb):
     a = session_on(sb, 0)
     try:
         assert sb.run(
-            "import os\nos.setpriority(os.PRIO_PROCESS, 0, 7)\nos.getpriority(os.PRIO_PROCESS, 0)", session=a
+            "import os\nos.setpriority(os.PRIO_PROCESS, 0, 19)\nos.getpriority(os.PRIO_PROCESS, 0)", session=a
         ).ok
         probe = (
             "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(64)\n"
