@@ -145,3 +145,86 @@ def test_a_sandboxed_process_named_like_a_status_field_cannot_stop_workers_start
             assert backend._workers[index].alive
     finally:
         sb.release_session(sid)
+
+
+# ------------------------------------------------------------------ 2. idle sessions do not run
+
+#: A session arms timers that send it SIGCONT every few ms (undoing the SIGSTOP that freezes it between calls)
+#: and leaves a thread that burns CPU; prints its uid. A second form also tries to start processes while idle.
+SIGCONT_TIMER = """
+import ctypes, os, signal, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+class Sigevent(ctypes.Structure):
+    _fields_ = [("value", ctypes.c_void_p), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("pad", ctypes.c_char * 48)]
+class Timespec(ctypes.Structure):
+    _fields_ = [("s", ctypes.c_long), ("ns", ctypes.c_long)]
+class Itimerspec(ctypes.Structure):
+    _fields_ = [("interval", Timespec), ("value", Timespec)]
+signal.signal(signal.SIGCONT, lambda *_: None)  # caught, not ignored: the kernel parks a timer of an ignored one
+for ms in (7, 11, 13):  # several: one whose signal the SIGSTOP discards stays quiet
+    timer = ctypes.c_void_p()
+    assert libc.timer_create(1, ctypes.byref(Sigevent(None, signal.SIGCONT, 0)), ctypes.byref(timer)) == 0
+    every = Itimerspec(Timespec(0, ms * 1_000_000), Timespec(0, ms * 1_000_000))
+    assert libc.timer_settime(timer, 0, ctypes.byref(every), None) == 0
+def burn():
+    while True:
+        {action}
+threading.Thread(target=burn, daemon=True).start()
+print(os.getuid())
+"""
+
+
+def _live_of(uid: int) -> list[int]:
+    """Host pids of the live processes running as ``uid`` (between calls: a session's kernel alone)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid and _state(int(name)) not in "ZX":
+                    found.append(int(name))
+            except OSError:
+                continue
+    return found
+
+
+def _state(pid: int) -> str:
+    try:
+        data = open(f"/proc/{pid}/stat", "rb").read()
+    except OSError:
+        return "X"
+    return data[data.rindex(b")") + 2 :][:1].decode()
+
+
+def _cpu_s(pid: int) -> float | None:
+    try:
+        data = open(f"/proc/{pid}/stat", "rb").read()
+    except OSError:
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("action", ["pass", "time.sleep(0.5); os.fork() == 0 and any(iter(int, 1))"])
+def test_an_idle_session_cannot_thaw_itself_to_run_between_calls(sb, action):
+    """MEDIUM: SIGSTOP alone froze a session between calls; a SIGCONT timer (or a child it left, which sends
+    SIGCONT before the sweep kills it) thawed it, and an idle session burned more CPU than any call may, and
+    started processes that lived on. Now what it starts is killed, and it dies after half a CPU-second."""
+    if not AS_ROOT:
+        pytest.skip("watching one session's kernel from the host needs its own uid (root mode)")
+    sid = session_on(sb, 0)
+    try:
+        r = sb.run(textwrap.dedent(SIGCONT_TIMER.format(action=action)), session=sid, timeout_s=5)
+        assert r.ok, r
+        uid = int(r.stdout)
+        [kernel] = _live_of(uid)
+        at_freeze = _cpu_s(kernel)
+        deadline = time.monotonic() + 10  # bounds the test only: the assertion is on CPU time used while idle
+        while time.monotonic() < deadline and (used := _cpu_s(kernel)) is not None:
+            assert used - at_freeze < 3.0, f"an idle session used {used - at_freeze:.1f} CPU-s"
+            assert len(_live_of(uid)) <= 2, "processes an idle session started live on"  # killed at a check
+            time.sleep(0.1)
+        r = sb.run("print('next')", session=sid, timeout_s=5)  # killed while idle: the next call says so
+        assert r.stdout == "next\n" or not r.ok, r
+    finally:
+        sb.release_session(sid)

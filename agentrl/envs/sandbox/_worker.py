@@ -41,7 +41,8 @@ Isolation of one execution from every other (``mode`` "root" or "userns"):
   rlimits on address space, processes, file size, open files and CPU time (a session's kernel: per call);
 - a wall-clock deadline: then every process of the call is SIGKILLed; after every call any process left
   (double-forked, setsid'd, or a process whose main thread exited while others run) is killed; a session's
-  kernel is SIGSTOPped between calls;
+  kernel is SIGSTOPped between calls, and checked to stay so (one that resumes itself is stopped again, what
+  it started killed, and it is killed after half a CPU-second);
 - stdout/stderr are capped per stream; the result frame the code's process writes is untrusted and validated
   (a session's carries the nonce of its request); the sandbox's own failures before any code runs travel on a
   status channel the code never holds.
@@ -100,6 +101,9 @@ _RESULT_KINDS = ("ok", "error", "oom")
 _QUIET_WAIT_S = 0.01
 #: The worker's health check waits at most this long for the kernel to free a finished run's memory.
 _SETTLE_S = 2.0
+#: How often an idle worker checks that its sessions' kernels stay stopped, and the CPU time one may use between
+#: two calls before it is killed (seconds). See Worker.watch_idle.
+_IDLE_CHECK_S, _IDLE_CPU_S = 0.1, 0.5
 #: How long a session's kernel may take to be set up, seconds.
 _SETUP_TIMEOUT_S = 10.0
 #: The byte an execution's process writes on its status channel once its setup is done (before any code runs).
@@ -493,6 +497,7 @@ class Kernel:
         self.held = 0  # bytes of memory it held after its last call
         self.limit = None  # its memory cgroup's current limit, bytes
         self.cpu_limit = None  # the RLIMIT_CPU soft limit of its current call, seconds
+        self.frozen_cpu = 0.0  # the CPU time it had used when its last call ended, seconds
 
     def close_fds(self):
         for fd in (self.ctl_w, self.res_r, self.out_r, self.err_r, self.status_r, self.pidfd):
@@ -1044,15 +1049,37 @@ class Worker:
             kernel.close_fds()
             self.pending.append((kernel.uid, kernel.cgroup, "s" + key))
         else:
-            # Between calls the kernel must not run: a thread it left behind would otherwise burn CPU or
-            # print into later calls, outside any time limit.
-            _signal(kernel.pid, signal.SIGSTOP)
+            self.freeze(kernel)
             if self.cgroups is not None:
                 kernel.held = self.cgroups.held_all(kernel.cgroup)
         reply = self.finish(col, start, req["timeout"], self.cfg["limits"]["as_bytes"], limit, session=True)
         if evicted is not None:
             reply["evicted"] = {"held_mb": evicted, "reserved_mb": self.reserved >> 20}
         return reply
+
+    def freeze(self, kernel):
+        """Stop a session's kernel until its next call: a thread it left behind must not burn CPU, start
+        processes, or print into later calls, outside any limit. SIGSTOP alone does not hold it (a timer of its
+        own, or a child it left that the sweep has not killed yet, may SIGCONT it): :meth:`watch_idle` does."""
+        _signal(kernel.pid, signal.SIGSTOP)
+        kernel.frozen_cpu = _cpu_seconds(kernel.pid)
+
+    def watch_idle(self):
+        """Between requests, every _IDLE_CHECK_S: a session's kernel found running (it resumed itself) is
+        stopped again, every process started meanwhile is killed, and once it has used more than _IDLE_CPU_S of
+        CPU since its call ended it is killed (its next call reports its state lost). So a session runs between
+        calls for at most about that long, and starts nothing that outlives a check."""
+        thawed = False
+        for kernel in self.kernels.values():
+            if not _running(kernel.pid):
+                continue
+            thawed = True
+            if _cpu_seconds(kernel.pid) - kernel.frozen_cpu > _IDLE_CPU_S:
+                _kill(kernel.pid)
+            else:
+                _signal(kernel.pid, signal.SIGSTOP)
+        if thawed:
+            self.kill_strays()
 
     def set_cpu_limit(self, kernel, timeout):
         """RLIMIT_CPU of a session's kernel for its next call: the CPU time it used so far plus the call's
@@ -1616,6 +1643,15 @@ def _state(path):
         return b"X"
 
 
+def _running(pid):
+    """Whether any thread of process ``pid`` is neither stopped nor dead (a zombie or gone)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return any(_state(f"/proc/{pid}/task/{tid}/stat") not in (b"T", b"t", b"Z", b"X") for tid in tids)
+
+
 def _alive(pid_name):
     """Whether any thread of process ``pid_name`` still runs (not a zombie or gone). A process whose main thread
     has exited shows state Z while its other threads run: those are counted one by one."""
@@ -2026,6 +2062,11 @@ def main():
     gc.freeze()  # keep the collector from touching (and so copying) the worker's pages in every child
     write_frame(ctl_out, _checked_health(worker))
     while True:
+        while worker.kernels and not select.select([ctl_in], [], [], _IDLE_CHECK_S)[0]:
+            try:
+                worker.watch_idle()
+            except Exception as exc:  # a bug of ours: no new work here, but the sessions on it go on
+                worker.refusal = worker.refusal or f"idle check error: {type(exc).__name__}: {exc}"
         req = read_frame(ctl_in, 1 << 30)
         if req is None:
             return 0
