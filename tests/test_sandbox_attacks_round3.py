@@ -132,7 +132,8 @@ def test_a_sandboxed_process_named_like_a_status_field_cannot_stop_workers_start
         r = sb.run(textwrap.dedent(NAMED_ZOMBIES.format(names=["Uid:x", "Uid:\udcff"])), session=sid)
         assert r.stdout == "2\n", r
 
-        async def retire_then_wait() -> None:  # on the pool's loop, which replaces the worker in the background
+        # on the pool's loop, which replaces the worker in the background
+        async def retire_then_wait() -> None:
             backend._retire(backend._workers[0], "forced by the test")
             deadline = time.monotonic() + 10
             while (len(backend._workers) < WORKERS or backend._retiring) and time.monotonic() < deadline:
