@@ -352,7 +352,7 @@ def test_timeout_escape_with_signal_handlers(sb):
 
 
 def test_timeout_escape_with_detached_children(sb):
-    code = "import os, subprocess, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(3)\n        open('/tmp/slot0/late', 'w').write('x')\n    os._exit(0)\nsubprocess.Popen(['sleep', '1000'], start_new_session=True)\nprint('parent done')"
+    code = "import os, subprocess, time\nif os.fork() == 0:\n    os.setpgid(0, 0)\n    if os.fork() == 0:\n        time.sleep(3)\n        open('/tmp/slot0/late', 'w').write('x')\n    os._exit(0)\nsubprocess.Popen(['sleep', '1000'], process_group=0)\nprint('parent done')"
     r = run(sb, code)
     assert r.status == "ok" and r.stdout == "parent done\n", r
 

@@ -130,7 +130,7 @@ def session_on(sb, index: int) -> str:
 ZOMBIE_LEADER = """
 import ctypes, os, threading, time
 if os.fork() == 0:
-    os.setsid()
+    os.setpgid(0, 0)  # a group of its own (the code may not make a session: setsid is refused)
     def loop():
         while True:
             {action}

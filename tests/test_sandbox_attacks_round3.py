@@ -229,3 +229,49 @@ def test_an_idle_session_cannot_thaw_itself_to_run_between_calls(sb, action):
         assert r.stdout == "next\n" or not r.ok, r
     finally:
         sb.release_session(sid)
+
+
+# ------------------------------------------------------------------ 3. CPU shares follow the execution
+
+#: Children that each make a session of their own (with the host's scheduler autogroups, each a group with as
+#: much CPU as a whole other execution); prints how many autogroups its processes ended in, and what setsid said.
+SETSID_CHILDREN = """
+import os
+def group():
+    return open("/proc/self/autogroup").read().split()[0]
+groups, errors = {group()}, set()
+for _ in range(4):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        try:
+            os.setsid()
+            said = "ok"
+        except OSError as exc:
+            said = type(exc).__name__
+        os.write(w, f"{group()} {said}".encode())
+        os._exit(0)
+    os.close(w)
+    seen, said = os.read(r, 200).decode().split()
+    groups.add(seen)
+    errors.add(said)
+    os.wait()
+print(len(groups), sorted(errors))
+"""
+
+
+@pytest.mark.parametrize("where", ["stateless", "session"])
+def test_processes_of_one_execution_cannot_take_more_cpu_shares_by_making_sessions(sb, where):
+    """MEDIUM: each child calling setsid() got an autogroup of its own, i.e. the CPU share of a whole execution:
+    with them one execution slowed a concurrent one 14-16 times. The code may now make no session (EPERM, as
+    for a process-group leader), so every process of an execution stays in the one group the worker made."""
+    if not os.path.exists("/proc/self/autogroup"):
+        pytest.skip("this kernel has no scheduler autogroups")
+    if where == "stateless":
+        r = sb.run(textwrap.dedent(SETSID_CHILDREN), timeout_s=5)
+    else:
+        sid = sb.create_session()
+        try:
+            r = sb.run(textwrap.dedent(SETSID_CHILDREN), session=sid, timeout_s=5)
+        finally:
+            sb.release_session(sid)
+    assert r.stdout == "1 ['PermissionError']\n", r

@@ -1762,6 +1762,11 @@ _DENIED = (
 #: What the worker itself needs (per-run namespaces and tmpfs mounts); its children are denied these too, by a
 #: second filter of their own.
 _WORKER_NEEDS = ("mount", "unshare", "setns")
+#: What the worker does for every execution but the code may not: a new session (setsid) is a new scheduler
+#: autogroup, which the kernel gives as much CPU as all of another execution (one session, made by the worker),
+#: so CPU shares follow the execution, not the number of sessions its processes make. Refused, as for a
+#: process-group leader (EPERM).
+_CODE_DENIED = ("setsid",)
 #: fcntl commands that take or query record locks: locks on shared read-only files (/usr) are seen by every
 #: execution and by the host, so they are no-ops (success, no lock taken; queries report nothing).
 _LOCK_COMMANDS = (5, 6, 7, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
@@ -1775,8 +1780,9 @@ def _build_filter(worker):
     """The seccomp filter of the worker itself (``worker``) or the one the code's processes add to it.
 
     The code's processes inherit the worker's filter and stack theirs on top (for each call the kernel applies the
-    strictest answer of all filters), so theirs only denies what the worker keeps for itself, ``_WORKER_NEEDS``:
-    together the two deny everything in ``_DENIED`` and everything the worker's filter denies by argument. It is
+    strictest answer of all filters), so theirs only denies what the worker keeps for itself, ``_WORKER_NEEDS``
+    and ``_CODE_DENIED``: together the two deny everything in ``_DENIED`` and everything the worker's filter
+    denies by argument. It is
     kept that short because every child loads it, and loading costs time in proportion to the program's length.
     """
     import socket  # (not in the worker: its enums would add to the memory every fork copies)
@@ -1790,7 +1796,7 @@ def _build_filter(worker):
         pass  # an older libseccomp
     eperm = seccomp.ERRNO(errno.EPERM)
     if not worker:
-        for name in _WORKER_NEEDS:
+        for name in _WORKER_NEEDS + _CODE_DENIED:
             flt.add_rule(eperm, name)
         return flt
     for name in _DENIED:
