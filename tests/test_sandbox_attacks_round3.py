@@ -275,3 +275,44 @@ def test_processes_of_one_execution_cannot_take_more_cpu_shares_by_making_sessio
         finally:
             sb.release_session(sid)
     assert r.stdout == "1 ['PermissionError']\n", r
+
+
+# ------------------------------------------------------------------ 4. host-wide counters the code can move
+
+#: Every way to a pidfd, whose inode number counts the processes started on the host: one execution forking
+#: and another reading a fresh pidfd's inode is a channel. Prints what each way gave.
+PIDFD_WAYS = """
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+said = []
+try:
+    os.pidfd_open(os.getpid())
+    said.append("pidfd_open")
+except OSError:
+    pass
+a, b = socket.socketpair()
+try:
+    a.getsockopt(socket.SOL_SOCKET, 77)  # SO_PEERPIDFD
+    said.append("SO_PEERPIDFD")
+except OSError:
+    pass
+try:
+    a.setsockopt(socket.SOL_SOCKET, 76, 1)  # SO_PASSPIDFD
+    said.append("SO_PASSPIDFD")
+except OSError:
+    pass
+fd = ctypes.c_int(-1)
+pid = libc.syscall(56, 0x1000 | 17, None, ctypes.byref(fd), None, None)  # clone(CLONE_PIDFD | SIGCHLD)
+if pid == 0:
+    os._exit(0)
+if pid > 0:
+    os.waitpid(pid, 0)
+    said.append("CLONE_PIDFD")
+print(said)
+"""
+
+
+def test_no_execution_gets_a_pidfd(sb):
+    """MEDIUM (covert channel): pidfd inode numbers come from a host-wide counter of started processes."""
+    r = sb.run(textwrap.dedent(PIDFD_WAYS), timeout_s=5)
+    assert r.stdout == "[]\n", r

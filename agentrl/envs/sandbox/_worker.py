@@ -1766,12 +1766,13 @@ _WORKER_NEEDS = ("mount", "unshare", "setns")
 #: autogroup, which the kernel gives as much CPU as all of another execution (one session, made by the worker),
 #: so CPU shares follow the execution, not the number of sessions its processes make. Refused, as for a
 #: process-group leader (EPERM).
-_CODE_DENIED = ("setsid",)
+_CODE_DENIED = ("setsid",)  # (and pidfds: _add_pidfd_rules)
 #: fcntl commands that take or query record locks: locks on shared read-only files (/usr) are seen by every
 #: execution and by the host, so they are no-ops (success, no lock taken; queries report nothing).
 _LOCK_COMMANDS = (5, 6, 7, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
 F_NOTIFY, RWF_NOWAIT = 1026, 0x8
 POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE, MADV_MERGEABLE, MADV_COLD, MADV_PAGEOUT = 4, 5, 12, 20, 21
+CLONE_PIDFD, SOL_SOCKET, SO_PASSPIDFD, SO_PEERPIDFD = 0x1000, 1, 76, 77
 # CLONE_NEWUSER, NEWPID, NEWNET, NEWIPC, NEWUTS, NEWNS, NEWCGROUP
 _CLONE_NS_FLAGS = (0x10000000, 0x20000000, 0x40000000, 0x08000000, 0x04000000, 0x00020000, 0x02000000)
 
@@ -1798,6 +1799,7 @@ def _build_filter(worker):
     if not worker:
         for name in _WORKER_NEEDS + _CODE_DENIED:
             flt.add_rule(eperm, name)
+        _add_pidfd_rules(flt, seccomp)
         return flt
     for name in _DENIED:
         if name in _WORKER_NEEDS:
@@ -1815,6 +1817,24 @@ def _build_filter(worker):
         if flag not in (CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID):
             flt.add_rule(eperm, "unshare", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     return flt
+
+
+def _add_pidfd_rules(flt, seccomp):
+    """No pidfds for the code (the worker keeps them): a pidfd's inode number is its process's number in a
+    counter the kernel bumps for every process started on the host, so one execution forking and another
+    reading a fresh pidfd's inode would be a channel. Refused as a kernel without pidfds would: pidfd_open
+    ENOSYS, clone's CLONE_PIDFD EINVAL, the SO_PEERPIDFD and SO_PASSPIDFD socket options ENOPROTOOPT."""
+    flt.add_rule(seccomp.ERRNO(errno.ENOSYS), "pidfd_open")
+    flt.add_rule(
+        seccomp.ERRNO(errno.EINVAL), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_PIDFD, CLONE_PIDFD)
+    )
+    for call, option in (("getsockopt", SO_PEERPIDFD), ("setsockopt", SO_PASSPIDFD)):
+        flt.add_rule(
+            seccomp.ERRNO(errno.ENOPROTOOPT),
+            call,
+            seccomp.Arg(1, seccomp.EQ, SOL_SOCKET),
+            seccomp.Arg(2, seccomp.EQ, option),
+        )
 
 
 def _add_channel_rules(flt, seccomp):
