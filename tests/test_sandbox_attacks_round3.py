@@ -316,3 +316,19 @@ def test_no_execution_gets_a_pidfd(sb):
     """MEDIUM (covert channel): pidfd inode numbers come from a host-wide counter of started processes."""
     r = sb.run(textwrap.dedent(PIDFD_WAYS), timeout_s=5)
     assert r.stdout == "[]\n", r
+
+
+def test_no_execution_shares_a_pty_pool(sb):
+    """MEDIUM (covert channel): every execution of a worker opened ptys from one devpts instance, whose numbers
+    (the lowest free one is handed out) show which ones a concurrent session holds."""
+    sid = sb.create_session()
+    try:
+        r = sb.run(
+            "import os\ntry:\n    held = os.openpty()\n    print('pty')\nexcept OSError:\n    print('none')",
+            session=sid,
+        )
+        assert r.stdout == "none\n", r
+        r = sb.run("import os\nprint(sorted(os.listdir('/dev/pts')))", timeout_s=5)
+        assert r.stdout == "[]\n", r
+    finally:
+        sb.release_session(sid)

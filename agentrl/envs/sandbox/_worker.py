@@ -2021,8 +2021,9 @@ def setup_worker(cfg):
         _mount("none", "/dev/mqueue", None, flags | MS_NOEXEC, None)
         # Mounts no execution needs (every execution mounts its own /tmp and /dev/shm over these empty, read-only
         # directories; the worker's source is loaded): each one is copied into, and torn down with, every
-        # execution's mount namespace.
-        for path in ("/tmp", "/dev/shm", _WORKER_FILE):
+        # execution's mount namespace. /dev/pts too: its ptys would be one pool for all executions, whose
+        # numbers (the lowest free one is handed out) show what the others hold, so the code gets no pty.
+        for path in ("/tmp", "/dev/shm", "/dev/pts", _WORKER_FILE):
             _check(_libc.umount2(path.encode(), 0), f"umount {path}")
     if mode == "root":
         # A plain /proc of this namespace, fully visible (no mounts inside it): the kernel lets a user namespace
