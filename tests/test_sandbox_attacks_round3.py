@@ -332,3 +332,30 @@ def test_no_execution_shares_a_pty_pool(sb):
         assert r.stdout == "[]\n", r
     finally:
         sb.release_session(sid)
+
+
+# ------------------------------------------------------------------ 5. pools on one host
+
+
+def test_two_pools_on_one_host_never_share_a_uid(monkeypatch):
+    """MEDIUM: each pool took a random slot of the uid range, so two pools collided about once in 170 and the
+    second never started. Slots are now reserved host-wide: even with the same random draw, two live pools get
+    disjoint ranges, an explicit base another pool holds is refused, and a closed pool's range is free again."""
+    if not AS_ROOT:
+        pytest.skip("uid ranges are used in root mode only")
+    from agentrl.envs.sandbox import SandboxError
+    from agentrl.envs.sandbox.local import LocalSandbox
+
+    monkeypatch.setattr("secrets.randbelow", lambda n: 0)
+    first, second = LocalSandbox(workers=1), LocalSandbox(workers=2)
+    try:
+        a, b = first.code_uids, second.code_uids
+        a_end, b_end = a.base + a.blocks * 4096, b.base + b.blocks * 4096
+        assert a_end <= b.base or b_end <= a.base, (a, b)
+        with pytest.raises(SandboxError, match="another sandbox pool"):
+            LocalSandbox(workers=1, uid_base=a.base)
+    finally:
+        asyncio.run(first.aclose())
+        asyncio.run(second.aclose())
+    third = LocalSandbox(workers=1, uid_base=a.base)
+    asyncio.run(third.aclose())
