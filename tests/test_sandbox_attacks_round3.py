@@ -277,6 +277,42 @@ def test_processes_of_one_execution_cannot_take_more_cpu_shares_by_making_sessio
     assert r.stdout == "1 ['PermissionError']\n", r
 
 
+# ------------------------------------------------------------------ 3b. memory left in flight
+
+#: A run leaves 40 MiB of memfd pages reachable only from an fd in flight on a unix socket that itself is only in
+#: flight ({how}): once the run is gone, only the kernel's unix garbage collector frees them.
+IN_FLIGHT = """
+import array, mmap, os, socket
+fd = os.memfd_create("m")
+os.ftruncate(fd, 40 << 20)
+pages = mmap.mmap(fd, 40 << 20)
+pages[::4096] = b"x" * len(pages[::4096])
+{how}
+print("left")
+"""
+IN_FLIGHT_WAYS = {
+    "oob": "a, b = socket.socketpair()\n"
+    "a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array('i', [fd, a.fileno(), b.fileno()]))],"
+    " socket.MSG_OOB)",
+    "own_queue": "a = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\na.bind(b'\\0q%d' % os.getpid())\n"
+    "a.sendmsg([b'x'], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array('i', [fd, a.fileno()]))], 0,"
+    " a.getsockname())",
+}
+
+
+@pytest.mark.parametrize("how", sorted(IN_FLIGHT_WAYS))
+def test_memory_left_in_flight_is_freed_and_never_retires_the_worker(sb, how):
+    """MEDIUM: the collector runs when some unix socket is released; such a run releases none, so its memory
+    waited for another socket on the host to close: the worker's check waited for it 2 s after every run, then
+    counted it as held, and after two runs retired the worker. The worker now starts the collection itself."""
+    worker = pool(sb)._workers[0]
+    for _ in range(3):
+        r = on_worker(sb, 0, textwrap.dedent(IN_FLIGHT.format(how=IN_FLIGHT_WAYS[how])), timeout_s=5)
+        assert r.stdout == "left\n", r
+        assert on_worker(sb, 0, "print('next')").stdout == "next\n"
+        assert worker.last_health["health"] and not worker.retired, worker.last_health
+
+
 # ------------------------------------------------------------------ 4. host-wide counters the code can move
 
 #: Every way to a pidfd, whose inode number counts the processes started on the host: one execution forking
