@@ -19,6 +19,7 @@ import time
 
 import pytest
 from test_sandbox_attacks import AS_ROOT, on_worker, pool, session_on
+from test_sandbox_attacks_server import _post, server  # noqa: F401 - server is a fixture
 
 from agentrl.envs.sandbox import SyncSandbox
 from agentrl.envs.sandbox.local import uid_processes
@@ -395,3 +396,15 @@ def test_two_pools_on_one_host_never_share_a_uid(monkeypatch):
         asyncio.run(second.aclose())
     third = LocalSandbox(workers=1, uid_base=a.base)
     asyncio.run(third.aclose())
+
+
+# ------------------------------------------------------------------ 6. the HTTP server's output budget
+
+
+def test_the_output_budget_counts_the_answer_as_sent(server):  # noqa: F811 - the imported fixture
+    """MEDIUM: the budget counted output as UTF-8, but the JSON answer spells a control character in six bytes:
+    a 16 MiB budget gave a 96 MiB answer. (This server: 64 KiB budget, 4 KiB per stream and run.)"""
+    escaped = "print('\\x01' * 4000)"
+    r = _post(server, "/run_jupyter", {"cells": [escaped] * 40})
+    assert r.status_code == 200 and "output budget" in r.json()["message"], r.text[:300]
+    assert len(r.content) < 2 * 64 * 1024, len(r.content)
