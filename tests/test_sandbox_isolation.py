@@ -197,7 +197,7 @@ WRITERS = {
     "detached_process": """
         import os, time
         if os.fork() == 0:
-            os.setsid()
+            os.setpgid(0, 0)
             if os.fork() == 0:
                 open('/dev/shm/late', 'w').write('x')
                 time.sleep(30)

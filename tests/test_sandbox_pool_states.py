@@ -40,7 +40,7 @@ ATTACKS = {
     "benign": "print('fine')",
     "zombie_leader": textwrap.dedent(ZOMBIE_LEADER.format(action="pass")),
     "socket_garbage": textwrap.dedent(SOCKET_CYCLE),
-    "process_swarm": "import os, time\nfor _ in range(12):\n    if os.fork() == 0:\n        os.setsid(); time.sleep(100)\nprint('forked')",
+    "process_swarm": "import os, time\nfor _ in range(12):\n    if os.fork() == 0:\n        os.setpgid(0, 0); time.sleep(100)\nprint('forked')",
     "fill_tmp": "i = 0\ntry:\n    while True:\n        open(f'/tmp/f{i}', 'wb').write(b'x' * (4 << 20)); i += 1\nexcept OSError:\n    print('full')",
     "park_shm": "for i in range(24):\n    open(f'/dev/shm/p{i}', 'wb').write(b'p' * (1 << 20))",
     "memory_hog": "x = []\nwhile True:\n    x.append(bytearray(8 << 20))",

@@ -41,7 +41,8 @@ Isolation of one execution from every other (``mode`` "root" or "userns"):
   rlimits on address space, processes, file size, open files and CPU time (a session's kernel: per call);
 - a wall-clock deadline: then every process of the call is SIGKILLed; after every call any process left
   (double-forked, setsid'd, or a process whose main thread exited while others run) is killed; a session's
-  kernel is SIGSTOPped between calls;
+  kernel is SIGSTOPped between calls, and checked to stay so (one that resumes itself is stopped again, what
+  it started killed, and it is killed after half a CPU-second);
 - stdout/stderr are capped per stream; the result frame the code's process writes is untrusted and validated
   (a session's carries the nonce of its request); the sandbox's own failures before any code runs travel on a
   status channel the code never holds.
@@ -100,6 +101,9 @@ _RESULT_KINDS = ("ok", "error", "oom")
 _QUIET_WAIT_S = 0.01
 #: The worker's health check waits at most this long for the kernel to free a finished run's memory.
 _SETTLE_S = 2.0
+#: How often an idle worker checks that its sessions' kernels stay stopped, and the CPU time one may use between
+#: two calls before it is killed (seconds). See Worker.watch_idle.
+_IDLE_CHECK_S, _IDLE_CPU_S = 0.1, 0.5
 #: How long a session's kernel may take to be set up, seconds.
 _SETUP_TIMEOUT_S = 10.0
 #: The byte an execution's process writes on its status channel once its setup is done (before any code runs).
@@ -129,6 +133,7 @@ _sys_prctl = _libc_function(
 )
 _sys_capset = _libc_function("capset", ctypes.c_void_p, ctypes.c_void_p)
 _sys_setns = _libc_function("setns", ctypes.c_int, ctypes.c_int)
+_sys_socketpair = _libc_function("socketpair", ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p)
 
 
 def _check(ret, what):
@@ -493,6 +498,7 @@ class Kernel:
         self.held = 0  # bytes of memory it held after its last call
         self.limit = None  # its memory cgroup's current limit, bytes
         self.cpu_limit = None  # the RLIMIT_CPU soft limit of its current call, seconds
+        self.frozen_cpu = 0.0  # the CPU time it had used when its last call ended, seconds
 
     def close_fds(self):
         for fd in (self.ctl_w, self.res_r, self.out_r, self.err_r, self.status_r, self.pidfd):
@@ -1044,15 +1050,37 @@ class Worker:
             kernel.close_fds()
             self.pending.append((kernel.uid, kernel.cgroup, "s" + key))
         else:
-            # Between calls the kernel must not run: a thread it left behind would otherwise burn CPU or
-            # print into later calls, outside any time limit.
-            _signal(kernel.pid, signal.SIGSTOP)
+            self.freeze(kernel)
             if self.cgroups is not None:
                 kernel.held = self.cgroups.held_all(kernel.cgroup)
         reply = self.finish(col, start, req["timeout"], self.cfg["limits"]["as_bytes"], limit, session=True)
         if evicted is not None:
             reply["evicted"] = {"held_mb": evicted, "reserved_mb": self.reserved >> 20}
         return reply
+
+    def freeze(self, kernel):
+        """Stop a session's kernel until its next call: a thread it left behind must not burn CPU, start
+        processes, or print into later calls, outside any limit. SIGSTOP alone does not hold it (a timer of its
+        own, or a child it left that the sweep has not killed yet, may SIGCONT it): :meth:`watch_idle` does."""
+        _signal(kernel.pid, signal.SIGSTOP)
+        kernel.frozen_cpu = _cpu_seconds(kernel.pid)
+
+    def watch_idle(self):
+        """Between requests, every _IDLE_CHECK_S: a session's kernel found running (it resumed itself) is
+        stopped again, every process started meanwhile is killed, and once it has used more than _IDLE_CPU_S of
+        CPU since its call ended it is killed (its next call reports its state lost). So a session runs between
+        calls for at most about that long, and starts nothing that outlives a check."""
+        thawed = False
+        for kernel in self.kernels.values():
+            if not _running(kernel.pid):
+                continue
+            thawed = True
+            if _cpu_seconds(kernel.pid) - kernel.frozen_cpu > _IDLE_CPU_S:
+                _kill(kernel.pid)
+            else:
+                _signal(kernel.pid, signal.SIGSTOP)
+        if thawed:
+            self.kill_strays()
 
     def set_cpu_limit(self, kernel, timeout):
         """RLIMIT_CPU of a session's kernel for its next call: the CPU time it used so far plus the call's
@@ -1377,12 +1405,27 @@ class Worker:
         namespaces (an IPC namespace is freed asynchronously, after an RCU grace period)."""
         deadline = time.monotonic() + _SETTLE_S
         delay = 0.0005
+        kicked = False
         while True:
             held = self.cgroups.held(name)
             if held <= 1 << 20 or time.monotonic() > deadline:
                 return held
+            if not kicked:
+                _kick_unix_gc()
+                kicked = True
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+
+def _kick_unix_gc():
+    """Make the kernel collect unix sockets that only the fds in flight in each other's (or their own) queues
+    keep alive, with what those fds hold (a memfd's pages, say). Releasing any unix socket starts that
+    collection; a run whose last socket references itself releases none, and without this its memory would wait
+    for some other socket on the host to close."""
+    fds = (ctypes.c_int * 2)()
+    if _sys_socketpair(1, 1, 0, fds) == 0:  # AF_UNIX, SOCK_STREAM
+        os.close(fds[0])
+        os.close(fds[1])
 
 
 def _rmtree(path):
@@ -1616,6 +1659,15 @@ def _state(path):
         return b"X"
 
 
+def _running(pid):
+    """Whether any thread of process ``pid`` is neither stopped nor dead (a zombie or gone)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return any(_state(f"/proc/{pid}/task/{tid}/stat") not in (b"T", b"t", b"Z", b"X") for tid in tids)
+
+
 def _alive(pid_name):
     """Whether any thread of process ``pid_name`` still runs (not a zombie or gone). A process whose main thread
     has exited shows state Z while its other threads run: those are counted one by one."""
@@ -1629,15 +1681,18 @@ def _alive(pid_name):
 
 
 def _uid_tasks(uid, pids):
-    """Whether any of ``pids`` (processes in any state) has ``uid`` as its real uid."""
+    """Whether any of ``pids`` (processes in any state) runs as ``uid``.
+
+    The uid is the owner of the process's /proc directory (the kernel sets it to the effective uid), which the
+    code cannot write; its status file is never parsed, since its first line is the process name, the code's to
+    choose (``Uid:x`` or ``Uid:<another uid>``). The code's effective uid is its real uid: it holds no
+    capability and every mount it sees is nosuid."""
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/status", "rb") as f:
-                status = f.read()
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                return True
         except OSError:
             continue
-        if int(status.split(b"Uid:")[1].split()[0]) == uid:
-            return True
     return False
 
 
@@ -1723,11 +1778,17 @@ _DENIED = (
 #: What the worker itself needs (per-run namespaces and tmpfs mounts); its children are denied these too, by a
 #: second filter of their own.
 _WORKER_NEEDS = ("mount", "unshare", "setns")
+#: What the worker does for every execution but the code may not: a new session (setsid) is a new scheduler
+#: autogroup, which the kernel gives as much CPU as all of another execution (one session, made by the worker),
+#: so CPU shares follow the execution, not the number of sessions its processes make. Refused, as for a
+#: process-group leader (EPERM).
+_CODE_DENIED = ("setsid",)  # (and pidfds: _add_pidfd_rules)
 #: fcntl commands that take or query record locks: locks on shared read-only files (/usr) are seen by every
 #: execution and by the host, so they are no-ops (success, no lock taken; queries report nothing).
 _LOCK_COMMANDS = (5, 6, 7, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
 F_NOTIFY, RWF_NOWAIT = 1026, 0x8
 POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE, MADV_MERGEABLE, MADV_COLD, MADV_PAGEOUT = 4, 5, 12, 20, 21
+CLONE_PIDFD, SOL_SOCKET, SO_PASSPIDFD, SO_PEERPIDFD = 0x1000, 1, 76, 77
 # CLONE_NEWUSER, NEWPID, NEWNET, NEWIPC, NEWUTS, NEWNS, NEWCGROUP
 _CLONE_NS_FLAGS = (0x10000000, 0x20000000, 0x40000000, 0x08000000, 0x04000000, 0x00020000, 0x02000000)
 
@@ -1736,8 +1797,9 @@ def _build_filter(worker):
     """The seccomp filter of the worker itself (``worker``) or the one the code's processes add to it.
 
     The code's processes inherit the worker's filter and stack theirs on top (for each call the kernel applies the
-    strictest answer of all filters), so theirs only denies what the worker keeps for itself, ``_WORKER_NEEDS``:
-    together the two deny everything in ``_DENIED`` and everything the worker's filter denies by argument. It is
+    strictest answer of all filters), so theirs only denies what the worker keeps for itself, ``_WORKER_NEEDS``
+    and ``_CODE_DENIED``: together the two deny everything in ``_DENIED`` and everything the worker's filter
+    denies by argument. It is
     kept that short because every child loads it, and loading costs time in proportion to the program's length.
     """
     import socket  # (not in the worker: its enums would add to the memory every fork copies)
@@ -1751,8 +1813,9 @@ def _build_filter(worker):
         pass  # an older libseccomp
     eperm = seccomp.ERRNO(errno.EPERM)
     if not worker:
-        for name in _WORKER_NEEDS:
+        for name in _WORKER_NEEDS + _CODE_DENIED:
             flt.add_rule(eperm, name)
+        _add_pidfd_rules(flt, seccomp)
         return flt
     for name in _DENIED:
         if name in _WORKER_NEEDS:
@@ -1770,6 +1833,24 @@ def _build_filter(worker):
         if flag not in (CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWPID):
             flt.add_rule(eperm, "unshare", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     return flt
+
+
+def _add_pidfd_rules(flt, seccomp):
+    """No pidfds for the code (the worker keeps them): a pidfd's inode number is its process's number in a
+    counter the kernel bumps for every process started on the host, so one execution forking and another
+    reading a fresh pidfd's inode would be a channel. Refused as a kernel without pidfds would: pidfd_open
+    ENOSYS, clone's CLONE_PIDFD EINVAL, the SO_PEERPIDFD and SO_PASSPIDFD socket options ENOPROTOOPT."""
+    flt.add_rule(seccomp.ERRNO(errno.ENOSYS), "pidfd_open")
+    flt.add_rule(
+        seccomp.ERRNO(errno.EINVAL), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_PIDFD, CLONE_PIDFD)
+    )
+    for call, option in (("getsockopt", SO_PEERPIDFD), ("setsockopt", SO_PASSPIDFD)):
+        flt.add_rule(
+            seccomp.ERRNO(errno.ENOPROTOOPT),
+            call,
+            seccomp.Arg(1, seccomp.EQ, SOL_SOCKET),
+            seccomp.Arg(2, seccomp.EQ, option),
+        )
 
 
 def _add_channel_rules(flt, seccomp):
@@ -1956,8 +2037,9 @@ def setup_worker(cfg):
         _mount("none", "/dev/mqueue", None, flags | MS_NOEXEC, None)
         # Mounts no execution needs (every execution mounts its own /tmp and /dev/shm over these empty, read-only
         # directories; the worker's source is loaded): each one is copied into, and torn down with, every
-        # execution's mount namespace.
-        for path in ("/tmp", "/dev/shm", _WORKER_FILE):
+        # execution's mount namespace. /dev/pts too: its ptys would be one pool for all executions, whose
+        # numbers (the lowest free one is handed out) show what the others hold, so the code gets no pty.
+        for path in ("/tmp", "/dev/shm", "/dev/pts", _WORKER_FILE):
             _check(_libc.umount2(path.encode(), 0), f"umount {path}")
     if mode == "root":
         # A plain /proc of this namespace, fully visible (no mounts inside it): the kernel lets a user namespace
@@ -2021,8 +2103,13 @@ def main():
     if ready["error"]:
         return 2
     gc.freeze()  # keep the collector from touching (and so copying) the worker's pages in every child
-    write_frame(ctl_out, worker.cleanup_and_check())
+    write_frame(ctl_out, _checked_health(worker))
     while True:
+        while worker.kernels and not select.select([ctl_in], [], [], _IDLE_CHECK_S)[0]:
+            try:
+                worker.watch_idle()
+            except Exception as exc:  # a bug of ours: no new work here, but the sessions on it go on
+                worker.refusal = worker.refusal or f"idle check error: {type(exc).__name__}: {exc}"
         req = read_frame(ctl_in, 1 << 30)
         if req is None:
             return 0
@@ -2031,7 +2118,19 @@ def main():
         except Exception as exc:
             resp = _internal_reply(f"worker error: {type(exc).__name__}: {exc}")
         write_frame(ctl_out, resp)
-        write_frame(ctl_out, worker.cleanup_and_check())
+        write_frame(ctl_out, _checked_health(worker))
+
+
+def _checked_health(worker):
+    """:meth:`Worker.cleanup_and_check`, never raising: a cleanup that fails (a bug of ours, whatever the code
+    did) fails the health check, so the worker takes no new work and is replaced once its sessions end, instead
+    of dying with them. What the failed cleanup had not given back yet (uids, cgroups) is never reused."""
+    try:
+        return worker.cleanup_and_check()
+    except Exception as exc:
+        problem = f"cleanup error: {type(exc).__name__}: {exc}"
+        worker.refusal = worker.refusal or problem
+        return {"health": False, "problems": [problem], "cleanup_s": 0.0}
 
 
 if __name__ == "__main__":

@@ -186,8 +186,9 @@ def protect_from_oom(pid: int) -> None:
 
 
 def command_name(pid: int) -> str:
-    """The process's ``comm`` (executable name), or "" if it is gone."""
+    """The process's ``comm`` (executable name; any bytes its process chose, so never assumed to be UTF-8), or
+    "" if it is gone."""
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
+        return Path(f"/proc/{pid}/comm").read_bytes().decode("utf-8", "replace").strip()
     except OSError:
         return ""

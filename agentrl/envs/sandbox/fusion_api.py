@@ -17,6 +17,7 @@ code controls; answers of a real SandboxFusion server lack them.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -165,8 +166,9 @@ def exec_result_from_run(resp: RunCodeResponse) -> ExecResult:
 
 
 def output_bytes(result: ExecResult) -> int:
-    """How much output an execution adds to an answer, bytes (UTF-8 length of its text; a traceback counts
-    twice, as SandboxFusion repeats it in a cell's error)."""
+    """How much output an execution adds to an answer, bytes: the length of its text as the answer's JSON
+    carries it (a control character takes six bytes there, ``\\u0001``), so that a budget counts what is
+    sent; a traceback counts twice, as SandboxFusion repeats it in a cell's error."""
     texts = (
         result.stdout,
         result.stderr,
@@ -174,7 +176,7 @@ def output_bytes(result: ExecResult) -> int:
         result.display or "",
         *(result.error or {}).values(),
     )
-    return sum(len(t.encode("utf-8", "replace")) for t in texts)
+    return sum(len(json.dumps(str(t), ensure_ascii=False).encode("utf-8", "replace")) - 2 for t in texts)
 
 
 def cell_result(result: ExecResult) -> CellRunResult:

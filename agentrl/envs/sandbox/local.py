@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.envs.sandbox import isolation as iso
+from agentrl.envs.sandbox import uid_blocks
 from agentrl.envs.sandbox.base import STATUSES, ExecResult, SandboxError, SandboxMessages, SandboxUnavailable
 from agentrl.envs.sandbox.cgroups import PREFIX as CGROUP_PREFIX
 from agentrl.envs.sandbox.cgroups import MemoryCgroup, command_name, descendants, protect_from_oom
@@ -50,7 +51,8 @@ _HEADER = struct.Struct(">I")
 _GRACE_S = 10.0
 #: How long a worker may take to clean up and check itself after a request before it is declared hung.
 _HEALTH_TIMEOUT_S = 60.0
-#: Start of the uid range for code (an unused high range). Each pool takes a random run of blocks of it, each
+#: Start of the uid range for code (an unused high range). Each pool takes a run of blocks of it that no other
+#: pool on the host holds (uid_blocks: from a random slot on), each
 #: worker one block of ``_UIDS_PER_WORKER`` uids (the first is the worker's own host uid). A pool of n workers
 #: admitting k sessions each holds n x (k + 1) blocks: a retired worker keeps its block only while it holds a
 #: live session, and the pool admits at most n x k of those, so a fresh worker always finds a free block.
@@ -471,16 +473,21 @@ def _is_root() -> bool:
 
 
 def uid_processes(uids: range | CodeUids) -> list[int]:
-    """Host pids (zombies included) whose real uid is in ``uids``."""
+    """Host pids (zombies included) running as a uid in ``uids``.
+
+    The uid is the owner of ``/proc/<pid>`` (the kernel sets it to the effective uid), which no process can
+    write; ``/proc/<pid>/status`` is never parsed, since it starts with the process name, which sandboxed code
+    chooses (``Uid:x``, ``Uid:<a uid>``, bytes that are not UTF-8). Code runs without capabilities on nosuid
+    mounts, so its effective uid is its real uid."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            status = Path(f"/proc/{name}/status").read_text()
+            uid = os.stat(f"/proc/{name}").st_uid
         except OSError:
             continue
-        if int(status.split("Uid:")[1].split()[0]) in uids:
+        if uid in uids:
             found.append(int(name))
     return found
 
@@ -522,7 +529,8 @@ class LocalSandbox:
         output_limit_bytes: bytes kept per stream (stdout, stderr); the rest is dropped and a marker added.
         seccomp: load the seccomp filter (needs libseccomp's Python binding for ``python``,
             Debian ``python3-seccomp``).
-        uid_base: first uid used for code when running as root (default: a random block of a high range).
+        uid_base: first uid used for code when running as root (default: a free run of blocks of a high range,
+            reserved host-wide; SandboxError if another pool on this host holds part of the given one).
         ro_binds: extra host paths to mount read-only at the same place (e.g. a Python prefix).
         start_timeout_s: how long a worker may take to start.
         messages: the notes that reach the model in ``ExecResult.message`` (see
@@ -592,7 +600,12 @@ class LocalSandbox:
         self._size = n
         blocks = n * (cap.max_sessions + 1)  # see DEFAULT_UID_BASE
         span = blocks * _UIDS_PER_WORKER
-        if uid_base is None:
+        #: Root mode: the pool's uid range, reserved host-wide (see uid_blocks) until aclose.
+        self._uids: uid_blocks.UidRange | None = None
+        if mode == "root":
+            self._uids = uid_blocks.reserve(DEFAULT_UID_BASE, _UID_RANGE, blocks, _UIDS_PER_WORKER, uid_base)
+            uid_base = self._uids.base
+        elif uid_base is None:
             uid_base = DEFAULT_UID_BASE + secrets.randbelow(_UID_RANGE // span) * span
         #: The uids code may run as (root mode): every block of the pool but each block's first uid, which is
         #: its worker's own.
@@ -928,6 +941,8 @@ class LocalSandbox:
             task.cancel()
         if self._tmp_dir is not None:
             self._tmp_dir.cleanup()
+        if self._uids is not None:
+            self._uids.release()
 
     async def __aenter__(self) -> LocalSandbox:
         await self.start()
