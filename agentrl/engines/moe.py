@@ -13,6 +13,12 @@ Two ways to run the experts, one result:
 * ``dense=False`` runs each chosen expert on its own tokens (a loop over the experts hit, like
   transformers' eager path): less arithmetic for prefill and on the CPU, but it synchronises with the host.
 
+**LoRA on the experts** (PEFT's ``ParamWrapper`` around ``gate_up_proj`` / ``down_proj``, as
+:func:`agentrl.models.lora.apply_lora` builds it): each expert adds its unmerged delta
+(:class:`~agentrl.engines.lora_delta.ExpertLora`) to its matmul, before the bias: in the dense path as batched
+GEMMs over the experts (the gate/up ``A`` of all experts in one GEMM, since every expert sees the same input),
+in the looped path on each expert's own tokens. The factors are views of the live adapter parameters.
+
 ``record`` (a :class:`~agentrl.engines.slot_cache.SlotCache` with routing, the MoE layer index, and the
 tokens' ``(slot, position)``) stores each token's expert ids where its keys are stored.
 """
@@ -25,12 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentrl.engines.lora_delta import unwrap_experts
+
 
 class SlotMoE:
     """The MoE block of one GPT-OSS layer (``mlp`` is its ``GptOssMLP``); see the module docstring."""
 
     def __init__(self, mlp: nn.Module) -> None:
-        self.router, self.experts = mlp.router, mlp.experts
+        self.router = mlp.router
+        self.experts, self.lora = unwrap_experts(mlp.experts)
         self.top_k = int(self.router.top_k)
         gate_up = self.experts.gate_up_proj
         hidden = self.router.weight.shape[1]
@@ -59,24 +68,36 @@ class SlotMoE:
             cache.write_routing(layer, slots, positions, indices)
         return self._dense(h, indices, weights) if dense else self._looped(h, indices, weights)
 
-    def _expert(self, x: torch.Tensor, gu: torch.Tensor, gu_b: torch.Tensor, down: torch.Tensor,
-                down_b: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(self.experts._apply_gate(torch.matmul(x, gu) + gu_b), down) + down_b
+    def state(self) -> tuple:
+        """The state of the experts' adapters (what a captured graph depends on beyond tensor contents)."""
+        return tuple(self.lora[name].state() for name in sorted(self.lora))
+
+    @staticmethod
+    def _plus(y: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
+        return y if d is None else y + d.to(y.dtype)
 
     def _dense(self, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gu, down = self._weights()
         n_exp = gu.shape[0]
         dense_w = torch.zeros((h.shape[0], n_exp), dtype=weights.dtype, device=h.device).scatter(1, indices, weights)
-        out = self._expert(h.unsqueeze(0).expand(n_exp, -1, -1), gu, self.experts.gate_up_proj_bias[:, None],
-                           down, self.experts.down_proj_bias[:, None])  # [E, N, H]
+        lora_gu, lora_down = self.lora.get("gate_up_proj"), self.lora.get("down_proj")
+        up = torch.matmul(h.unsqueeze(0).expand(n_exp, -1, -1), gu)  # [E, N, 2I]
+        up = self._plus(up, lora_gu.delta_shared(h) if lora_gu else None) + self.experts.gate_up_proj_bias[:, None]
+        act = self.experts._apply_gate(up)
+        out = self._plus(torch.matmul(act, down), lora_down.delta_all(act) if lora_down else None)
+        out = out + self.experts.down_proj_bias[:, None]  # [E, N, H]
         return (out * dense_w.t()[..., None]).sum(0).to(h.dtype)
 
     def _looped(self, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gu, down = self._weights()
+        lora_gu, lora_down = self.lora.get("gate_up_proj"), self.lora.get("down_proj")
         out = torch.zeros_like(h)
         for expert in torch.unique(indices).tolist():
             token, slot_k = torch.where(indices == expert)
-            y = self._expert(h[token], gu[expert], self.experts.gate_up_proj_bias[expert], down[expert],
-                             self.experts.down_proj_bias[expert])
+            x = h[token]
+            up = self._plus(torch.matmul(x, gu[expert]), lora_gu.delta_one(x, expert) if lora_gu else None)
+            act = self.experts._apply_gate(up + self.experts.gate_up_proj_bias[expert])
+            y = self._plus(torch.matmul(act, down[expert]), lora_down.delta_one(act, expert) if lora_down else None)
+            y = y + self.experts.down_proj_bias[expert]
             out.index_add_(0, token, (y * weights[token, slot_k, None]).to(h.dtype))
         return out
