@@ -193,9 +193,12 @@ class SlotDecoder:
 
     @torch.no_grad()
     def sync_weights(self, rebuild: bool = False) -> None:
-        """Copy the model's q/k/v (and gate/up) weights into the fused buffers (``fused=True`` only), in
-        place; ``rebuild`` (or a first call) allocates them."""
+        """Copy the model's q/k/v (and gate/up) weights into the fused buffers (``fused=True`` only) and the
+        expert adapters into their GEMM buffers, in place; ``rebuild`` (or a first call) allocates them."""
         self.weights_ready = True
+        for lay in self.layers:
+            if lay.moe is not None:
+                lay.moe.sync(rebuild)
         if not self.fused:
             return
         for lay in self.layers:
@@ -240,7 +243,7 @@ class SlotDecoder:
         n, d = h.shape[0], self.head_dim
         if lay.qkv is not None:
             qkv = F.linear(h, *lay.qkv)
-            q, k, v = (_plus(y, lay.proj[name].delta(h)) for y, name in
+            q, k, v = (lay.proj[name].add_delta(y, h) for y, name in
                        zip(qkv.split([self.hq * d, self.hkv * d, self.hkv * d], dim=1), ("q_proj", "k_proj", "v_proj"),
                            strict=True))
         else:
@@ -268,10 +271,9 @@ class SlotDecoder:
             from agentrl.engines.fused_ops import silu_mul
 
             gate_up = F.linear(h, *lay.gate_up)
-            deltas = [proj[name].delta(h) for name in ("gate_proj", "up_proj")]
-            if any(dl is not None for dl in deltas):
+            if proj["gate_proj"].peft is not None or proj["up_proj"].peft is not None:
                 gate, up = gate_up.chunk(2, dim=1)
-                gate_up = torch.cat([_plus(gate, deltas[0]), _plus(up, deltas[1])], dim=1)
+                gate_up = torch.cat([proj["gate_proj"].add_delta(gate, h), proj["up_proj"].add_delta(up, h)], dim=1)
             return proj["down_proj"](silu_mul(gate_up))
         if "gate_proj" in proj and hasattr(lay.mlp, "act_fn"):  # LlamaMLP.forward, through the LoRA wrappers
             return proj["down_proj"](lay.mlp.act_fn(proj["gate_proj"](h)) * proj["up_proj"](h))
@@ -280,9 +282,6 @@ class SlotDecoder:
 
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")
 
-
-def _plus(y: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
-    return y if d is None else y + d.to(y.dtype)
 
 
 def _fuse(modules: list[nn.Linear], into: tuple[torch.Tensor, torch.Tensor | None] | None

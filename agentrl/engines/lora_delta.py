@@ -13,12 +13,14 @@ computes the same function unmerged:
   expert, ``lora_B.weight`` ``[out, r*E]`` with the expert as the fastest index). PEFT computes
   ``x (W_e + s A_e^T B_e^T)``: equal in exact arithmetic, equal to rounding in floating point.
 
-**Live parameters, no copies.** Every factor is a view of the adapter's own ``nn.Parameter`` storage, read
-at each forward. An optimizer step (or :func:`agentrl.models.lora.load_adapter_state`, or
-``DecodeEngine.update_lora``) writes those tensors in place, so the next forward, and a captured CUDA graph
-replayed after it, computes with the new adapter: no merge, no recapture. Only replacing a parameter's storage
-(a new tensor object) invalidates captured graphs; the decoder detects that (``data_ptr`` changes) and
-recaptures.
+**Live parameters, in-place buffers.** The linear layers' factors are the adapter's own ``nn.Parameter``
+tensors, read at each forward. The experts' factors are also kept re-laid out for batched GEMMs in buffers
+that :meth:`ExpertLora.sync` refreshes in place. An optimizer step (or
+:func:`agentrl.models.lora.load_adapter_state`, or ``DecodeEngine.update_lora``) writes the parameters in place;
+the decoder sees their versions change and syncs the buffers before its next forward, so that forward, and a
+captured CUDA graph replayed after it, computes with the new adapter: no merge, no recapture. Only replacing a
+parameter's storage (a new tensor object) invalidates captured graphs; the decoder detects that (``data_ptr``
+changes), rebuilds the buffers and recaptures.
 
 **Which adapter runs.** A layer contributes its delta when it is enabled (not inside
 :func:`agentrl.models.lora.adapters_disabled`), not merged into its base, and its active adapter has factors
@@ -29,8 +31,6 @@ layer types are refused by :func:`unsupported_reason`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +67,8 @@ def _delta_on(layer: nn.Module) -> str | None:
 
 
 class LinearLora:
-    """A linear layer that may be PEFT-wrapped: :meth:`base` is the ``nn.Linear`` underneath, :meth:`delta` the
-    adapter's contribution (None without one). ``module``: the model's layer (plain or ``lora.Linear``)."""
+    """A linear layer that may be PEFT-wrapped: :attr:`base` is the ``nn.Linear`` underneath; :meth:`add_delta`
+    adds the adapter's contribution. ``module``: the model's layer (plain or ``lora.Linear``)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -77,19 +77,18 @@ class LinearLora:
         if type(self.base) is not nn.Linear:
             raise ValueError(f"expected an nn.Linear under the LoRA layer, got {type(self.base).__name__}")
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``s * (x A^T) B^T`` for ``x`` ``[N, in]``, or None when no adapter applies."""
+    def add_delta(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y + s * (x A^T) B^T`` for ``x`` ``[N, in]`` and ``y`` ``[N, out]`` (two GEMMs, the second adding
+        into ``y``); ``y`` itself when no adapter applies."""
         name = _delta_on(self.peft) if self.peft is not None else None
         if name is None:
-            return None
+            return y
         a, b = self.peft.lora_A[name].weight, self.peft.lora_B[name].weight
-        return F.linear(F.linear(x.to(a.dtype), a), b) * self.peft.scaling[name]
+        return torch.addmm(y, F.linear(x.to(a.dtype), a), b.t(), alpha=self.peft.scaling[name])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The layer's output, base plus delta (PEFT's ``Linear.forward`` without dropout)."""
-        y = F.linear(x, self.base.weight, self.base.bias)
-        d = self.delta(x)
-        return y if d is None else y + d.to(y.dtype)
+        return self.add_delta(F.linear(x, self.base.weight, self.base.bias), x)
 
     def state(self) -> tuple:
         if self.peft is None:
@@ -98,15 +97,20 @@ class LinearLora:
         return (name, self.peft.scaling.get(name) if name else None)
 
 
-@dataclass
 class ExpertLora:
-    """The adapter of one fused expert tensor (a ``ParamWrapper``): per-expert factor views of its live
-    parameters."""
+    """The adapter of one fused expert tensor (a ``ParamWrapper``, ``experts`` experts of rank ``r``).
 
-    wrapper: nn.Module
-    experts: int
+    The per-expert factors are kept in two buffers laid out for batched GEMMs, ``a_t`` ``[E, in, r]`` and
+    ``b_t`` ``[E, r, out]``; :meth:`sync` copies the live ``lora_A`` / ``lora_B`` into them in place (the
+    decoder calls it whenever parameters changed, before any forward), so captured graphs keep reading the same
+    buffers. The shared-input path reads ``lora_A`` itself (one GEMM over all experts' rows)."""
 
-    def factors(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    def __init__(self, wrapper: nn.Module, experts: int) -> None:
+        self.wrapper, self.experts = wrapper, experts
+        self.a_t: torch.Tensor | None = None
+        self.b_t: torch.Tensor | None = None
+
+    def _live(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
         """``(A [E, r, in], B [E, out, r], scale)`` views of the live factors, or None when no adapter applies."""
         name = _delta_on(self.wrapper)
         if name is None:
@@ -115,34 +119,54 @@ class ExpertLora:
         e = self.experts
         return a.view(e, -1, a.shape[-1]), b.view(b.shape[0], -1, e).permute(2, 0, 1), self.wrapper.scaling[name]
 
-    def delta_all(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The delta of every expert on its own rows: ``x`` ``[E, N, in]`` -> ``[E, N, out]`` (a batched GEMM
-        pair over the experts: the grouped computation of the CUDA-graph path). A shared input may be an
-        expanded view (stride 0 over the experts)."""
-        f = self.factors()
-        if f is None:
-            return None
-        a, b, scale = f
-        return torch.matmul(torch.matmul(x.to(a.dtype), a.transpose(1, 2)), b.transpose(1, 2)) * scale
+    @torch.no_grad()
+    def sync(self, rebuild: bool = False) -> None:
+        """Copy the live factors into the buffers (allocating them on ``rebuild`` or when missing)."""
+        live = self._live()
+        if live is None:
+            return
+        a, b, _ = live
+        a_t, b_t = a.transpose(1, 2), b.transpose(1, 2)
+        if rebuild or self.a_t is None or self.a_t.shape != a_t.shape:
+            self.a_t, self.b_t = a_t.contiguous(), b_t.contiguous()
+        else:
+            self.a_t.copy_(a_t)
+            self.b_t.copy_(b_t)
 
-    def delta_shared(self, x: torch.Tensor) -> torch.Tensor | None:
-        """:meth:`delta_all` for one input shared by every expert, ``x`` ``[N, in]`` -> ``[E, N, out]``: the
-        down-projection of all experts' ``A`` is one GEMM."""
-        f = self.factors()
+    def _factors(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        live = self._live()
+        if live is not None and self.a_t is None:
+            self.sync()
+        return None if live is None else (self.a_t, self.b_t, live[2])
+
+    def add_all(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y + delta``, every expert on its own rows: ``x`` ``[E, N, in]``, ``y`` ``[E, N, out]`` (two batched
+        GEMMs over the experts: the grouped computation of the CUDA-graph path)."""
+        f = self._factors()
         if f is None:
-            return None
-        a, b, scale = f
+            return y
+        a_t, b_t, scale = f
+        return torch.baddbmm(y, torch.bmm(x.to(a_t.dtype), a_t), b_t, alpha=scale)
+
+    def add_shared(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`add_all` for one input ``x`` ``[N, in]`` shared by every expert: the low-rank projection of all
+        experts is one GEMM against the stacked ``lora_A`` ``[E*r, in]``."""
+        f = self._factors()
+        if f is None:
+            return y
+        _, b_t, scale = f
+        a = self._live()[0]
         low = F.linear(x.to(a.dtype), a.reshape(-1, a.shape[-1]))  # [N, E*r], expert-major
         low = low.view(x.shape[0], self.experts, -1).transpose(0, 1)  # [E, N, r]
-        return torch.matmul(low, b.transpose(1, 2)) * scale
+        return torch.baddbmm(y, low, b_t, alpha=scale)
 
-    def delta_one(self, x: torch.Tensor, expert: int) -> torch.Tensor | None:
-        """The delta of expert ``expert`` on ``x`` ``[n, in]`` (the looped path's per-expert tokens)."""
-        f = self.factors()
+    def add_one(self, y: torch.Tensor, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """``y + delta`` of expert ``expert`` on ``x`` ``[n, in]`` (the looped path's per-expert tokens)."""
+        f = self._factors()
         if f is None:
-            return None
-        a, b, scale = f
-        return F.linear(F.linear(x.to(a.dtype), a[expert]), b[expert]) * scale
+            return y
+        a_t, b_t, scale = f
+        return torch.addmm(y, torch.mm(x.to(a_t.dtype), a_t[expert]), b_t[expert], alpha=scale)
 
     def state(self) -> tuple:
         name = _delta_on(self.wrapper)

@@ -17,7 +17,8 @@ Two ways to run the experts, one result:
 :func:`agentrl.models.lora.apply_lora` builds it): each expert adds its unmerged delta
 (:class:`~agentrl.engines.lora_delta.ExpertLora`) to its matmul, before the bias: in the dense path as batched
 GEMMs over the experts (the gate/up ``A`` of all experts in one GEMM, since every expert sees the same input),
-in the looped path on each expert's own tokens. The factors are views of the live adapter parameters.
+in the looped path on each expert's own tokens. :meth:`SlotMoE.sync` refreshes the adapters' GEMM buffers in
+place after the parameters changed.
 
 ``record`` (a :class:`~agentrl.engines.slot_cache.SlotCache` with routing, the MoE layer index, and the
 tokens' ``(slot, position)``) stores each token's expert ids where its keys are stored.
@@ -72,9 +73,10 @@ class SlotMoE:
         """The state of the experts' adapters (what a captured graph depends on beyond tensor contents)."""
         return tuple(self.lora[name].state() for name in sorted(self.lora))
 
-    @staticmethod
-    def _plus(y: torch.Tensor, d: torch.Tensor | None) -> torch.Tensor:
-        return y if d is None else y + d.to(y.dtype)
+    def sync(self, rebuild: bool = False) -> None:
+        """Refresh the expert adapters' GEMM buffers from the live parameters (see :class:`ExpertLora`)."""
+        for adapter in self.lora.values():
+            adapter.sync(rebuild)
 
     def _dense(self, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gu, down = self._weights()
@@ -82,9 +84,12 @@ class SlotMoE:
         dense_w = torch.zeros((h.shape[0], n_exp), dtype=weights.dtype, device=h.device).scatter(1, indices, weights)
         lora_gu, lora_down = self.lora.get("gate_up_proj"), self.lora.get("down_proj")
         up = torch.matmul(h.unsqueeze(0).expand(n_exp, -1, -1), gu)  # [E, N, 2I]
-        up = self._plus(up, lora_gu.delta_shared(h) if lora_gu else None) + self.experts.gate_up_proj_bias[:, None]
-        act = self.experts._apply_gate(up)
-        out = self._plus(torch.matmul(act, down), lora_down.delta_all(act) if lora_down else None)
+        if lora_gu is not None:
+            up = lora_gu.add_shared(up, h)
+        act = self.experts._apply_gate(up + self.experts.gate_up_proj_bias[:, None])
+        out = torch.matmul(act, down)
+        if lora_down is not None:
+            out = lora_down.add_all(out, act)
         out = out + self.experts.down_proj_bias[:, None]  # [E, N, H]
         return (out * dense_w.t()[..., None]).sum(0).to(h.dtype)
 
@@ -95,9 +100,13 @@ class SlotMoE:
         for expert in torch.unique(indices).tolist():
             token, slot_k = torch.where(indices == expert)
             x = h[token]
-            up = self._plus(torch.matmul(x, gu[expert]), lora_gu.delta_one(x, expert) if lora_gu else None)
+            up = torch.matmul(x, gu[expert])
+            if lora_gu is not None:
+                up = lora_gu.add_one(up, x, expert)
             act = self.experts._apply_gate(up + self.experts.gate_up_proj_bias[expert])
-            y = self._plus(torch.matmul(act, down[expert]), lora_down.delta_one(act, expert) if lora_down else None)
+            y = torch.matmul(act, down[expert])
+            if lora_down is not None:
+                y = lora_down.add_one(y, act, expert)
             y = y + self.experts.down_proj_bias[expert]
             out.index_add_(0, token, (y * weights[token, slot_k, None]).to(h.dtype))
         return out
