@@ -170,3 +170,24 @@ def test_lora_variants_the_engine_cannot_compute_fall_back_with_the_reason(monke
     assert factory.choose_kind(llama) == "transformers"
     with pytest.raises(ValueError, match="LoRA biases"):
         factory.choose_kind(llama, "decode")
+
+
+def test_toggling_the_adapter_invalidates_captured_graphs_and_updates_do_not(gpt_oss):
+    """What the runner keys graph recapture on (``moved``): enabling or disabling the adapter does, an in-place
+    adapter write does not (it only refreshes the expert GEMM buffers, in place)."""
+    from agentrl.engines.decoder import SlotDecoder
+
+    decoder = SlotDecoder(gpt_oss)
+    decoder.weights_changed()
+    decoder.sync_weights(rebuild=True)
+    buffers = [(a.a_t, a.b_t) for lay in decoder.layers for a in lay.moe.lora.values()]
+    with adapters_disabled(gpt_oss):
+        assert decoder.weights_changed()[0]
+    assert decoder.weights_changed()[0]  # enabled again
+    with torch.no_grad():
+        gpt_oss.model.layers[0].mlp.experts.lora_B["default"].weight.mul_(1.0)
+    moved, updated = decoder.weights_changed()
+    assert updated and not moved
+    decoder.sync_weights()
+    after = [(a.a_t, a.b_t) for lay in decoder.layers for a in lay.moe.lora.values()]
+    assert all(x is y and u is v for (x, u), (y, v) in zip(after, buffers, strict=True))  # the same tensors
