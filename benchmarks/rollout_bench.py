@@ -9,7 +9,11 @@ random tokens, and reports generated tokens per second (prefill included) for:
   its cache and captures its CUDA graphs again, is timed);
 - ``dynamic``: ``model.generate`` with transformers' dynamic cache (left-padded batch);
 - ``compiled``: ``model.generate(cache_implementation="static")``, which transformers compiles with
-  ``torch.compile`` (CUDA graphs); the first call compiles and is not timed.
+  ``torch.compile`` (CUDA graphs); the first call compiles and is not timed;
+- ``ours_lora`` (only when ``--paths`` names it): ``ours`` after :func:`agentrl.models.lora.apply_lora` with
+  rank ``--lora-rank`` on the default targets (GPT-OSS: attention and both fused expert tensors; Llama: attention
+  and MLP projections) and random non-zero adapters: the engine's unmerged LoRA path. It runs after the model's
+  other paths (the adapter is injected in place).
 
 Models (random weights, bf16 on a GPU): ``smollm``, a ``LlamaForCausalLM`` with SmolLM2-135M-Instruct's
 shape; ``gptoss``, the GPT-OSS architecture of ``examples/train_gpu_tiny_gpt_oss.sh`` (4 layers, hidden
@@ -25,7 +29,8 @@ figure added) without measuring.
 
 Prints one line per measurement, then last:
 ``rollout_vs_hf: smollm_b64=<ours/compiled> smollm_b256=<..> gptoss_b64=<..> gptoss_b256=<..>
-smollm_b256_tok_s=<ours> retool_gen_share=<x>``.
+smollm_b256_tok_s=<ours> retool_gen_share=<x>``; with ``ours_lora`` runs, before it:
+``lora_decode: <model>_b<B>=<ours tok/s> <model>_b<B>_lora=<ours_lora tok/s> <model>_b<B>_ratio=<lora/plain> ...``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 from pathlib import Path
 
 PATHS = ("ours", "dynamic", "compiled")
+LORA_PATH = "ours_lora"
 
 
 def build_model(name: str, device: str, dtype, layers: int | None):
@@ -91,6 +97,20 @@ def run_ours(model, prompts, new_tokens: int, device: str, warmup_prompts) -> tu
     return elapsed, sum(len(c.token_ids) for c in out)
 
 
+def add_lora(model, rank: int) -> None:
+    """Inject a rank-``rank`` adapter on the default targets, with random non-zero factors."""
+    import torch
+
+    from agentrl.models.lora import LoraSpec, apply_lora
+
+    apply_lora(model, LoraSpec(rank=rank), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
 def run_hf(model, prompts, new_tokens: int, device: str, static: bool) -> tuple[float, int]:
     import torch
 
@@ -129,27 +149,31 @@ def measure(args) -> dict:
     results["transformers"] = transformers.__version__
     for name in args.models:
         model = build_model(name, args.device, dtype, args.smollm_layers if name == "smollm" else args.gptoss_layers)
-        for batch in args.batches:
+        plain = [p for p in args.paths if p != LORA_PATH]
+        lora = [LORA_PATH] if LORA_PATH in args.paths else []
+        order = [(path, batch) for group in (plain, lora) for batch in args.batches for path in group]
+        for path, batch in order:
             prompts = prompts_for(batch, model.config.vocab_size, seed=batch)
-            for path in args.paths:
-                t0 = time.perf_counter()
-                try:
-                    if path == "ours":
-                        warmup = prompts_for(batch, model.config.vocab_size, seed=batch + 10_000)
-                        elapsed, tokens = run_ours(model, prompts, args.new_tokens, args.device, warmup)
-                    else:
-                        elapsed, tokens = run_hf(model, prompts, args.new_tokens, args.device,
-                                                 static=path == "compiled")
-                except Exception as exc:  # noqa: BLE001 - one failing path must not lose the others
-                    error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-                    results["runs"][f"{name}_b{batch}_{path}"] = {"error": error}
-                    print(f"{name} B={batch} {path}: FAILED {error}", flush=True)
-                    continue
-                tok_s = tokens / elapsed
-                results["runs"][f"{name}_b{batch}_{path}"] = {"tok_s": tok_s, "timed_s": elapsed, "tokens": tokens,
-                                                              "wall_s_with_warmup": time.perf_counter() - t0}
-                print(f"{name} B={batch} {path}: {tok_s:,.0f} tokens/s ({tokens} tokens in {elapsed:.2f} s; "
-                      f"{time.perf_counter() - t0:.1f} s with warm-up)", flush=True)
+            if path == LORA_PATH and not hasattr(model, "peft_config"):
+                add_lora(model, args.lora_rank)
+            t0 = time.perf_counter()
+            try:
+                if path in ("ours", LORA_PATH):
+                    warmup = prompts_for(batch, model.config.vocab_size, seed=batch + 10_000)
+                    elapsed, tokens = run_ours(model, prompts, args.new_tokens, args.device, warmup)
+                else:
+                    elapsed, tokens = run_hf(model, prompts, args.new_tokens, args.device,
+                                             static=path == "compiled")
+            except Exception as exc:  # noqa: BLE001 - one failing path must not lose the others
+                error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                results["runs"][f"{name}_b{batch}_{path}"] = {"error": error}
+                print(f"{name} B={batch} {path}: FAILED {error}", flush=True)
+                continue
+            tok_s = tokens / elapsed
+            results["runs"][f"{name}_b{batch}_{path}"] = {"tok_s": tok_s, "timed_s": elapsed, "tokens": tokens,
+                                                          "wall_s_with_warmup": time.perf_counter() - t0}
+            print(f"{name} B={batch} {path}: {tok_s:,.0f} tokens/s ({tokens} tokens in {elapsed:.2f} s; "
+                  f"{time.perf_counter() - t0:.1f} s with warm-up)", flush=True)
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -178,8 +202,12 @@ def summary(results: dict, share: float) -> str:
         return tok_s(f"{key}_ours") / tok_s(f"{key}_compiled")
 
     ours256 = tok_s("smollm_b256_ours")
+    lora_keys = sorted(k[: -len("_ours_lora")] for k in runs if k.endswith("_ours_lora"))
+    lora_line = "lora_decode: " + " ".join(
+        f"{k}={tok_s(k + '_ours'):.0f} {k}_lora={tok_s(k + '_ours_lora'):.0f} "
+        f"{k}_ratio={tok_s(k + '_ours_lora') / tok_s(k + '_ours'):.3f}" for k in lora_keys) + "\n" if lora_keys else ""
     fmt = lambda x: "nan" if math.isnan(x) else f"{x:.2f}"  # noqa: E731
-    return (f"rollout_vs_hf: smollm_b64={fmt(ratio('smollm_b64'))} smollm_b256={fmt(ratio('smollm_b256'))} "
+    return lora_line + (f"rollout_vs_hf: smollm_b64={fmt(ratio('smollm_b64'))} smollm_b256={fmt(ratio('smollm_b256'))} "
             f"gptoss_b64={fmt(ratio('gptoss_b64'))} gptoss_b256={fmt(ratio('gptoss_b256'))} "
             f"smollm_b256_tok_s={'nan' if math.isnan(ours256) else f'{ours256:.0f}'} retool_gen_share={fmt(share)}")
 
@@ -190,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--models", default="smollm,gptoss", type=lambda s: s.split(","))
     parser.add_argument("--batches", default="64,256", type=lambda s: [int(x) for x in s.split(",")])
-    parser.add_argument("--paths", default=",".join(PATHS), type=lambda s: s.split(","))
+    parser.add_argument("--paths", default=",".join(PATHS), type=lambda s: s.split(","),
+                        help=f"of {', '.join(PATHS + (LORA_PATH,))}")
+    parser.add_argument("--lora-rank", type=int, default=16, help="the adapter rank of the ours_lora path")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--smollm-layers", type=int, default=None, help="fewer layers for a quick check")
     parser.add_argument("--gptoss-layers", type=int, default=None)
@@ -198,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-json", default=None, help="print the summary of an earlier --json-out")
     parser.add_argument("--retool-metrics", default=None, help="metrics.jsonl of a GPU retool run")
     args = parser.parse_args(argv)
-    bad = [p for p in args.paths if p not in PATHS]
+    bad = [p for p in args.paths if p not in PATHS + (LORA_PATH,)]
     if bad:
-        parser.error(f"unknown paths {bad}; choose from {PATHS}")
+        parser.error(f"unknown paths {bad}; choose from {PATHS + (LORA_PATH,)}")
     results = json.loads(Path(args.from_json).read_text()) if args.from_json else measure(args)
     if args.json_out and not args.from_json:
         Path(args.json_out).write_text(json.dumps(results, indent=2))

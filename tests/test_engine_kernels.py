@@ -161,3 +161,38 @@ def test_the_engine_with_gpu_kernels_decodes_like_the_transformers_engine(attent
     assert [c.token_ids for c in new] == [c.token_ids for c in old]
     for a, b in zip(old, new, strict=True):
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_fused_projections_add_the_lora_deltas(name):
+    """With ``fused=True`` the q/k/v (and gate/up) copies hold the base weights; the adapter's deltas are added
+    to their slices: the same tokens and log-probs as the PEFT model through the transformers engine."""
+    import transformers
+
+    pytest.importorskip("peft")
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.decode_engine import DecodeEngine
+    from agentrl.engines.transformers_engine import TransformersEngine
+    from agentrl.models.lora import LoraSpec, apply_lora
+
+    torch.manual_seed(0)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        model = transformers.LlamaForCausalLM(cfg).to(DEVICE).eval()
+    else:
+        model = tiny_gpt_oss(num_layers=2, hidden=64, experts=4, top_k=2, vocab=128, seed=1, sliding_window=6,
+                             device=DEVICE)
+    apply_lora(model, LoraSpec(rank=4), seed=1)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    prompts = [list(range(3, 25)), [5, 6], list(range(30, 70))]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    old = TransformersEngine(model).generate_sync(prompts, greedy)
+    new = DecodeEngine(model, attention="torch", fused=True, cuda_graphs=False).generate_sync(prompts, greedy)
+    assert [c.token_ids for c in new] == [c.token_ids for c in old]
+    for a, b in zip(old, new, strict=True):
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)

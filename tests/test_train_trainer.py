@@ -118,6 +118,24 @@ def test_decode_engine_runs_on_the_cpu_when_asked(tmp_path):
     assert step["rollout_corr/logprob_abs_diff_max"] < 1e-3
 
 
+def test_decode_engine_rolls_out_through_the_lora_adapter(tmp_path):
+    """LoRA on the attention and the fused experts (PEFT's wrappers, as the trainer builds them): the decode
+    engine runs the model itself, unmerged; after the first update the next step's rollout log-probs equal the
+    trainer's replayed recomputation, so the engine saw the new adapter without a rebuild."""
+    from agentrl.engines.decode_engine import DecodeEngine
+
+    trainer, _, _, records = _fit(tmp_path, "decode_lora", [
+        "trainer.total_steps=2", "rollout.engine=decode", "actor.routing_replay=true", "actor.lora.rank=4",
+    ])
+    assert isinstance(trainer.engine, DecodeEngine)
+    assert type(trainer.model.model.layers[0].mlp.experts).__name__ == "ParamWrapper"
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert any(p.abs().max() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)  # B moved off 0
+    for step in records[1:]:
+        assert step["actor/grad_norm"] > 0
+        assert step["rollout_corr/logprob_abs_diff_max"] < 1e-3
+
+
 def test_a_wall_time_stop_is_the_summarys_headline_and_the_last_line(tmp_path, capsys):
     from agentrl.train.cli import run_trainer
 

@@ -29,6 +29,22 @@ sorted by key. Batch formation then depends only on what the clients asked, not 
 with the same seeds and the same clients gives the same batches and, on the same machine, bit-identical
 tokens and log-probs. It costs overlap: decoding pauses while any open client is between requests.
 
+**LoRA.** A model carrying the trainer's adapter (:func:`agentrl.models.lora.apply_lora`: attention
+projections and GPT-OSS's fused experts, or a Llama's projections) decodes exactly through it, unmerged: base
+output plus ``s (x A^T) B^T`` per projection and per expert (:mod:`agentrl.engines.lora_delta`), inside the
+CUDA graphs. The engine reads the adapter's live parameters. Updating the adapter is therefore an in-place
+write into those parameters, by either route:
+
+- sharing the trainer's model (what the trainer does): its optimizer step writes them; nothing else to call;
+- a separate rollout copy of the model (e.g. asynchronous rollouts): :meth:`DecodeEngine.update_lora` copies
+  an :func:`agentrl.models.lora.adapter_state_dict` into it.
+
+Either way there is no merge and no graph recapture; the next scheduler step notices the write (parameter
+versions), forgets cached prefixes of idle sequences (their keys came from the old adapter) and decodes with
+the new adapter. Rows already running continue with their cached keys, so an update lands between
+rollouts unless the caller accepts mixed-policy rows. Replacing a parameter tensor (new storage), or
+enabling, disabling or merging the adapter, makes the engine recapture its graphs.
+
 **Memory.** The cache grows as requests need it and stays allocated, with finished sequences kept for
 reuse by the next turn, until :meth:`release` (the trainer calls it after each rollout so that the update
 gets the memory).
@@ -167,6 +183,18 @@ class DecodeEngine:
         with self._lock:
             if not self.scheduler.has_work():
                 self.scheduler.release()
+
+    def update_lora(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy the adapter tensors ``state`` (PEFT's names, as :func:`agentrl.models.lora.adapter_state_dict`
+        gives them) into the engine's model in place, between scheduler steps; see the module docstring.
+        ValueError (from :func:`agentrl.models.lora.load_adapter_state`) when the model has no adapter or
+        ``state`` does not fit it."""
+        from agentrl.models.lora import has_lora, load_adapter_state
+
+        if not has_lora(self.model):
+            raise ValueError("update_lora: the engine's model carries no LoRA adapter")
+        with self._lock:
+            load_adapter_state(self.model, state, source="update_lora")
 
     def open_client(self, seed: int) -> EngineClient:
         """A client whose requests' sampling keys derive from ``seed`` (see the module docstring)."""

@@ -18,6 +18,11 @@ Two implementations of the small steps, one result:
 * ``fused=True`` (a GPU, or the Triton interpreter in tests): :mod:`agentrl.engines.fused_ops` kernels,
   one fused q/k/v projection and, for SwiGLU MLPs, one fused gate/up projection, from weight copies that
   :meth:`sync_weights` refreshes in place when the model's parameters change.
+
+**LoRA** (the trainer's PEFT model, :func:`agentrl.models.lora.apply_lora`): every projection runs as base
+plus the adapter's unmerged delta (:mod:`agentrl.engines.lora_delta`), GPT-OSS's experts per expert
+(:class:`~agentrl.engines.moe.SlotMoE`). The fused copies hold the base weights only; the deltas read the
+live adapter parameters, so in-place adapter updates need no copy and no graph recapture.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentrl.engines import lora_delta
+from agentrl.engines.lora_delta import LinearLora
 from agentrl.engines.moe import SlotMoE
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt_oss")
@@ -61,12 +68,15 @@ def unsupported_reason(model: nn.Module) -> str | None:
         return f"rotary embedding {rope!r} depends on the sequence length"
     if any(getattr(p, "_local_tensor", None) is not None for p in lm.parameters()):
         return "the parameters are sharded (DTensor); gather them first"
+    reason = lora_delta.unsupported_reason(lm)
+    if reason is not None:
+        return reason
     if model_type == "gpt_oss":
         mlp = inner.layers[0].mlp
-        if type(mlp.experts).__name__ != "GptOssExperts" or type(mlp.router).__name__ != "GptOssTopKRouter":
-            # e.g. LoRA on the expert tensors: PEFT applies it in the wrapper's forward, not to the parameters
-            return (f"the MoE block holds {type(mlp.experts).__name__}/{type(mlp.router).__name__}, not transformers' "
-                    "GptOssExperts/GptOssTopKRouter (LoRA on the experts?)")
+        experts, _ = lora_delta.unwrap_experts(mlp.experts)
+        if type(experts).__name__ != "GptOssExperts" or type(mlp.router).__name__ != "GptOssTopKRouter":
+            return (f"the MoE block holds {type(experts).__name__}/{type(mlp.router).__name__}, not transformers' "
+                    "GptOssExperts/GptOssTopKRouter")
     return None
 
 
@@ -81,6 +91,7 @@ class _Layer:
     window: int | None
     scale: float
     moe: SlotMoE | None
+    proj: dict[str, LinearLora]
     q_norm: nn.Module | None = None
     k_norm: nn.Module | None = None
     qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -129,9 +140,12 @@ class SlotDecoder:
         attn = layer.self_attn
         window = getattr(attn, "sliding_window", None)
         moe = SlotMoE(layer.mlp) if self.model_type == "gpt_oss" else None
+        proj = {name: LinearLora(getattr(attn, name)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        if moe is None and all(isinstance(getattr(layer.mlp, n, None), nn.Module) for n in _SWIGLU):
+            proj.update({name: LinearLora(getattr(layer.mlp, name)) for name in _SWIGLU})
         return _Layer(attn=attn, mlp=layer.mlp, norm_in=layer.input_layernorm, norm_post=layer.post_attention_layernorm,
                       window=int(window) if window else None, scale=float(getattr(attn, "scaling", self.head_dim**-0.5)),
-                      moe=moe, q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None))
+                      moe=moe, proj=proj, q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None))
 
     @property
     def sinks_used(self) -> bool:
@@ -160,11 +174,17 @@ class SlotDecoder:
     def _parameters(self) -> list[torch.Tensor]:
         return list(self.lm.parameters())
 
+    def lora_state(self) -> tuple:
+        """The state of every LoRA layer (adapter in effect, scale): captured graphs depend on it."""
+        return tuple((tuple(p.state() for p in lay.proj.values()), lay.moe.state() if lay.moe else ())
+                     for lay in self.layers)
+
     def weights_changed(self) -> tuple[bool, bool]:
-        """``(moved, updated)`` since the last call: some parameter got new storage (captured graphs are
-        stale), or some was modified in place (fused copies are stale)."""
+        """``(moved, updated)`` since the last call: some parameter got new storage or a LoRA layer was
+        enabled, disabled or merged (captured graphs are stale), or some parameter was modified in place (fused
+        copies are stale; deltas read the live adapters)."""
         params = self._parameters()
-        ptrs = [p.data_ptr() for p in params]
+        ptrs = [p.data_ptr() for p in params] + [self.lora_state()]
         fingerprint = [(p.data_ptr(), p._version) for p in params]
         moved = self._ptrs is not None and ptrs != self._ptrs
         updated = fingerprint != self._fingerprint
@@ -173,17 +193,19 @@ class SlotDecoder:
 
     @torch.no_grad()
     def sync_weights(self, rebuild: bool = False) -> None:
-        """Copy the model's q/k/v (and gate/up) weights into the fused buffers (``fused=True`` only), in
-        place; ``rebuild`` (or a first call) allocates them."""
+        """Copy the model's q/k/v (and gate/up) weights into the fused buffers (``fused=True`` only) and the
+        expert adapters into their GEMM buffers, in place; ``rebuild`` (or a first call) allocates them."""
         self.weights_ready = True
+        for lay in self.layers:
+            if lay.moe is not None:
+                lay.moe.sync(rebuild)
         if not self.fused:
             return
         for lay in self.layers:
-            lay.qkv = _fuse([lay.attn.q_proj, lay.attn.k_proj, lay.attn.v_proj], None if rebuild else lay.qkv)
-            mlp = lay.mlp
-            act = getattr(getattr(mlp, "config", None), "hidden_act", None)
-            if lay.moe is None and hasattr(mlp, "gate_proj") and act == "silu":
-                lay.gate_up = _fuse([mlp.gate_proj, mlp.up_proj], None if rebuild else lay.gate_up)
+            lay.qkv = _fuse([lay.proj[n].base for n in ("q_proj", "k_proj", "v_proj")], None if rebuild else lay.qkv)
+            act = getattr(getattr(lay.mlp, "config", None), "hidden_act", None)
+            if "gate_proj" in lay.proj and act == "silu":
+                lay.gate_up = _fuse([lay.proj[n].base for n in ("gate_proj", "up_proj")], None if rebuild else lay.gate_up)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -198,7 +220,7 @@ class SlotDecoder:
             h, x = self._norm(lay.norm_in, x, delta)
             q = self._qkv_rope_store(index, lay, h, positions, write_positions, slots, cache)
             a = attend(index, q, lay.attn.sinks if self.sinks_used else None, lay.window, lay.scale)
-            delta = lay.attn.o_proj(a.reshape(a.shape[0], -1))
+            delta = lay.proj["o_proj"](a.reshape(a.shape[0], -1))
             h, x = self._norm(lay.norm_post, x, delta)
             delta = self._mlp(lay, h, dense_moe, (cache, index, slots, write_positions))
         h, _ = self._norm(self.base.norm, x, delta)
@@ -221,9 +243,11 @@ class SlotDecoder:
         n, d = h.shape[0], self.head_dim
         if lay.qkv is not None:
             qkv = F.linear(h, *lay.qkv)
-            q, k, v = qkv.split([self.hq * d, self.hkv * d, self.hkv * d], dim=1)
+            q, k, v = (lay.proj[name].add_delta(y, h) for y, name in
+                       zip(qkv.split([self.hq * d, self.hkv * d, self.hkv * d], dim=1), ("q_proj", "k_proj", "v_proj"),
+                           strict=True))
         else:
-            q, k, v = lay.attn.q_proj(h), lay.attn.k_proj(h), lay.attn.v_proj(h)
+            q, k, v = lay.proj["q_proj"](h), lay.proj["k_proj"](h), lay.proj["v_proj"](h)
         if lay.q_norm is not None:
             q = lay.q_norm(q.view(n, self.hq, d)).view(n, -1)
             k = lay.k_norm(k.view(n, self.hkv, d)).view(n, -1)
@@ -242,20 +266,28 @@ class SlotDecoder:
             moe_index = sum(1 for other in self.layers[:index] if other.moe is not None)
             rec = (cache, moe_index, slots, positions) if cache.routing is not None else None
             return lay.moe(h, dense=dense_moe, record=rec)
+        proj = lay.proj
         if lay.gate_up is not None:
             from agentrl.engines.fused_ops import silu_mul
 
-            return lay.mlp.down_proj(silu_mul(F.linear(h, *lay.gate_up)))
+            gate_up = F.linear(h, *lay.gate_up)
+            if proj["gate_proj"].peft is not None or proj["up_proj"].peft is not None:
+                gate, up = gate_up.chunk(2, dim=1)
+                gate_up = torch.cat([proj["gate_proj"].add_delta(gate, h), proj["up_proj"].add_delta(up, h)], dim=1)
+            return proj["down_proj"](silu_mul(gate_up))
+        if "gate_proj" in proj and hasattr(lay.mlp, "act_fn"):  # LlamaMLP.forward, through the LoRA wrappers
+            return proj["down_proj"](lay.mlp.act_fn(proj["gate_proj"](h)) * proj["up_proj"](h))
         return lay.mlp(h)
 
 
-def _fuse(modules: list[nn.Module], into: tuple[torch.Tensor, torch.Tensor | None] | None
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")
+
+
+
+def _fuse(modules: list[nn.Linear], into: tuple[torch.Tensor, torch.Tensor | None] | None
           ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The concatenated ``(weight, bias)`` of ``modules`` (rows stacked), written into ``into`` when given;
-    ``None`` (keep the modules) unless all are plain ``nn.Linear`` with all or no biases (a LoRA-wrapped
-    projection must run through its module)."""
-    if any(type(m) is not nn.Linear for m in modules):
-        return None
+    """The concatenated ``(weight, bias)`` of the (base) linear layers ``modules`` (rows stacked), written into
+    ``into`` when given; ``None`` (run them one by one) when some have biases and some not."""
     weights = [m.weight for m in modules]
     biases = [m.bias for m in modules]
     has_bias = all(b is not None for b in biases)

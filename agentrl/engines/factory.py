@@ -12,7 +12,7 @@ here, so they sample the same way.
 - ``"transformers"``: :class:`~agentrl.engines.transformers_engine.TransformersEngine` (micro-batched
   ``model.forward`` with transformers' cache; any causal LM).
 - ``"auto"`` (default): ``decode`` for a model on a CUDA device that it supports (Llama/Qwen/GPT-OSS, not
-  sharded), else ``transformers``. On the CPU ``auto`` is always ``transformers``, so the CPU default path
+  sharded, with or without the trainer's LoRA adapter, experts included), else ``transformers``. On the CPU ``auto`` is always ``transformers``, so the CPU default path
   (``agentrl train env=retool``) is the one whose result and wall time are recorded; ``kind="decode"``
   runs the decode engine on the CPU too.
 """

@@ -13,6 +13,13 @@ Two ways to run the experts, one result:
 * ``dense=False`` runs each chosen expert on its own tokens (a loop over the experts hit, like
   transformers' eager path): less arithmetic for prefill and on the CPU, but it synchronises with the host.
 
+**LoRA on the experts** (PEFT's ``ParamWrapper`` around ``gate_up_proj`` / ``down_proj``, as
+:func:`agentrl.models.lora.apply_lora` builds it): each expert adds its unmerged delta
+(:class:`~agentrl.engines.lora_delta.ExpertLora`) to its matmul, before the bias: in the dense path as batched
+GEMMs over the experts (the gate/up ``A`` of all experts in one GEMM, since every expert sees the same input),
+in the looped path on each expert's own tokens. :meth:`SlotMoE.sync` refreshes the adapters' GEMM buffers in
+place after the parameters changed.
+
 ``record`` (a :class:`~agentrl.engines.slot_cache.SlotCache` with routing, the MoE layer index, and the
 tokens' ``(slot, position)``) stores each token's expert ids where its keys are stored.
 """
@@ -25,12 +32,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentrl.engines.lora_delta import unwrap_experts
+
 
 class SlotMoE:
     """The MoE block of one GPT-OSS layer (``mlp`` is its ``GptOssMLP``); see the module docstring."""
 
     def __init__(self, mlp: nn.Module) -> None:
-        self.router, self.experts = mlp.router, mlp.experts
+        self.router = mlp.router
+        self.experts, self.lora = unwrap_experts(mlp.experts)
         self.top_k = int(self.router.top_k)
         gate_up = self.experts.gate_up_proj
         hidden = self.router.weight.shape[1]
@@ -59,24 +69,44 @@ class SlotMoE:
             cache.write_routing(layer, slots, positions, indices)
         return self._dense(h, indices, weights) if dense else self._looped(h, indices, weights)
 
-    def _expert(self, x: torch.Tensor, gu: torch.Tensor, gu_b: torch.Tensor, down: torch.Tensor,
-                down_b: torch.Tensor) -> torch.Tensor:
-        return torch.matmul(self.experts._apply_gate(torch.matmul(x, gu) + gu_b), down) + down_b
+    def state(self) -> tuple:
+        """The state of the experts' adapters (what a captured graph depends on beyond tensor contents)."""
+        return tuple(self.lora[name].state() for name in sorted(self.lora))
+
+    def sync(self, rebuild: bool = False) -> None:
+        """Refresh the expert adapters' GEMM buffers from the live parameters (see :class:`ExpertLora`)."""
+        for adapter in self.lora.values():
+            adapter.sync(rebuild)
 
     def _dense(self, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gu, down = self._weights()
         n_exp = gu.shape[0]
         dense_w = torch.zeros((h.shape[0], n_exp), dtype=weights.dtype, device=h.device).scatter(1, indices, weights)
-        out = self._expert(h.unsqueeze(0).expand(n_exp, -1, -1), gu, self.experts.gate_up_proj_bias[:, None],
-                           down, self.experts.down_proj_bias[:, None])  # [E, N, H]
+        lora_gu, lora_down = self.lora.get("gate_up_proj"), self.lora.get("down_proj")
+        up = torch.matmul(h.unsqueeze(0).expand(n_exp, -1, -1), gu)  # [E, N, 2I]
+        if lora_gu is not None:
+            up = lora_gu.add_shared(up, h)
+        act = self.experts._apply_gate(up + self.experts.gate_up_proj_bias[:, None])
+        out = torch.matmul(act, down)
+        if lora_down is not None:
+            out = lora_down.add_all(out, act)
+        out = out + self.experts.down_proj_bias[:, None]  # [E, N, H]
         return (out * dense_w.t()[..., None]).sum(0).to(h.dtype)
 
     def _looped(self, h: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         gu, down = self._weights()
+        lora_gu, lora_down = self.lora.get("gate_up_proj"), self.lora.get("down_proj")
         out = torch.zeros_like(h)
         for expert in torch.unique(indices).tolist():
             token, slot_k = torch.where(indices == expert)
-            y = self._expert(h[token], gu[expert], self.experts.gate_up_proj_bias[expert], down[expert],
-                             self.experts.down_proj_bias[expert])
+            x = h[token]
+            up = torch.matmul(x, gu[expert])
+            if lora_gu is not None:
+                up = lora_gu.add_one(up, x, expert)
+            act = self.experts._apply_gate(up + self.experts.gate_up_proj_bias[expert])
+            y = torch.matmul(act, down[expert])
+            if lora_down is not None:
+                y = lora_down.add_one(y, act, expert)
+            y = y + self.experts.down_proj_bias[expert]
             out.index_add_(0, token, (y * weights[token, slot_k, None]).to(h.dtype))
         return out
