@@ -532,13 +532,18 @@ def _is_lora_rank(text: str | None) -> bool:
 
 
 def help_text(spec: CommandSpec = SPEC, profile: str | None = None) -> str:
-    """All keys with their defaults, valid values and descriptions (``agentrl train --help`` / ``agentrl sft
-    --help``), and the defaults that differ on a GPU run and in ``agentrl sft``."""
-    lines = [spec_help_text(spec), ""]
+    """All keys with their defaults, valid values and descriptions (``agentrl train --help``; ``agentrl sft
+    --help`` passes ``profile="sft"`` and shows its own defaults), and the defaults that differ on a GPU run
+    and in the other command."""
+    lines = [spec_help_text(spec, defaults=_profile_defaults([], profile)), ""]
     gpu = " ".join(f"{k}={v!r}" for k, v in profile_values("gpu").items())
     lines.append(f"Defaults on a GPU run (device=cuda) or a verl run (backend=verl): {gpu}")
     sft = " ".join(f"{k}={v!r}" for k, v in profile_values("sft").items())
-    lines.append(f"Defaults of agentrl sft: {sft}")
+    if profile == "sft":
+        train = " ".join(f"{k}={OmegaConf.select(OmegaConf.structured(TrainConfig), k)!r}" for k in profile_values("sft"))
+        lines.append(f"The keys above show agentrl sft's defaults ({sft}); agentrl train's are {train}")
+    else:
+        lines.append(f"Defaults of agentrl sft: {sft}")
     lines.append(f"With actor.lora.rank > 0 (a fresh run): {' and '.join(LORA_LR_KEYS)} default to {LORA_LR_SCALE:g}x the "
                  "above (LoRA needs a larger learning rate than full fine-tuning)")
     return "\n".join(lines)
