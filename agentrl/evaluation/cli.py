@@ -133,9 +133,11 @@ def _evaluate(cfg: Any) -> int:
         return 1
     console.print(metrics_table(metrics))
     run_info = metrics["run"]
+    failed = run_info["episodes_failed"]
+    see = f"; see {config.out_dir() / rundir.EVAL_ERRORS}" if failed else ""
     console.print(
         f"wrote {config.out_dir() / 'trajectories.jsonl'} ({run_info['episodes_run']} new episodes, "
-        f"{run_info['episodes_skipped']} already done, {run_info['episodes_failed']} failed; see errors.jsonl)"
+        f"{run_info['episodes_skipped']} already done, {failed} failed{see})", highlight=False,
     )
     return 0 if not run_info["episodes_failed"] else 3
 
