@@ -26,3 +26,21 @@ def test_eval_points_to_errors_only_when_episodes_failed(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "0 failed)" in text and "errors" not in text.split("0 failed")[-1], text
     assert not (out / "errors.jsonl").exists()
+
+
+def test_env_file_imports_a_module_next_to_it(tmp_path, monkeypatch):
+    import sys
+
+    from agentrl.envs.registry import env_class
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "newcomer_helpers.py").write_text("PROMPT = 'count the words'\n")
+    (tmp_path / "newcomer_env.py").write_text(
+        "from newcomer_helpers import PROMPT\n"
+        "from agentrl.envs import AgentEnv\n\n\n"
+        "class HelperEnv(AgentEnv):\n"
+        "    prompt = PROMPT\n"
+    )
+    monkeypatch.chdir(Path(__file__).parent)  # not the env's folder
+    cls = env_class(f"{tmp_path / 'newcomer_env.py'}:HelperEnv")
+    assert cls.prompt == "count the words"
