@@ -137,7 +137,7 @@ def _evaluate(cfg: Any) -> int:
     see = f"; see {config.out_dir() / rundir.EVAL_ERRORS}" if failed else ""
     console.print(
         f"wrote {config.out_dir() / 'trajectories.jsonl'} ({run_info['episodes_run']} new episodes, "
-        f"{run_info['episodes_skipped']} already done, {failed} failed{see})", highlight=False,
+        f"{run_info['episodes_skipped']} already done, {failed} failed{see})", highlight=False, soft_wrap=True,
     )
     return 0 if not run_info["episodes_failed"] else 3
 

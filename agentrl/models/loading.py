@@ -41,7 +41,7 @@ import torch
 
 from agentrl.models.conversion_cache import cached_conversion
 from agentrl.models.names import BUILTIN_MODELS, check_model_name
-from agentrl.rundir import ADAPTER_DIR, is_run_dir, latest_checkpoint
+from agentrl.rundir import ADAPTER_DIR, is_run_dir, latest_checkpoint, read_config_yaml
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -215,7 +215,7 @@ def _load_run(
         )
     if depth > 8:
         raise ValueError(f"training run {run_dir!r}: its model= chain of run directories is too deep (a loop?)")
-    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    cfg = read_config_yaml(run_dir, fix="pass another model=, or restore the file (it was written by agentrl train)")
     base = str(cfg.get("model") or "")
     if not base:
         raise ValueError(f"{os.path.join(run_dir, 'config.yaml')} names no model; is it an agentrl run?")
