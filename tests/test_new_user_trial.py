@@ -44,3 +44,38 @@ def test_env_file_imports_a_module_next_to_it(tmp_path, monkeypatch):
     monkeypatch.chdir(Path(__file__).parent)  # not the env's folder
     cls = env_class(f"{tmp_path / 'newcomer_env.py'}:HelperEnv")
     assert cls.prompt == "count the words"
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_env.py"
+TINY_TRAIN = ["model=tiny-gpt-oss", "model_kwargs.num_layers=1", "sft.steps=1", "sft.num_demos=2", "sft.batch_size=2",
+              "eval.num_tasks=1", "trainer.total_steps=1", "rollout.max_new_tokens=4", "threads=1",
+              "trainer.tensorboard=false", "trainer.progress=false"]
+
+
+@pytest.mark.filterwarnings("ignore:the reward of RaisingEnv")
+@pytest.mark.parametrize("case", ["min_reward", "raising reward"])
+def test_sft_data_filtered_to_nothing_is_one_line_before_the_first_evaluation(case, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torch")
+    from agentrl.train.trainer import Trainer
+
+    async def no_eval(*args, **kwargs):
+        raise AssertionError("the evaluation before training ran before the SFT data was made")
+
+    monkeypatch.setattr(Trainer, "evaluate", no_eval)
+    env, extra = f"{EXAMPLE}:WordCountEnv", ["sft.min_reward=2"]
+    if case == "raising reward":
+        (tmp_path / "raising_env.py").write_text(
+            f"import sys\nsys.path.insert(0, {str(EXAMPLE.parent)!r})\nfrom custom_env import WordCountEnv\n\n\n"
+            "class RaisingEnv(WordCountEnv):\n    def reward(self, ctx):\n        raise ZeroDivisionError('broken reward')\n"
+        )
+        env, extra = f"{tmp_path / 'raising_env.py'}:RaisingEnv", []
+    capsys.readouterr()
+    code = cli_main(["train", f"env={env}", *TINY_TRAIN, *extra, f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err, err
+    line = err.splitlines()[-1]
+    assert line.startswith("agentrl train: no SFT data left: 2 episodes from teacher scripted"), line
+    if case == "raising reward":
+        assert "2 reward errors" in line and "ZeroDivisionError: broken reward" in line, line
+    else:
+        assert "sft.min_reward=2" in line, line

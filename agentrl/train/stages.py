@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from agentrl import rundir
+from agentrl.cli_args import UsageError
 from agentrl.episodes import EnvPool
 
 _DEMO_OFFSET = 1_000_000_000  # SFT demonstrations use training tasks from this index on (RL starts at 0)
@@ -50,6 +51,23 @@ class FailureBudget:
                 f"every episode failed in {self.streak} consecutive steps (trainer.max_failed_steps={self.limit}); "
                 f"the first exception: {self.first}"
             )
+
+
+class EmptySFTData(UsageError):
+    """The SFT stage has no data: its filters (or failed teacher episodes) left nothing. A usage error (one line,
+    exit status 2), found before the evaluation that precedes training."""
+
+
+def _empty_data_message(sft: Any, info: dict[str, Any]) -> str:
+    """One line: how many episodes the teacher (or ``sft.data``) gave, why none is kept, what to change."""
+    total = info.get("episodes", info.get("read", 0))
+    failed = int(info.get("failed") or 0)
+    counts = f"{total} episodes from {info.get('source')}, {failed} failed, {info.get('reward_errors', 0)} reward errors"
+    if info.get("first_error"):
+        counts += f" (the first: {str(info['first_error']).splitlines()[0][:200]})"
+    filters = f"sft.min_reward={sft.min_reward}, sft.correct_only={str(bool(sft.correct_only)).lower()}"
+    return (f"no SFT data left: {counts}, 0 kept by the filters ({filters}); loosen the filters, fix the env's reward, "
+            "or give sft.data=PATH")
 
 
 async def run_stages(trainer: Any) -> dict[str, Any]:
@@ -90,9 +108,12 @@ async def before_rl(trainer: Any, pool: EnvPool) -> None:
     cfg, state = trainer.cfg, trainer.state
     evaluating = bool(cfg.eval.num_tasks)
     record: dict[str, float] = {}
+    t0 = time.perf_counter()
+    trajectories = await _sft_data(trainer) if cfg.sft.steps else []  # before the evaluation: no data fails fast
+    data_s = time.perf_counter() - t0
     if evaluating and cfg.eval.before and "before" not in state.eval_history:
         record = await trainer.evaluate(pool, "before")
-    sft_metrics = await sft_stage(trainer)
+    sft_metrics = await sft_stage(trainer, trajectories, data_s)
     if sft_metrics:
         record = {f"eval_before/{k[len('eval/'):]}": v for k, v in record.items()}
         record.update(sft_metrics)
@@ -147,21 +168,18 @@ def _out_of_time(trainer: Any, slowest_step: float) -> bool:
     return time.perf_counter() - trainer.t_created + slowest_step + eval_s > cfg.trainer.max_wall_s
 
 
-async def sft_stage(trainer: Any) -> dict[str, float]:
-    """The SFT stage (``sft.*``): data (kept in ``RUN_DIR/sft/data.jsonl``), then ``sft.steps`` optimizer steps
-    with a fresh AdamW (or the one restored from an SFT-stage checkpoint), checkpointed every ``sft.save_every``
-    steps. Resumes at ``state.sft_step``. Returns ``sft/*`` summary metrics ({} when there is no SFT stage)."""
+async def sft_stage(trainer: Any, trajectories: list[Any], data_s: float) -> dict[str, float]:
+    """The SFT stage (``sft.*``) on ``trajectories`` (:func:`_sft_data`, made in ``data_s`` seconds):
+    ``sft.steps`` optimizer steps with a fresh AdamW (or the one restored from an SFT-stage checkpoint),
+    checkpointed every ``sft.save_every`` steps. Resumes at ``state.sft_step``. Returns ``sft/*`` summary
+    metrics ({} when there is no SFT stage)."""
     from agentrl.train.sft import SFTStage
     from agentrl.train.sft_data import describe
 
     cfg, sft, state = trainer.cfg, trainer.cfg.sft, trainer.state
-    if sft.steps == 0:
+    if sft.steps == 0 or not trajectories:
         return {}
-    t0 = time.perf_counter()
-    trajectories = await _sft_data(trainer)
-    if not trajectories:
-        return {}
-    data_s = time.perf_counter() - t0
+    t0 = time.perf_counter() - data_s
     actor = trainer.actor
     optimizer = trainer.checkpoints.sft_optimizer or actor.sft_optimizer()
     trainer.checkpoints.sft_optimizer = None
@@ -182,7 +200,7 @@ async def sft_stage(trainer: Any) -> dict[str, float]:
 
 async def _sft_data(trainer: Any) -> list[Any]:
     """The SFT data: the saved ``sft/data.jsonl`` when resumed inside the stage, else :func:`prepare_data`
-    (saved there). Raises ValueError when the filters leave nothing."""
+    (saved there). Raises :class:`EmptySFTData` when the filters leave nothing."""
     from agentrl.train.sft import prepare_data
 
     cfg, state, reporter = trainer.cfg, trainer.state, trainer.reporter
@@ -200,7 +218,7 @@ async def _sft_data(trainer: Any) -> list[Any]:
         if "none" in str(info.get("source")):
             reporter.print(f"no SFT stage: {info['source']}")
             return []
-        raise ValueError(f"the SFT data is empty after filtering ({info}); check sft.data, sft.teacher and the filters")
+        raise EmptySFTData(_empty_data_message(cfg.sft, info))
     rundir.write_trajectories(data_path, trajectories)
     reporter.print(f"SFT data: {len(trajectories)} trajectories ({info})")
     return trajectories
