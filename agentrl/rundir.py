@@ -427,6 +427,30 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[str]:
     return sorted(names, key=_order)
 
 
+def check_weights_file(path: str | os.PathLike, *, fix: str) -> None:
+    """Raise RunDirError (one line naming ``path`` and ``fix``) for a ``torch.save`` file that is missing, empty
+    or cut short (without the zip directory ``torch.save`` writes at its end), read without loading it."""
+    import zipfile
+
+    if not os.path.isfile(path):
+        raise RunDirError(f"{path} is missing (an incomplete checkpoint); {fix}")
+    if os.path.getsize(path) == 0:
+        raise RunDirError(f"{path} is empty (a write was interrupted?); {fix}")
+    if not zipfile.is_zipfile(path):
+        raise RunDirError(f"{path} is not a readable checkpoint file (cut short or damaged: it does not end with "
+                          f"torch.save's zip directory); {fix}")
+
+
+def exception_line(exc: BaseException, limit: int = 160) -> str:
+    """``Type: message`` of ``exc`` in one line: its message's first sentence, cut at a word when longer than
+    ``limit`` (torch's messages run to several sentences)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = re.split(r"(?<=[a-z0-9)])\. ", text, maxsplit=1)[0].rstrip(".")
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def latest_checkpoint(run_dir: str | os.PathLike) -> str | None:
     """Directory of the newest complete checkpoint (the one ``checkpoints/latest`` names, else the newest
     complete one), or None."""

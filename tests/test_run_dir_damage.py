@@ -150,3 +150,25 @@ def test_a_run_with_a_damaged_config_as_model_is_one_line_and_leaves_nothing(com
     err = capsys.readouterr().err.strip()
     assert "config.yaml is not a readable config" in err and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.parametrize("command", [
+    ["eval", "env=gsm8k", "model={run}", "limit=1", "progress=false"],
+    ["train", "resume={run}", "trainer.total_steps=2"],
+])
+def test_a_truncated_model_pt_is_one_whole_sentence(command, run, tmp_path, monkeypatch, capsys):
+    """A cut ``model.pt``: our line names the file and the fix (not torch's message, not cut mid-sentence),
+    and eval writes no output directory (issue 36 §2.12)."""
+    from agentrl.cli import main
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, copy_function=os.link)
+    _half(copy / STEP / "model.pt")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main([arg.format(run=copy) for arg in command]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "miniz" not in err, err
+    assert "model.pt is not a readable checkpoint file (cut short or damaged" in err, err
+    assert err.endswith(("pass another model=", "overwrite=true")), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -12,9 +12,11 @@ from __future__ import annotations
 import difflib
 import os
 
-from agentrl.rundir import is_run_dir, read_config_yaml
+from agentrl.rundir import ADAPTER_DIR, check_weights_file, is_run_dir, latest_checkpoint, read_config_yaml
 
 BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss", "gpt-oss-20b-random")
+#: What to do about a damaged checkpoint of a run given as ``model=``.
+CHECKPOINT_FIX = "remove that checkpoint directory to use the one before it, or pass another model="
 _KINDS = (
     f"a built-in ({', '.join(BUILTIN_MODELS)}), a save_pretrained directory, an agentrl run directory or a hub id "
     "like 'org/name'"
@@ -71,3 +73,6 @@ def _check_run_model(name: str, path: str, depth: int) -> None:
     if not isinstance(base, str) or not base:
         raise ValueError(f"{os.path.join(path, 'config.yaml')} names no model; {fix}")
     check_model_name(base, depth=depth + 1)
+    ckpt = latest_checkpoint(path)
+    if ckpt is not None and not os.path.isdir(os.path.join(ckpt, ADAPTER_DIR)):  # a full-weights checkpoint
+        check_weights_file(os.path.join(ckpt, "model.pt"), fix=CHECKPOINT_FIX)

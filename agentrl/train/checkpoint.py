@@ -35,8 +35,10 @@ import torch
 from agentrl.rundir import (
     ADAPTER_DIR,
     RunDirError,
+    check_weights_file,
     checkpoint_name,
     checkpoint_root,
+    exception_line,
     list_checkpoints,
     read_checkpoint_state,
     write_atomic,
@@ -208,15 +210,11 @@ _FIX = "remove that checkpoint directory to resume from the one before it, or st
 def load_file(path: str, *, map_location: Any = None, weights_only: bool = True) -> Any:
     """``torch.load(path)``; a missing, empty, truncated or foreign file raises :class:`RunDirError`: one line
     naming the file and what to do."""
-    if not os.path.isfile(path):
-        raise RunDirError(f"{path} is missing (an incomplete checkpoint); {_FIX}")
-    if os.path.getsize(path) == 0:
-        raise RunDirError(f"{path} is empty (a write was interrupted?); {_FIX}")
+    check_weights_file(path, fix=_FIX)
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - torch and pickle raise many types for a damaged file
-        first = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise RunDirError(f"{path} is not a readable checkpoint file ({type(exc).__name__}: {first}); {_FIX}") from None
+        raise RunDirError(f"{path} is not a readable checkpoint file ({exception_line(exc)}); {_FIX}") from None
 
 
 def load_state_into(module: torch.nn.Module, state: Any, source: str) -> None:
