@@ -66,7 +66,8 @@ EVAL_TRAJECTORIES = "trajectories.jsonl"
 EVAL_ERRORS = "errors.jsonl"
 EVAL_CONFIG = "config.json"
 EVAL_METRICS = "metrics.json"
-EVAL_FILES = (EVAL_TRAJECTORIES, EVAL_ERRORS, EVAL_CONFIG, EVAL_METRICS, "trajectories.html")
+EVAL_TORN = "trajectories.torn"  # last lines of trajectories.jsonl torn by a crash, set aside when a run resumes
+EVAL_FILES = (EVAL_TRAJECTORIES, EVAL_ERRORS, EVAL_CONFIG, EVAL_METRICS, EVAL_TORN, "trajectories.html")
 
 ADAPTER_DIR = "adapter"
 """The folder of a checkpoint that holds a LoRA adapter (instead of ``model.pt``)."""

@@ -79,3 +79,19 @@ def test_sft_data_filtered_to_nothing_is_one_line_before_the_first_evaluation(ca
         assert "2 reward errors" in line and "ZeroDivisionError: broken reward" in line, line
     else:
         assert "sft.min_reward=2" in line, line
+
+
+def test_eval_rerun_over_a_damaged_middle_line_is_one_line(tmp_path, capsys):
+    pytest.importorskip("torch")
+    out = tmp_path / "eval"
+    argv = ["eval", "env=gsm8k", "model=tiny-gpt-oss", "limit=2", "max_new_tokens=2", "progress=false", f"out={out}"]
+    assert cli_main(argv) == 0
+    path = out / "trajectories.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0][: len(lines[0]) // 2], *lines[1:]]) + "\n")
+    before = path.read_text()
+    capsys.readouterr()
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "trajectories.jsonl:1: not JSON" in err and "overwrite=true" in err, err
+    assert path.read_text() == before
