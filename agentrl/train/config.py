@@ -296,7 +296,8 @@ class TrainerConfig:
                                      "phase (evaluation, rollout, SFT data; 0: none)", min=0)
     save_trajectories: bool = key(True, "write every episode to RUN_DIR/trajectories")
     export_hf: bool = key(True, "at the end, also write the last checkpoint's model in the HF format "
-                          "(checkpoints/<name>/hf: save_pretrained with the tokenizer; vLLM and TRL load it)")
+                          "(checkpoints/<name>/hf: save_pretrained with the tokenizer; vLLM and TRL load it; a LoRA run's "
+                          "adapter merged into the base)")
     n_gpus: int = key(1, "GPUs of the embedded trainer (> 1: torchrun with FSDP2)", min=1)
     n_gpus_per_node: int = key(8, "GPUs per node of a verl run", min=1, verl="trainer.n_gpus_per_node")
     nnodes: int = key(1, "nodes of a verl run", min=1, verl="trainer.nnodes")

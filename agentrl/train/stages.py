@@ -92,15 +92,27 @@ async def run_stages(trainer: Any) -> dict[str, Any]:
 
 def _export_hf(trainer: Any) -> None:
     """``trainer.export_hf``: the last checkpoint's model also in the HF format (one process; rank 0 of a
-    parallel run holds no full module, so it keeps ``model.pt`` only)."""
+    parallel run holds no full module, so it keeps ``model.pt`` only). A LoRA run exports its adapter merged
+    into the base, loaded anew on the CPU (the trained model is left as it is); its ``adapter/`` stays PEFT's."""
+    from agentrl.models.lora import has_lora
     from agentrl.train.checkpoint import export_hf
 
     ckpt = rundir.latest_checkpoint(trainer.run_dir)
-    if not trainer.cfg.trainer.export_hf or ckpt is None or trainer.parallel.world_size > 1:
+    if not trainer.cfg.trainer.export_hf or ckpt is None:
         return
-    out = export_hf(ckpt, trainer.actor.model, trainer.actor.loaded.tokenizer)
+    if trainer.parallel.world_size > 1:
+        trainer.reporter.print(f"HF format: not written by a {trainer.parallel.world_size}-process run (no rank holds "
+                               f"the whole model); model={trainer.run_dir} loads its checkpoint in every command")
+        return
+    model, tokenizer, how = trainer.actor.model, trainer.actor.loaded.tokenizer, ""
+    if has_lora(model):
+        from agentrl.models.loading import load_model
+
+        merged = load_model(trainer.run_dir, device="cpu", dtype=str(trainer.cfg.dtype))
+        model, tokenizer, how = merged.model, merged.tokenizer or tokenizer, ", the LoRA adapter merged into the base"
+    out = export_hf(ckpt, model, tokenizer)
     if out is not None:
-        trainer.reporter.print(f"HF format (save_pretrained): {out}")
+        trainer.reporter.print(f"HF format (save_pretrained{how}): {out}")
 
 
 async def before_rl(trainer: Any, pool: EnvPool) -> None:
