@@ -110,7 +110,7 @@ def _export_hf(trainer: Any) -> None:
 
         merged = load_model(trainer.run_dir, device="cpu", dtype=str(trainer.cfg.dtype))
         model, tokenizer, how = merged.model, merged.tokenizer or tokenizer, ", the LoRA adapter merged into the base"
-    out = export_hf(ckpt, model, tokenizer)
+    out = export_hf(ckpt, model, tokenizer, getattr(trainer.format, "exported_chat_template", lambda: None)())
     if out is not None:
         trainer.reporter.print(f"HF format (save_pretrained{how}): {out}")
 
