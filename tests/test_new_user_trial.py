@@ -133,3 +133,57 @@ def test_served_tool_calls_are_in_tool_calls_only_streamed_or_not(smollm2_format
     assert "".join(d.get("content", "") for d in deltas) == before and finish == "tool_calls"
     assert [d["tool_calls"][0]["function"]["name"] for d in deltas if "tool_calls" in d] == ["word_count"]
     assert (streamed.content, streamed.reasoning_content) == (msg.content, msg.reasoning_content)
+
+
+def test_truncation_is_counted_per_cut_turn_as_the_readme_says():
+    import sys
+
+    from agentrl.harmony.types import Message
+
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        from custom_env import WordCountEnv
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    env = WordCountEnv(max_turns=3)
+    _, info = env.reset(seed=0)
+    say = env.format.render_completion
+    cut = say([Message("assistant", "thinking", channel="final")])[:-1]  # no stop token
+    env.step(cut)
+    env.step(cut)
+    *_, end = env.step(say([Message("assistant", info["task"]["answer"], channel="final")]))
+    traj = end["trajectory"]
+    assert not traj.truncated and traj.reward == 1.0 and traj.error_counts()["truncation"] == 2
+    env.close()
+
+
+def _readme_commands() -> list[str]:
+    """The README's cheap commands as written: every ``--help`` in its bash blocks and every run of an example
+    script (blocks and inline code), continuation lines joined and trailing comments dropped."""
+    import re
+
+    text = (EXAMPLE.parents[1] / "README.md").read_text()
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        lines += block.replace("\\\n", " ").splitlines()
+    lines += re.findall(r"`((?:\.venv/bin/)?python examples/[^`]+)`", text)
+    commands = [re.split(r"\s{2,}#", line)[0].strip() for line in lines]
+    starts = ("agentrl ", "python ", ".venv/bin/agentrl ", ".venv/bin/python ")
+    return sorted({c for c in commands if c.startswith(starts) and (c.endswith("--help") or " examples/" in c)})
+
+
+def test_readme_commands_run_as_written_in_the_activated_venv():
+    """After ``source .venv/bin/activate`` (the README says so), its commands run as written."""
+    import os
+    import subprocess
+    import sys
+
+    root = EXAMPLE.parents[1]
+    commands = _readme_commands()
+    assert any(" examples/custom_env.py" in c for c in commands) and any(c.endswith("--help") for c in commands)
+    venv = Path(sys.executable).parent  # the venv this test runs in, as `source .venv/bin/activate` gives it
+    env = {**os.environ, "PATH": f"{venv}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONPATH": str(root)}
+    for command in commands:
+        command = command.replace(".venv/bin/", "")  # the activated venv's own programs
+        done = subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (command, done.stderr[-2000:])
