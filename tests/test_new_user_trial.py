@@ -187,3 +187,21 @@ def test_readme_commands_run_as_written_in_the_activated_venv():
         command = command.replace(".venv/bin/", "")  # the activated venv's own programs
         done = subprocess.run(["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (command, done.stderr[-2000:])
+
+
+def test_no_transformers_progress_bars_in_a_log(tmp_path):
+    """``agentrl ... > log 2>&1``: transformers' tqdm bars ("Loading weights", "Writing model shards") stay out."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    code = ("import sys\nfrom agentrl.cli import main\nmain(['view', '--help'])\n"
+            "from transformers.utils import logging\nprint('bars', logging.is_progress_bar_enabled())\n")
+    root = EXAMPLE.parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": str(root)}, stdout=f,
+                       stderr=subprocess.STDOUT, timeout=120, check=True)
+    assert "bars False" in log.read_text()
