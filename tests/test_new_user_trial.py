@@ -205,3 +205,20 @@ def test_no_transformers_progress_bars_in_a_log(tmp_path):
         subprocess.run([sys.executable, "-c", code], cwd=root, env={**env, "PYTHONPATH": str(root)}, stdout=f,
                        stderr=subprocess.STDOUT, timeout=120, check=True)
     assert "bars False" in log.read_text()
+
+
+async def test_an_evaluations_local_engine_stops_sampling_when_the_run_ends():
+    """Ctrl-C during ``agentrl eval``: leaving the run (its exit stack) aborts the local engine, so the sampling
+    thread stops at its next token instead of finishing its batch, which ``asyncio.run`` would wait for."""
+    import contextlib
+
+    pytest.importorskip("torch")
+    from agentrl.engines.base import EngineAborted, SamplingParams
+    from agentrl.evaluation.policies import open_runner
+
+    async with contextlib.AsyncExitStack() as stack:
+        runner = await open_runner(EvalConfig(env="gsm8k", model="tiny-gpt-oss", max_new_tokens=2), stack)
+        engine = runner.backend
+        assert len((await engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2)))[0].token_ids) >= 1
+    with pytest.raises(EngineAborted):
+        await engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
