@@ -222,3 +222,15 @@ async def test_an_evaluations_local_engine_stops_sampling_when_the_run_ends():
         assert len((await engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2)))[0].token_ids) >= 1
     with pytest.raises(EngineAborted):
         await engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+
+
+def test_profile_quick_is_a_short_run_and_given_keys_win():
+    from agentrl.train.config import QUICK_PROFILE, SFT_SPEC, ConfigError, build_config
+
+    cfg = build_config(["env=retool", "profile=quick", "sft.steps=3"])
+    assert cfg.eval.num_tasks == QUICK_PROFILE["eval.num_tasks"] < build_config(["env=retool"]).eval.num_tasks
+    assert cfg.trainer.total_steps == QUICK_PROFILE["trainer.total_steps"] and cfg.sft.steps == 3
+    sft = build_config(["env=retool", "profile=quick"], spec=SFT_SPEC, profile="sft")
+    assert sft.trainer.total_steps == 0 and sft.sft.steps == QUICK_PROFILE["sft.steps"]  # sft keeps its trainer.*
+    with pytest.raises(ConfigError, match="Did you mean: quick"):
+        build_config(["env=retool", "profile=quik"])
