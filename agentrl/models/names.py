@@ -74,5 +74,10 @@ def _check_run_model(name: str, path: str, depth: int) -> None:
         raise ValueError(f"{os.path.join(path, 'config.yaml')} names no model; {fix}")
     check_model_name(base, depth=depth + 1)
     ckpt = latest_checkpoint(path)
-    if ckpt is not None and not os.path.isdir(os.path.join(ckpt, ADAPTER_DIR)):  # a full-weights checkpoint
+    if ckpt is None:
+        raise ValueError(
+            f"training run {name!r} has no checkpoint yet (one is written every trainer.save_every steps and at the "
+            "end); wait for one or pass the base model"
+        )
+    if not os.path.isdir(os.path.join(ckpt, ADAPTER_DIR)):  # a full-weights checkpoint
         check_weights_file(os.path.join(ckpt, "model.pt"), fix=CHECKPOINT_FIX)
