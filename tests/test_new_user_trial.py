@@ -234,3 +234,15 @@ def test_profile_quick_is_a_short_run_and_given_keys_win():
     assert sft.trainer.total_steps == 0 and sft.sft.steps == QUICK_PROFILE["sft.steps"]  # sft keeps its trainer.*
     with pytest.raises(ConfigError, match="Did you mean: quick"):
         build_config(["env=retool", "profile=quik"])
+
+
+def test_the_example_envs_scripted_teacher_feeds_agentrl_sft(tmp_path, capsys):
+    """``agentrl sft env=examples/custom_env.py:WordCountEnv`` (the README's own-env cold start): its scripted
+    teacher's demonstrations are all correct and kept, and the stage trains on them."""
+    pytest.importorskip("torch")
+    run = tmp_path / "run"
+    assert cli_main(["sft", f"env={EXAMPLE}:WordCountEnv", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "steps=1",
+                     "num_demos=4", "batch_size=4", "eval.num_tasks=0", "threads=1", "trainer.tensorboard=false",
+                     "trainer.progress=false", f"run_dir={run}"]) == 0
+    assert "'episodes': 4, 'kept': 4, 'failed': 0" in capsys.readouterr().out
+    assert len((run / "sft" / "data.jsonl").read_text().splitlines()) == 4
