@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = resolved
     module_name, func_name = commands[name][0].split(":")
     cpu_threads.configure()  # before torch loads: libgomp reads its environment then
+    _quiet_progress_bars()
     module = importlib.import_module(module_name)
     previous = _on_sigterm()
     try:
@@ -92,6 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _quiet_progress_bars() -> None:
+    """When stderr is not a terminal (``agentrl train ... > log 2>&1``), no tqdm bars from transformers and the
+    hub ("Loading weights", "Writing model shards", downloads): a log gets agentrl's own progress lines only.
+    Before those libraries load, through the hub's variable, unless the user set it; once loaded, directly."""
+    if sys.stderr is None or sys.stderr.isatty():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def _on_sigterm() -> Any:

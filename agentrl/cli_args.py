@@ -504,10 +504,13 @@ def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
     return docs
 
 
-def help_text(spec: CommandSpec, *, docs: Mapping[str, str] | None = None) -> str:
+def help_text(
+    spec: CommandSpec, *, docs: Mapping[str, str] | None = None, defaults: DictConfig | None = None,
+) -> str:
     """``usage``, then every key with its default (``(required)``), its valid values and bounds, and its
-    description (``docs``, else the key's declaration, else the field's attribute docstring)."""
-    defaults = OmegaConf.structured(spec.schema)
+    description (``docs``, else the key's declaration, else the field's attribute docstring). ``defaults``:
+    the config whose values are shown (a command's own profile); the schema's declared defaults when None."""
+    defaults = OmegaConf.structured(spec.schema) if defaults is None else defaults
     declared = {k: m["doc"] for k, m in declarations(spec.schema).items() if m.get("doc")}
     docs = {**field_docs(spec.schema), **declared, **(docs or {})}
     lines = [f"usage: {spec.usage}", "", "keys (key=value; dotted keys nest; lists as key=[a,b]):"]

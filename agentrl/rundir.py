@@ -68,7 +68,8 @@ EVAL_TRAJECTORIES = "trajectories.jsonl"
 EVAL_ERRORS = "errors.jsonl"
 EVAL_CONFIG = "config.json"
 EVAL_METRICS = "metrics.json"
-EVAL_FILES = (EVAL_TRAJECTORIES, EVAL_ERRORS, EVAL_CONFIG, EVAL_METRICS, "trajectories.html", ERRORS_LOG)
+EVAL_TORN = "trajectories.torn"  # last lines of trajectories.jsonl torn by a crash, set aside when a run resumes
+EVAL_FILES = (EVAL_TRAJECTORIES, EVAL_ERRORS, EVAL_CONFIG, EVAL_METRICS, EVAL_TORN, "trajectories.html", ERRORS_LOG)
 
 ADAPTER_DIR = "adapter"
 """The folder of a checkpoint that holds a LoRA adapter (instead of ``model.pt``)."""
@@ -427,6 +428,30 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[str]:
         return []
     names = [n for n in os.listdir(root) if _CHECKPOINT.match(n) and os.path.exists(os.path.join(root, n, "state.json"))]
     return sorted(names, key=_order)
+
+
+def check_weights_file(path: str | os.PathLike, *, fix: str) -> None:
+    """Raise RunDirError (one line naming ``path`` and ``fix``) for a ``torch.save`` file that is missing, empty
+    or cut short (without the zip directory ``torch.save`` writes at its end), read without loading it."""
+    import zipfile
+
+    if not os.path.isfile(path):
+        raise RunDirError(f"{path} is missing (an incomplete checkpoint); {fix}")
+    if os.path.getsize(path) == 0:
+        raise RunDirError(f"{path} is empty (a write was interrupted?); {fix}")
+    if not zipfile.is_zipfile(path):
+        raise RunDirError(f"{path} is not a readable checkpoint file (cut short or damaged: it does not end with "
+                          f"torch.save's zip directory); {fix}")
+
+
+def exception_line(exc: BaseException, limit: int = 160) -> str:
+    """``Type: message`` of ``exc`` in one line: its message's first sentence, cut at a word when longer than
+    ``limit`` (torch's messages run to several sentences)."""
+    text = (str(exc).strip().splitlines() or [""])[0]
+    text = re.split(r"(?<=[a-z0-9)])\. ", text, maxsplit=1)[0].rstrip(".")
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " ..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> str | None:

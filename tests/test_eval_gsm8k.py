@@ -107,9 +107,14 @@ async def test_eval_resumes_and_keeps_torn_lines(endpoint, tasks, tmp_path):
     lines = path.read_text().splitlines()
     path.write_text("\n".join(lines[:25]) + "\n" + lines[25][:100])  # a crash mid-write
     resumed = await Evaluation(config(endpoint, out)).run()
-    assert resumed["run"]["episodes_run"] == N * LIMIT - 25 and resumed["run"]["unreadable_lines"] == 1
+    assert resumed["run"]["episodes_run"] == N * LIMIT - 25 and resumed["run"]["unreadable_lines"] == 0
     assert {k: resumed[k] for k in expected(tasks)} == {k: first[k] for k in expected(tasks)}
-    assert lines[25][:100] in path.read_text()  # the torn line is kept, not overwritten
+    assert (out / "trajectories.torn").read_text() == lines[25][:100] + "\n"  # the torn line is kept, set aside
+    assert all(json.loads(line) for line in path.read_text().splitlines())  # the file holds whole lines only
+    path.write_text("\n".join([*lines[:3], "{oops", *lines[3:]]) + "\n")  # a damaged line in the middle
+    with pytest.raises(ValueError, match=r"trajectories.jsonl:4: not JSON .*repair or delete that line"):
+        await Evaluation(config(endpoint, out)).run()
+    path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match="different config.*overwrite=true"):
         await Evaluation(config(endpoint, out, temperature=0.5)).run()
     with pytest.raises(ValueError, match="env_kwargs"):

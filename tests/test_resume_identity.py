@@ -1,5 +1,5 @@
 """``resume=RUN`` continues a run as it was: an override of a key that makes the run what it is (env, model,
-format, ...) is refused with one line, exit 2, and the run's config.yaml is not rewritten (issue 27 §4)."""
+format, LoRA shape, ...) is refused with one line, exit 2, and the run's config.yaml is not rewritten (issue 27 §4)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def run(tmp_path):
 
 
 @pytest.mark.parametrize("override", ["env=gsm8k", "model=smollm2-135m", "format=harmony", "model_kwargs.num_layers=2",
-                                      "env_kwargs.tier=compute", "seed=1"])
+                                      "env_kwargs.tier=compute", "seed=1", "actor.lora.rank=8", "actor.lora.alpha=4",
+                                      "actor.lora.target_modules=[q_proj]"])
 def test_resume_refuses_identity_keys_and_writes_nothing(run, override, capsys, monkeypatch):
     import agentrl.train.actor as actor
     from agentrl.cli import main
@@ -32,7 +33,8 @@ def test_resume_refuses_identity_keys_and_writes_nothing(run, override, capsys, 
     before = (run / "config.yaml").read_text()
     assert main(["train", f"resume={run}", override]) == 2
     err = capsys.readouterr().err.strip()
-    key = override.split("=", 1)[0].split(".")[0]  # model_kwargs.num_layers is part of model_kwargs
+    key = override.split("=", 1)[0]
+    key = key if key.startswith("actor.") else key.split(".")[0]  # model_kwargs.num_layers is part of model_kwargs
     assert f"continues the run as it was: {key}=" in err and "differs from its" in err, err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert (run / "config.yaml").read_text() == before and sorted(p.name for p in run.iterdir()) == ["config.yaml"]

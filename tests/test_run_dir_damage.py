@@ -129,3 +129,46 @@ def test_sft_whose_filters_keep_nothing_says_which_before_the_model_loads(run, t
     err = capsys.readouterr().err.strip()
     assert "no trajectory left for SFT" in err and "2 not correct (sft.correct_only=true)" in err, err
     assert len(err.splitlines()) == 1 and not (tmp_path / "sft").exists()
+
+
+@pytest.mark.parametrize("command", [
+    ["eval", "env=gsm8k", "model={run}", "limit=1", "progress=false"],
+    ["serve", "model", "model={run}"],
+    ["train", "env=gsm8k", "model={run}", "trainer.total_steps=1", "run_dir={out}"],
+])
+def test_a_run_with_a_damaged_config_as_model_is_one_line_and_leaves_nothing(command, run, tmp_path, monkeypatch, capsys):
+    """``model=RUN_DIR`` whose config.yaml is damaged: eval, serve and train exit 2 with one line naming the
+    file, before any model loads, and write no output directory (issue 36 §2.1)."""
+    from agentrl.cli import main
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, copy_function=os.link)
+    _replace(copy / "config.yaml", b"env: [gsm8k\nmodel: {x\n")
+    monkeypatch.chdir(tmp_path)  # eval's default output directory is runs/eval/... under it
+    capsys.readouterr()
+    assert main([arg.format(run=copy, out=tmp_path / "out") for arg in command]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config.yaml is not a readable config" in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+@pytest.mark.parametrize("command", [
+    ["eval", "env=gsm8k", "model={run}", "limit=1", "progress=false"],
+    ["train", "resume={run}", "trainer.total_steps=2"],
+])
+def test_a_truncated_model_pt_is_one_whole_sentence(command, run, tmp_path, monkeypatch, capsys):
+    """A cut ``model.pt``: our line names the file and the fix (not torch's message, not cut mid-sentence),
+    and eval writes no output directory (issue 36 §2.12)."""
+    from agentrl.cli import main
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy, copy_function=os.link)
+    _half(copy / STEP / "model.pt")
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main([arg.format(run=copy) for arg in command]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and "miniz" not in err, err
+    assert "model.pt is not a readable checkpoint file (cut short or damaged" in err, err
+    assert err.endswith(("pass another model=", "overwrite=true")), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

@@ -23,6 +23,11 @@ def test_help_and_errors(capsys):
     assert cli_main(["sft", "--help"]) == 0
     out = capsys.readouterr().out
     assert "sft.steps" in out and "sft.teacher" in out and "resume=" in out
+    # its own defaults, not train's (sft= declarations)
+    assert "  sft.steps = 12 " in out and "  trainer.total_steps = 0 " in out and "  eval.num_tasks = 32 " in out
+    assert cli_main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  sft.steps = 6 " in out and "  trainer.total_steps = 10 " in out
     assert cli_main(["--help"]) == 0 and "sft" in capsys.readouterr().out
     cases = [
         (["env=retool", "sft.stpes=3"], "Did you mean: sft.steps"),

@@ -56,7 +56,7 @@ def test_lora_trainer_trains_only_the_adapter_on_policy_and_checkpoints_it_alone
     assert changed and all(n in adapter for n in changed)  # base weights bit-identical, adapters moved
     assert any("lora_B" in n for n in changed)
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["adapter", "optimizer.pt", "rng.pt", "state.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["adapter", "hf", "optimizer.pt", "rng.pt", "state.json"]
     saved = load_file(ckpt / "adapter" / "adapter_model.safetensors")
     assert len(saved) == len(adapter) and all(".lora_" in k for k in saved)
     optim = torch.load(ckpt / "optimizer.pt", weights_only=True)

@@ -118,6 +118,26 @@ def test_verl_rejects_incompatible_sizes_before_launch(tmp_path):
     with pytest.raises(VerlConfigError, match="divisible") as err:
         plan(_cfg(tmp_path, **{"rollout.batch_size": 3, "verl.use_dynamic_bsz": False}))
     assert "rollout.batch_size x rollout.n" in str(err.value) and "real_train_batch_size" in str(err.value)
+    assert not (tmp_path / "run").exists()  # a refused plan leaves no run directory behind
+
+
+def test_lora_with_a_vllm_rollout_plans_without_vllm_installed(tmp_path, capsys):
+    """The README's GPT-OSS-20B LoRA dry run on a machine without vLLM: verl's vLLM LoRA-rank check needs
+    vLLM, which the nodes have; the plan goes through and says vLLM is missing here (issue 36 §2.6)."""
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    from agentrl.train.verl_backend.launch import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: verl checks the LoRA rank itself")
+    cfg = _cfg(tmp_path, **{"actor.lora": {"rank": 32, "alpha": None, "dropout": 0.0, "target_modules": []}})
+    assert main(cfg, dry_run=True) == 0
+    printed = capsys.readouterr().out
+    assert "actor_rollout_ref.model.lora_rank = 32" in printed and "vllm is not installed here" in printed
+    saved = OmegaConf.load(tmp_path / "run" / "verl_config.yaml").actor_rollout_ref.model
+    assert saved.lora_rank == 32 and not (saved.get("lora") or {}).get("merge", False)  # only the check's copy merges
 
 
 @pytest.mark.parametrize(

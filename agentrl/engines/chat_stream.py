@@ -11,8 +11,8 @@
 
 :meth:`DeltaStreamer.finish` reconciles with the parsed message (the non-streamed answer): whatever of
 its ``content``/``reasoning_content`` was not streamed yet is sent, then the tool calls. So the deltas of a
-stream always add up to the message a non-streamed request returns, with the tool-call markup of chat
-templates left out of ``content``.
+stream always add up to the message a non-streamed request returns; in both, the tool-call markup of chat
+templates is left out of ``content`` (OpenAI's contract: calls are in ``tool_calls`` only).
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentrl.engines.base import Completion
-from agentrl.engines.openai_api import AssistantMessage, finish_reason, turn_to_message
+from agentrl.engines.openai_api import TOOL_TAG, AssistantMessage, finish_reason, turn_to_message
 from agentrl.harmony.format import ChatFormat
 
-TOOL_TAG = "<tool_call>"
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
@@ -85,8 +84,6 @@ class DeltaStreamer:
         out: list[dict[str, Any]] = []
         for key in ("reasoning_content", "content"):
             full = getattr(msg, key) or ""
-            if key == "content" and msg.tool_calls and self._parser is None:
-                continue  # a chat template's content holds the raw <tool_call> markup: sent as tool_calls
             if full.startswith(self.sent[key]) and len(full) > len(self.sent[key]):
                 out.append({key: full[len(self.sent[key]) :]})
         for k, tc in enumerate(msg.tool_calls or []):

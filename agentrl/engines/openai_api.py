@@ -361,9 +361,15 @@ def openai_to_tools(tools: Sequence[ToolDef] | None) -> list[ToolSpec]:
     ]
 
 
+#: Where a chat template's (Hermes) tool calls start in the text of a completion.
+TOOL_TAG = "<tool_call>"
+
+
 def turn_to_message(turn: ParsedTurn, fmt: ChatFormat, completion_ids: Sequence[int]) -> AssistantMessage:
     """A parsed completion as an OpenAI assistant message. Unparseable output is returned as content
-    (the decoded text), so nothing the model said is lost."""
+    (the decoded text), so nothing the model said is lost. As in OpenAI's API, parsed tool calls are in
+    ``tool_calls`` only: ``content`` is the text before a chat template's first ``<tool_call>`` (None when
+    there is none), the same text a stream sends (:mod:`~agentrl.engines.chat_stream`)."""
     msg = AssistantMessage()
     reasoning = [m.content for m in turn.messages if m.channel == "analysis" and not m.recipient]
     if reasoning:
@@ -377,7 +383,10 @@ def turn_to_message(turn: ParsedTurn, fmt: ChatFormat, completion_ids: Sequence[
             if m.role == "assistant" and not m.recipient and m.channel != "analysis"
         ]
         if said:
-            msg.content = "\n".join(said)
+            content = "\n".join(said)
+            if turn.tool_calls and fmt.name != "harmony":  # the text holds the raw <tool_call> markup
+                content = content.split(TOOL_TAG, 1)[0].strip()
+            msg.content = content or None
         elif not turn.tool_calls and not reasoning:
             stops = set(fmt.stop_token_ids)
             msg.content = fmt.decode([t for t in completion_ids if t not in stops])

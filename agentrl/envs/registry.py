@@ -158,6 +158,8 @@ def _import(target: str, reference: str) -> Any:
 
 
 def _import_file(path: str, reference: str) -> Any:
+    """The module of ``path``, run once, with its folder first on ``sys.path`` as ``python path`` would put it,
+    so that it imports the modules next to it."""
     import importlib.util
 
     full = os.path.abspath(os.path.expanduser(path))
@@ -169,6 +171,9 @@ def _import_file(path: str, reference: str) -> Any:
     spec = importlib.util.spec_from_file_location(name, full)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    folder = os.path.dirname(full)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
         spec.loader.exec_module(module)

@@ -137,12 +137,13 @@ def _evaluate(cfg: Any) -> int:
         return 1
     console.print(metrics_table(metrics))
     run_info = metrics["run"]
+    failed = run_info["episodes_failed"]
     infra = run_info.get("infra_errors", 0)
     infra_note = f", {infra} of them infrastructure errors: incomplete, not wrong" if infra else ""
+    see = f"; see {config.out_dir() / rundir.EVAL_ERRORS} and {config.out_dir() / rundir.ERRORS_LOG}" if failed else ""
     console.print(
         f"wrote {config.out_dir() / 'trajectories.jsonl'} ({run_info['episodes_run']} new episodes, "
-        f"{run_info['episodes_skipped']} already done, {run_info['episodes_failed']} failed{infra_note}; see "
-        "errors.jsonl and errors.log)"
+        f"{run_info['episodes_skipped']} already done, {failed} failed{infra_note}{see})", highlight=False, soft_wrap=True,
     )
     return 0 if not run_info["episodes_failed"] else 3
 

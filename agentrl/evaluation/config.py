@@ -132,8 +132,13 @@ class EvalConfig:
             name = self.served_model or self.model.split("://", 1)[1].split("/", 1)[0]
         else:
             name = self.model.rstrip("/").rsplit("/", 1)[-1]
-        name = name.replace(":", "_").replace("/", "_") or "model"
-        return Path("runs") / "eval" / f"{self.env}-{name}"
+        env = self.env.rstrip("/").rsplit("/", 1)[-1]  # file.py:Class -> its file's name, not its folders
+        return Path("runs") / "eval" / f"{_path_safe(env)}-{_path_safe(name) or 'model'}"
+
+
+def _path_safe(name: str) -> str:
+    """``name`` as one portable path component: ``:`` (``module:Class``), slashes and backslashes become ``_``."""
+    return name.replace(":", "_").replace("/", "_").replace("\\", "_")
 
 
 def load_tasks(config: EvalConfig) -> list[tuple[str, dict[str, Any]]]:

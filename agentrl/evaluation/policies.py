@@ -52,6 +52,9 @@ async def open_runner(cfg: EvalConfig, stack: contextlib.AsyncExitStack) -> Epis
         from agentrl.engines.server import load_local_engine
 
         engine, fmt, _ = load_local_engine(cfg.model, format=cfg.format, seed=cfg.seed, max_batch_size=cfg.max_batch_size)
+        # on the way out, above all on Ctrl-C, the sampling thread stops at its next token instead of finishing
+        # its batch (which asyncio.run would wait for)
+        stack.callback(engine.abort)
     return TokenRunner(cls, {**env_kwargs, "format": fmt}, cfg, engine)
 
 

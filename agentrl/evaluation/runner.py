@@ -160,7 +160,7 @@ class Evaluation:
         cfg = self.config
         items = load_tasks(cfg)
         self.store = ResultStore(cfg.out_dir(), cfg)
-        done = {(t.task_id, t.sample) for t in self.store.load()}
+        done = {(t.task_id, t.sample) for t in self.store.load(resuming=True)}
         todo = eval_jobs(cfg, items, done)
         t0 = time.perf_counter()
         try:

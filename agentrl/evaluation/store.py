@@ -4,7 +4,9 @@ Layout (``out``, see :mod:`agentrl.rundir`): ``trajectories.jsonl`` (one finishe
 as it finishes; each carries its ``task_id``, ``sample``, ``env``, ``model``, ``latency_s``), ``errors.jsonl``
 (episodes that failed, e.g. an endpoint down after retries; they are retried on the next run), ``errors.log``
 (the full traceback of each failure, :mod:`agentrl.errorlog`),
-``config.json`` and ``metrics.json``. Rerunning with the same ``out`` skips finished ``(item, sample)`` pairs;
+``config.json`` and ``metrics.json``. Rerunning with the same ``out`` skips finished ``(item, sample)`` pairs
+(a last line torn by a crash is moved to ``trajectories.torn`` and its episode runs again; any other unreadable
+line is a :class:`~agentrl.rundir.RunDirError` naming it);
 a config that changes what is measured (:data:`~agentrl.evaluation.config.RESUME_KEYS`) is refused unless
 ``overwrite=True``, which starts the directory afresh. A training run's directory is refused as ``out``.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import fields
 from pathlib import Path
@@ -70,15 +73,34 @@ class ResultStore:
                 )
         rundir.write_json(cfg_path, {k: v for k, v in current.items() if k != "api_key"})
 
-    def load(self) -> list[Trajectory]:
+    def load(self, *, resuming: bool = False) -> list[Trajectory]:
         """Every readable finished trajectory; unreadable lines are counted in ``unreadable`` and described in
-        ``problem`` (a torn last line is skipped silently)."""
+        ``problem`` (a torn last line is skipped). ``resuming`` (the load before a run appends): a torn last
+        line is moved to ``trajectories.torn`` (kept, out of the way of the lines appended next), and any other
+        unreadable line raises :class:`~agentrl.rundir.RunDirError` (one line naming it and the fix)."""
         if not self.traj_path.exists():
             self.unreadable, self.problem = 0, None
             return []
         loaded = rundir.load_trajectories(self.traj_path)
+        if resuming and loaded.problems:
+            first = loaded.problems[0]
+            more = f" ({len(loaded.problems)} unreadable lines in all)" if len(loaded.problems) > 1 else ""
+            raise rundir.RunDirError(
+                f"{first.source}: {first.error}{more}; repair or delete that line (its episode then runs again), "
+                f"or overwrite=true to start {self.out} afresh"
+            )
+        if resuming and loaded.torn:
+            self._set_torn_line_aside()
         self.unreadable, self.problem = len(loaded.problems), loaded.report()
         return loaded.records
+
+    def _set_torn_line_aside(self) -> None:
+        """Move the torn last line of ``trajectories.jsonl`` (no newline after it) to ``trajectories.torn``."""
+        data = self.traj_path.read_bytes()
+        cut = data.rfind(b"\n") + 1
+        with rundir.AppendFile(self.out / rundir.EVAL_TORN) as torn:
+            torn.write(data[cut:].decode("utf-8", errors="replace"))
+        os.truncate(self.traj_path, cut)
 
     def write(self, traj: Trajectory) -> None:
         self._trajectories.write(traj.to_json())

@@ -28,16 +28,51 @@ class TemplateNotAppendOnlyError(ValueError):
     """The chat template changes already-rendered tokens when a message is appended."""
 
 
+_TOOLS_HEAD = (
+    "# Tools\n\nYou can call functions to help with the user's request. Their signatures, one JSON object "
+    "per line, are inside <tools></tools>:\n<tools>\n"
+)
+_TOOLS_TAIL = (
+    "\n</tools>\n\nTo call a function, write a JSON object with its name and arguments inside <tool_call></tool_call>:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>'
+)
+
+
 def hermes_tools_prompt(tools: Sequence[ToolSpec]) -> str:
     """System-prompt text describing ``tools`` and the ``<tool_call>`` convention, for templates that do
     not render tools themselves."""
     lines = [json.dumps(_tool_schema(t), ensure_ascii=False) for t in tools]
-    return (
-        "# Tools\n\nYou can call functions to help with the user's request. Their signatures, one JSON object "
-        "per line, are inside <tools></tools>:\n<tools>\n" + "\n".join(lines) + "\n</tools>\n\n"
-        "To call a function, write a JSON object with its name and arguments inside <tool_call></tool_call>:\n"
-        '<tool_call>\n{"name": <function-name>, "arguments": <arguments-object>}\n</tool_call>'
-    )
+    return _TOOLS_HEAD + "\n".join(lines) + _TOOLS_TAIL
+
+
+def _jinja_str(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # JSON's escapes (\n, \", \\) are Jinja string escapes too
+
+
+#: Jinja run before a template that does not render tools itself, so that ``apply_chat_template(messages,
+#: tools=...)`` renders what :class:`ChatTemplateFormat` trained on: the leading system messages and the tools
+#: prompt joined into one system message, and assistant ``tool_calls`` (OpenAI/HF form) as ``<tool_call>`` blocks.
+_TOOLS_PREAMBLE = (
+    "{%- if tools or messages | selectattr('tool_calls', 'defined') | list %}\n"
+    "{%- set ns = namespace(lead=[], start=0, out=[], calls=[]) %}\n"
+    "{%- for m in messages %}{%- if ns.start == loop.index0 and m.role in ['system', 'developer'] %}"
+    "{%- set ns.lead = ns.lead + [m.content] %}{%- set ns.start = loop.index %}{%- endif %}{%- endfor %}\n"
+    "{%- if tools %}{%- set ns.lead = ns.lead + [" + _jinja_str(_TOOLS_HEAD)
+    + " + (tools | map('tojson') | join('\\n')) + " + _jinja_str(_TOOLS_TAIL) + "] %}{%- endif %}\n"
+    "{%- if ns.lead %}{%- set ns.out = [{'role': 'system', 'content': ns.lead | join('\\n\\n')}] %}{%- endif %}\n"
+    "{%- for m in messages[ns.start:] %}\n"
+    "{%- if m.role == 'assistant' and m.tool_calls %}{%- set ns.calls = [] %}\n"
+    "{%- for tc in m.tool_calls %}{%- set f = tc.function if tc.function is defined else tc %}"
+    "{%- set args = f.arguments if f.arguments is string else f.arguments | tojson %}"
+    "{%- set ns.calls = ns.calls + ['<tool_call>\\n{\"name\": ' + (f.name | tojson) + ', \"arguments\": ' + args"
+    " + '}\\n</tool_call>'] %}{%- endfor %}\n"
+    "{%- set text = ((m.content + '\\n') if m.content else '') + ns.calls | join('\\n') %}"
+    "{%- set ns.out = ns.out + [{'role': 'assistant', 'content': text}] %}\n"
+    "{%- else %}{%- set ns.out = ns.out + [{'role': m.role, 'content': m.content}] %}{%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- set messages = ns.out %}{%- set tools = none %}\n"
+    "{%- endif %}\n"
+)
 
 
 def _tool_schema(t: ToolSpec) -> dict[str, Any]:
@@ -80,6 +115,13 @@ class ChatTemplateFormat(ChatFormat):
                 "ChatTemplateFormat.from_pretrained needs transformers: pip install 'agentrl-sdk[train]'"
             ) from exc
         return cls(AutoTokenizer.from_pretrained(name_or_path, **kwargs))
+
+    def exported_chat_template(self) -> str:
+        """The chat template to ship with a checkpoint trained in this format (``save_pretrained``): one that
+        renders ``tools=`` as training did. A template that renders tools itself is returned as it is; else the
+        tools prompt and ``<tool_call>`` blocks are added by a preamble (:data:`_TOOLS_PREAMBLE`) before it."""
+        template = self.tokenizer.chat_template
+        return template if self._template_renders_tools else _TOOLS_PREAMBLE + template
 
     # -- rendering helpers --------------------------------------------------------------------------------
     @cached_property

@@ -40,8 +40,16 @@ from typing import Any
 import torch
 
 from agentrl.models.conversion_cache import cached_conversion
-from agentrl.models.names import BUILTIN_MODELS, check_model_name
-from agentrl.rundir import ADAPTER_DIR, is_run_dir, latest_checkpoint
+from agentrl.models.names import BUILTIN_MODELS, CHECKPOINT_FIX, check_model_name
+from agentrl.rundir import (
+    ADAPTER_DIR,
+    RunDirError,
+    check_weights_file,
+    exception_line,
+    is_run_dir,
+    latest_checkpoint,
+    read_config_yaml,
+)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -215,7 +223,7 @@ def _load_run(
         )
     if depth > 8:
         raise ValueError(f"training run {run_dir!r}: its model= chain of run directories is too deep (a loop?)")
-    cfg = OmegaConf.load(os.path.join(run_dir, "config.yaml"))
+    cfg = read_config_yaml(run_dir, fix="pass another model=, or restore the file (it was written by agentrl train)")
     base = str(cfg.get("model") or "")
     if not base:
         raise ValueError(f"{os.path.join(run_dir, 'config.yaml')} names no model; is it an agentrl run?")
@@ -235,7 +243,12 @@ def _load_run(
         load_adapter(loaded.model, adapter)
         merge_lora(loaded.model)
     else:
-        state = torch.load(os.path.join(ckpt, "model.pt"), map_location=loaded.model.device, weights_only=True)
+        file = os.path.join(ckpt, "model.pt")
+        check_weights_file(file, fix=CHECKPOINT_FIX)
+        try:
+            state = torch.load(file, map_location=loaded.model.device, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - torch and pickle raise many types for a damaged file
+            raise RunDirError(f"{file} is not a readable checkpoint file ({exception_line(exc)}); {CHECKPOINT_FIX}") from None
         loaded.model.load_state_dict(state)
     fmt = str(cfg.get("format") or "auto")
     if fmt != "auto":

@@ -12,9 +12,11 @@ from __future__ import annotations
 import difflib
 import os
 
-from agentrl.rundir import is_run_dir
+from agentrl.rundir import ADAPTER_DIR, check_weights_file, is_run_dir, latest_checkpoint, read_config_yaml
 
 BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss", "gpt-oss-20b-random")
+#: What to do about a damaged checkpoint of a run given as ``model=``.
+CHECKPOINT_FIX = "remove that checkpoint directory to use the one before it, or pass another model="
 _KINDS = (
     f"a built-in ({', '.join(BUILTIN_MODELS)}), a save_pretrained directory, an agentrl run directory or a hub id "
     "like 'org/name'"
@@ -31,14 +33,19 @@ def looks_like_path(name: str) -> bool:
     return len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
 
 
-def check_model_name(name: str) -> None:
+def check_model_name(name: str, *, depth: int = 0) -> None:
     """Raise ``ValueError`` (one line: what is wrong, what to give) for a model name that cannot load for a
-    reason the local disk shows; return for built-ins, model and run directories, and hub-id-like names."""
+    reason the local disk shows; return for built-ins, model directories, hub-id-like names and run directories
+    whose ``config.yaml`` reads and names a model that passes this check (a damaged one raises
+    :class:`~agentrl.rundir.RunDirError`, a ValueError)."""
     if name in BUILTIN_MODELS:
         return
     path = os.path.expanduser(name)
     if os.path.isdir(path):
-        if is_run_dir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        if is_run_dir(path):
+            _check_run_model(name, path, depth)
+            return
+        if os.path.isfile(os.path.join(path, "config.json")):
             return
         raise ValueError(
             f"model directory {name!r} has no config.json: pass a save_pretrained directory or an "
@@ -55,3 +62,22 @@ def check_model_name(name: str) -> None:
             f"unknown model {name!r}.{hint} Use a built-in ({', '.join(BUILTIN_MODELS)}), "
             "a local directory with config.json, or a hub id like 'org/name'."
         )
+
+
+def _check_run_model(name: str, path: str, depth: int) -> None:
+    """The training run ``path`` given as ``model=``: its config reads and its own ``model`` is loadable."""
+    if depth > 8:
+        raise ValueError(f"model={name!r}: its chain of run directories (model= in each config.yaml) is too deep (a loop?)")
+    fix = "pass another model=, or restore the file (it was written by agentrl train)"
+    base = read_config_yaml(path, fix=fix).get("model")
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"{os.path.join(path, 'config.yaml')} names no model; {fix}")
+    check_model_name(base, depth=depth + 1)
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise ValueError(
+            f"training run {name!r} has no checkpoint yet (one is written every trainer.save_every steps and at the "
+            "end); wait for one or pass the base model"
+        )
+    if not os.path.isdir(os.path.join(ckpt, ADAPTER_DIR)):  # a full-weights checkpoint
+        check_weights_file(os.path.join(ckpt, "model.pt"), fix=CHECKPOINT_FIX)

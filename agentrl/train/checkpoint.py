@@ -35,8 +35,10 @@ import torch
 from agentrl.rundir import (
     ADAPTER_DIR,
     RunDirError,
+    check_weights_file,
     checkpoint_name,
     checkpoint_root,
+    exception_line,
     list_checkpoints,
     read_checkpoint_state,
     write_atomic,
@@ -141,11 +143,13 @@ HF_DIR = "hf"
 a run (:func:`export_hf`)."""
 
 
-def export_hf(checkpoint: str, model: torch.nn.Module, tokenizer: Any = None) -> str | None:
+def export_hf(checkpoint: str, model: torch.nn.Module, tokenizer: Any = None, chat_template: str | None = None) -> str | None:
     """Write ``model`` (the weights of ``checkpoint``) with ``save_pretrained`` (safetensors, its config) and
     ``tokenizer`` when there is one into ``checkpoint/hf``, atomically (a temporary folder renamed into place);
     returns that folder, or None for a model without ``save_pretrained`` or with a LoRA adapter (its checkpoint
-    already is PEFT's format)."""
+    already is PEFT's format). The saved tokenizer gets ``chat_template`` (the one that renders tools as
+    training did, see :meth:`~agentrl.harmony.ChatTemplateFormat.exported_chat_template`) and the end token
+    the model's config names (``eos_token_id``), so transformers, vLLM and TRL stop where the model does."""
     from agentrl.models.lora import has_lora
 
     if not hasattr(model, "save_pretrained") or has_lora(model):
@@ -155,11 +159,25 @@ def export_hf(checkpoint: str, model: torch.nn.Module, tokenizer: Any = None) ->
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
+        _save_tokenizer(tokenizer, tmp, chat_template, getattr(model.config, "eos_token_id", None))
     _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     return final
+
+
+def _save_tokenizer(tokenizer: Any, directory: str, chat_template: str | None, eos_id: Any) -> None:
+    """``tokenizer.save_pretrained(directory)`` with ``chat_template`` and the end token ``eos_id`` (an int)
+    set for the save only: the live tokenizer, which the run's format renders with, is left as it was."""
+    before = (tokenizer.chat_template, tokenizer.eos_token)
+    try:
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        if isinstance(eos_id, int) and eos_id != tokenizer.eos_token_id:
+            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+        tokenizer.save_pretrained(directory)
+    finally:
+        tokenizer.chat_template, tokenizer.eos_token = before
 
 
 def _is_keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
@@ -208,15 +226,11 @@ _FIX = "remove that checkpoint directory to resume from the one before it, or st
 def load_file(path: str, *, map_location: Any = None, weights_only: bool = True) -> Any:
     """``torch.load(path)``; a missing, empty, truncated or foreign file raises :class:`RunDirError`: one line
     naming the file and what to do."""
-    if not os.path.isfile(path):
-        raise RunDirError(f"{path} is missing (an incomplete checkpoint); {_FIX}")
-    if os.path.getsize(path) == 0:
-        raise RunDirError(f"{path} is empty (a write was interrupted?); {_FIX}")
+    check_weights_file(path, fix=_FIX)
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - torch and pickle raise many types for a damaged file
-        first = (str(exc).strip().splitlines() or [""])[0][:160]
-        raise RunDirError(f"{path} is not a readable checkpoint file ({type(exc).__name__}: {first}); {_FIX}") from None
+        raise RunDirError(f"{path} is not a readable checkpoint file ({exception_line(exc)}); {_FIX}") from None
 
 
 def load_state_into(module: torch.nn.Module, state: Any, source: str) -> None:

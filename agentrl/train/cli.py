@@ -53,7 +53,8 @@ def load_run_config(argv: list[str], *, spec: CommandSpec = SPEC, profile: str |
 _ABSENT = object()
 
 #: Keys that make a run what it is; a resume may not change them (other keys, e.g. trainer.total_steps, it may).
-IDENTITY_KEYS = ("env", "env_kwargs", "model", "model_kwargs", "format", "seed", "data.tasks", "data.level", "backend")
+IDENTITY_KEYS = ("env", "env_kwargs", "model", "model_kwargs", "format", "seed", "data.tasks", "data.level", "backend",
+                 "actor.lora.rank", "actor.lora.alpha", "actor.lora.target_modules")  # a LoRA checkpoint's shapes
 
 
 def _plain(value):

@@ -54,6 +54,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 FORMATS = ("auto", "chat_template", "harmony")
 FREEZE_GROUPS = tuple(sorted(FREEZE_PATTERNS))
 BACKENDS = ("embedded", "verl")
+#: ``profile=quick``: a short smoke run of the same job (fewer held-out tasks, demonstrations and steps), for a
+#: first try on a CPU; keys given on the command line win. ``agentrl sft`` keeps its own ``trainer.*`` keys.
+QUICK_PROFILE = {"eval.num_tasks": 16, "sft.num_demos": 16, "sft.steps": 2, "rollout.batch_size": 2,
+                 "trainer.total_steps": 2}
+PROFILES = ("default", "quick")
 TEACHER_APIS = ("chat", "completions")
 VERL_STRATEGIES = ("fsdp", "fsdp2")
 #: ``verl.rollout``: auto, the servers verl runs (vllm, sglang), and agentrl's local engine
@@ -296,7 +301,8 @@ class TrainerConfig:
                                      "phase (evaluation, rollout, SFT data; 0: none)", min=0)
     save_trajectories: bool = key(True, "write every episode to RUN_DIR/trajectories")
     export_hf: bool = key(True, "at the end, also write the last checkpoint's model in the HF format "
-                          "(checkpoints/<name>/hf: save_pretrained with the tokenizer; vLLM and TRL load it)")
+                          "(checkpoints/<name>/hf: save_pretrained with the tokenizer; vLLM and TRL load it; a LoRA run's "
+                          "adapter merged into the base)")
     n_gpus: int = key(1, "GPUs of the embedded trainer (> 1: torchrun with FSDP2)", min=1)
     n_gpus_per_node: int = key(8, "GPUs per node of a verl run", min=1, verl="trainer.n_gpus_per_node")
     nnodes: int = key(1, "nodes of a verl run", min=1, verl="trainer.nnodes")
@@ -363,6 +369,8 @@ class TrainConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     backend: str = key("embedded", "embedded (this process) or verl (Ray, FSDP, vLLM/SGLang)", choices=BACKENDS)
+    profile: str = key("default", "a preset of defaults: quick is a short smoke run (the values: --help's last lines)",
+                       choices=PROFILES)
     overwrite: bool = key(False, "start run_dir afresh even if it holds a run")
     verl: VerlSection = field(default_factory=VerlSection)
 
@@ -507,15 +515,20 @@ def build_config(
 def _profile_defaults(given: list[str], profile: str | None) -> DictConfig | None:
     """The defaults of a fresh run with the ``gpu`` profile (when ``given`` asks for a GPU or verl run) and
     ``profile`` applied, or None when neither applies."""
-    chosen = {k: v for k, _, v in (t.partition("=") for t in given) if k in ("device", "backend", "actor.lora.rank")}
+    chosen = {k: v for k, _, v in (t.partition("=") for t in given)
+              if k in ("device", "backend", "actor.lora.rank", "profile")}
     layers = ["gpu"] if chosen.get("device") == "cuda" or chosen.get("backend") == "verl" else []
     layers += [profile] if profile else []
     lora = _is_lora_rank(chosen.get("actor.lora.rank"))
-    if not layers and not lora:
+    quick = chosen.get("profile") == "quick"
+    if not layers and not lora and not quick:
         return None
     cfg = OmegaConf.structured(TrainConfig)
     for layer in layers:
         for name, value in profile_values(layer).items():
+            OmegaConf.update(cfg, name, value, merge=False)
+    for name, value in QUICK_PROFILE.items() if quick else ():
+        if not (profile == "sft" and name.startswith("trainer.")):
             OmegaConf.update(cfg, name, value, merge=False)
     if lora:
         for name in LORA_LR_KEYS:
@@ -532,13 +545,20 @@ def _is_lora_rank(text: str | None) -> bool:
 
 
 def help_text(spec: CommandSpec = SPEC, profile: str | None = None) -> str:
-    """All keys with their defaults, valid values and descriptions (``agentrl train --help`` / ``agentrl sft
-    --help``), and the defaults that differ on a GPU run and in ``agentrl sft``."""
-    lines = [spec_help_text(spec), ""]
+    """All keys with their defaults, valid values and descriptions (``agentrl train --help``; ``agentrl sft
+    --help`` passes ``profile="sft"`` and shows its own defaults), and the defaults that differ on a GPU run
+    and in the other command."""
+    lines = [spec_help_text(spec, defaults=_profile_defaults([], profile)), ""]
     gpu = " ".join(f"{k}={v!r}" for k, v in profile_values("gpu").items())
     lines.append(f"Defaults on a GPU run (device=cuda) or a verl run (backend=verl): {gpu}")
     sft = " ".join(f"{k}={v!r}" for k, v in profile_values("sft").items())
-    lines.append(f"Defaults of agentrl sft: {sft}")
+    if profile == "sft":
+        train = " ".join(f"{k}={OmegaConf.select(OmegaConf.structured(TrainConfig), k)!r}" for k in profile_values("sft"))
+        lines.append(f"The keys above show agentrl sft's defaults ({sft}); agentrl train's are {train}")
+    else:
+        lines.append(f"Defaults of agentrl sft: {sft}")
+    quick = " ".join(f"{k}={v!r}" for k, v in QUICK_PROFILE.items() if profile != "sft" or not k.startswith("trainer."))
+    lines.append(f"profile=quick (a short smoke run): {quick}")
     lines.append(f"With actor.lora.rank > 0 (a fresh run): {' and '.join(LORA_LR_KEYS)} default to {LORA_LR_SCALE:g}x the "
                  "above (LoRA needs a larger learning rate than full fine-tuning)")
     return "\n".join(lines)

@@ -243,7 +243,9 @@ async def prepare_data(
         "source": f"teacher {teacher.name}",
         "episodes": demos.episodes, "kept": demos.kept, "failed": demos.failed, "wall_s": round(demos.wall_s, 3),
     }
-    if demos.errors:
-        info["first_error"] = demos.errors[0]
+    if demos.reward_errors:
+        info["reward_errors"] = len(demos.reward_errors)
+    if demos.errors or demos.reward_errors:
+        info["first_error"] = (demos.errors or demos.reward_errors)[0]
     return demos.trajectories, info
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if is_help(argv):
-        print(help_text(SFT_SPEC) + "\n\n" + plain_text(__doc__.strip()))
+        print(help_text(SFT_SPEC, profile="sft") + "\n\n" + plain_text(__doc__.strip()))
         return 0
     try:
         cfg = load_run_config(_with_env(argv), spec=SFT_SPEC, profile="sft")

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from agentrl import rundir
+from agentrl.cli_args import UsageError
 from agentrl.episodes import EnvPool
 
 _DEMO_OFFSET = 1_000_000_000  # SFT demonstrations use training tasks from this index on (RL starts at 0)
@@ -52,6 +53,23 @@ class FailureBudget:
             )
 
 
+class EmptySFTData(UsageError):
+    """The SFT stage has no data: its filters (or failed teacher episodes) left nothing. A usage error (one line,
+    exit status 2), found before the evaluation that precedes training."""
+
+
+def _empty_data_message(sft: Any, info: dict[str, Any]) -> str:
+    """One line: how many episodes the teacher (or ``sft.data``) gave, why none is kept, what to change."""
+    total = info.get("episodes", info.get("read", 0))
+    failed = int(info.get("failed") or 0)
+    counts = f"{total} episodes from {info.get('source')}, {failed} failed, {info.get('reward_errors', 0)} reward errors"
+    if info.get("first_error"):
+        counts += f" (the first: {str(info['first_error']).splitlines()[0][:200]})"
+    filters = f"sft.min_reward={sft.min_reward}, sft.correct_only={str(bool(sft.correct_only)).lower()}"
+    return (f"no SFT data left: {counts}, 0 kept by the filters ({filters}); loosen the filters, fix the env's reward, "
+            "or give sft.data=PATH")
+
+
 async def run_stages(trainer: Any) -> dict[str, Any]:
     """The whole run from where ``trainer.state`` stands; returns the summary."""
     from agentrl.train.heldout import pool_size
@@ -74,15 +92,27 @@ async def run_stages(trainer: Any) -> dict[str, Any]:
 
 def _export_hf(trainer: Any) -> None:
     """``trainer.export_hf``: the last checkpoint's model also in the HF format (one process; rank 0 of a
-    parallel run holds no full module, so it keeps ``model.pt`` only)."""
+    parallel run holds no full module, so it keeps ``model.pt`` only). A LoRA run exports its adapter merged
+    into the base, loaded anew on the CPU (the trained model is left as it is); its ``adapter/`` stays PEFT's."""
+    from agentrl.models.lora import has_lora
     from agentrl.train.checkpoint import export_hf
 
     ckpt = rundir.latest_checkpoint(trainer.run_dir)
-    if not trainer.cfg.trainer.export_hf or ckpt is None or trainer.parallel.world_size > 1:
+    if not trainer.cfg.trainer.export_hf or ckpt is None:
         return
-    out = export_hf(ckpt, trainer.actor.model, trainer.actor.loaded.tokenizer)
+    if trainer.parallel.world_size > 1:
+        trainer.reporter.print(f"HF format: not written by a {trainer.parallel.world_size}-process run (no rank holds "
+                               f"the whole model); model={trainer.run_dir} loads its checkpoint in every command")
+        return
+    model, tokenizer, how = trainer.actor.model, trainer.actor.loaded.tokenizer, ""
+    if has_lora(model):
+        from agentrl.models.loading import load_model
+
+        merged = load_model(trainer.run_dir, device="cpu", dtype=str(trainer.cfg.dtype))
+        model, tokenizer, how = merged.model, merged.tokenizer or tokenizer, ", the LoRA adapter merged into the base"
+    out = export_hf(ckpt, model, tokenizer, getattr(trainer.format, "exported_chat_template", lambda: None)())
     if out is not None:
-        trainer.reporter.print(f"HF format (save_pretrained): {out}")
+        trainer.reporter.print(f"HF format (save_pretrained{how}): {out}")
 
 
 async def before_rl(trainer: Any, pool: EnvPool) -> None:
@@ -90,9 +120,12 @@ async def before_rl(trainer: Any, pool: EnvPool) -> None:
     cfg, state = trainer.cfg, trainer.state
     evaluating = bool(cfg.eval.num_tasks)
     record: dict[str, float] = {}
+    t0 = time.perf_counter()
+    trajectories = await _sft_data(trainer) if cfg.sft.steps else []  # before the evaluation: no data fails fast
+    data_s = time.perf_counter() - t0
     if evaluating and cfg.eval.before and "before" not in state.eval_history:
         record = await trainer.evaluate(pool, "before")
-    sft_metrics = await sft_stage(trainer)
+    sft_metrics = await sft_stage(trainer, trajectories, data_s)
     if sft_metrics:
         record = {f"eval_before/{k[len('eval/'):]}": v for k, v in record.items()}
         record.update(sft_metrics)
@@ -147,21 +180,18 @@ def _out_of_time(trainer: Any, slowest_step: float) -> bool:
     return time.perf_counter() - trainer.t_created + slowest_step + eval_s > cfg.trainer.max_wall_s
 
 
-async def sft_stage(trainer: Any) -> dict[str, float]:
-    """The SFT stage (``sft.*``): data (kept in ``RUN_DIR/sft/data.jsonl``), then ``sft.steps`` optimizer steps
-    with a fresh AdamW (or the one restored from an SFT-stage checkpoint), checkpointed every ``sft.save_every``
-    steps. Resumes at ``state.sft_step``. Returns ``sft/*`` summary metrics ({} when there is no SFT stage)."""
+async def sft_stage(trainer: Any, trajectories: list[Any], data_s: float) -> dict[str, float]:
+    """The SFT stage (``sft.*``) on ``trajectories`` (:func:`_sft_data`, made in ``data_s`` seconds):
+    ``sft.steps`` optimizer steps with a fresh AdamW (or the one restored from an SFT-stage checkpoint),
+    checkpointed every ``sft.save_every`` steps. Resumes at ``state.sft_step``. Returns ``sft/*`` summary
+    metrics ({} when there is no SFT stage)."""
     from agentrl.train.sft import SFTStage
     from agentrl.train.sft_data import describe
 
     cfg, sft, state = trainer.cfg, trainer.cfg.sft, trainer.state
-    if sft.steps == 0:
+    if sft.steps == 0 or not trajectories:
         return {}
-    t0 = time.perf_counter()
-    trajectories = await _sft_data(trainer)
-    if not trajectories:
-        return {}
-    data_s = time.perf_counter() - t0
+    t0 = time.perf_counter() - data_s
     actor = trainer.actor
     optimizer = trainer.checkpoints.sft_optimizer or actor.sft_optimizer()
     trainer.checkpoints.sft_optimizer = None
@@ -182,7 +212,7 @@ async def sft_stage(trainer: Any) -> dict[str, float]:
 
 async def _sft_data(trainer: Any) -> list[Any]:
     """The SFT data: the saved ``sft/data.jsonl`` when resumed inside the stage, else :func:`prepare_data`
-    (saved there). Raises ValueError when the filters leave nothing."""
+    (saved there). Raises :class:`EmptySFTData` when the filters leave nothing."""
     from agentrl.train.sft import prepare_data
 
     cfg, state, reporter = trainer.cfg, trainer.state, trainer.reporter
@@ -200,7 +230,7 @@ async def _sft_data(trainer: Any) -> list[Any]:
         if "none" in str(info.get("source")):
             reporter.print(f"no SFT stage: {info['source']}")
             return []
-        raise ValueError(f"the SFT data is empty after filtering ({info}); check sft.data, sft.teacher and the filters")
+        raise EmptySFTData(_empty_data_message(cfg.sft, info))
     rundir.write_trajectories(data_path, trajectories)
     reporter.print(f"SFT data: {len(trajectories)} trajectories ({info})")
     return trajectories

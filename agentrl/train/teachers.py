@@ -87,13 +87,15 @@ def scripted_teacher(env_cls: type) -> Teacher:
 @dataclass
 class Demonstrations:
     """Output of :func:`generate_demonstrations`: the kept trajectories (task order), how many episodes ran,
-    how many failed with an exception (``errors``: their messages), and the wall time."""
+    how many failed with an exception (``errors``: their messages), the wall time, and the messages of the
+    finished episodes whose reward raised (``reward_errors``; such episodes are never kept)."""
 
     trajectories: list[Trajectory]
     episodes: int
     failed: int
     wall_s: float
     errors: list[str] = field(default_factory=list)
+    reward_errors: list[str] = field(default_factory=list)
 
     @property
     def kept(self) -> int:
@@ -141,4 +143,6 @@ async def generate_demonstrations(
         r.trajectory.model = f"teacher {teacher.name}"
         if keep_trajectory(r.trajectory, min_reward=min_reward, correct_only=correct_only):
             kept.append(r.trajectory)
-    return Demonstrations(kept, len(tasks), len(errors), time.perf_counter() - t0, errors)
+    reward_errors = [f"task {r.task_id}: {r.trajectory.reward_error}" for r in results
+                     if not r.error and r.trajectory.reward_error]
+    return Demonstrations(kept, len(tasks), len(errors), time.perf_counter() - t0, errors, reward_errors)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -90,7 +91,18 @@ def plan(cfg: Any) -> LaunchPlan:
         raise VerlConfigError("env is not set; pass env=<name>, e.g. env=retool")
     run_dir = _run_dir(cfg).resolve()
     cfg.run_dir = str(run_dir)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _plan_in(cfg, env, run_dir)
+    except BaseException:
+        if created:  # a refused plan leaves no run directory behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _plan_in(cfg: Any, env: str, run_dir: Path) -> LaunchPlan:
+    """:func:`plan` once ``run_dir`` exists: its config, the dataset, the composed and validated verl config."""
     OmegaConf.save(cfg, run_dir / "config.yaml")  # what resume=RUN_DIR starts from
     max_turns = select(cfg, "rollout.max_turns")
     env_kwargs = dict(select(cfg, "env_kwargs") or {})

@@ -61,7 +61,7 @@ def validate_verl_config(cfg: DictConfig) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "Disabled critic ..." is expected for GRPO
             validate_config(
-                config=cfg,
+                config=_without_vllm_lora_check(cfg),
                 use_reference_policy=need_reference_policy(cfg),
                 use_critic=need_critic(cfg),
             )
@@ -75,3 +75,21 @@ def validate_verl_config(cfg: DictConfig) -> None:
             "must be divisible by the GPU count, as must (rollout.batch_size / actor.num_mini_batches) x "
             "rollout.n); raw verl keys can be set with verl.overrides=[...]."
         ) from exc
+
+
+def _without_vllm_lora_check(cfg: DictConfig) -> DictConfig:
+    """``cfg``, or where vLLM is not installed (a plan made away from the GPU nodes) and a LoRA rank is set for
+    a vllm rollout, a copy whose adapters count as merged for the check only: verl checks the rank against
+    vLLM's allowed ranks by importing vLLM, which a launch needs on the nodes anyway (the plan says so)."""
+    import importlib.util
+
+    from omegaconf import open_dict
+
+    model = cfg.actor_rollout_ref.model
+    rank = (model.get("lora") or {}).get("rank", 0) or model.get("lora_rank", 0)
+    if not rank or cfg.actor_rollout_ref.rollout.name != "vllm" or importlib.util.find_spec("vllm") is not None:
+        return cfg
+    copy = cfg.copy()
+    with open_dict(copy):
+        copy.actor_rollout_ref.model.lora = {**(copy.actor_rollout_ref.model.get("lora") or {}), "merge": True}
+    return copy
