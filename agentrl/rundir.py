@@ -247,6 +247,20 @@ def read_json(path: str | os.PathLike, *, what: str, fix: str) -> Any:
         raise RunDirError(f"{path} is not valid JSON ({what}; {exc}); {fix}") from None
 
 
+CONFIG_HEAD = "# agentrl run config (written by agentrl; its last line marks the end of the file)"
+CONFIG_END = "# end of the agentrl run config"
+"""The first and last lines of every ``config.yaml`` agentrl writes: a file that starts with :data:`CONFIG_HEAD`
+but does not end with :data:`CONFIG_END` was cut short. A file without the head (written by hand, or by an agentrl
+before these lines existed) is read as it is."""
+
+
+def config_yaml_text(cfg: Any) -> str:
+    """The text of ``config.yaml`` for an OmegaConf config: :data:`CONFIG_HEAD`, its YAML, :data:`CONFIG_END`."""
+    from omegaconf import OmegaConf
+
+    return f"{CONFIG_HEAD}\n{OmegaConf.to_yaml(cfg)}{CONFIG_END}\n"
+
+
 def read_config_yaml(run_dir: str | os.PathLike, *, fix: str) -> Any:
     """``RUN_DIR/config.yaml`` as an OmegaConf ``DictConfig``; a missing, empty or broken file raises
     RunDirError saying ``fix``."""
@@ -259,9 +273,13 @@ def read_config_yaml(run_dir: str | os.PathLike, *, fix: str) -> Any:
             raise RunDirError(f"{run_dir} is an `agentrl eval` directory, not a training run; {fix}")
         raise RunDirError(f"{path} is missing: {run_dir} is not a training run directory; {fix}")
     try:
-        cfg = OmegaConf.load(path)
+        text = path.read_text()
+        cfg = OmegaConf.create(text)
     except Exception as exc:  # noqa: BLE001 - yaml and OmegaConf raise many types for a damaged file
         raise RunDirError(f"{path} is not a readable config ({type(exc).__name__}); {fix}") from None
+    lines = text.rstrip().splitlines()
+    if lines and lines[0] == CONFIG_HEAD and lines[-1] != CONFIG_END:
+        raise RunDirError(f"{path} is not a readable config (cut short: it does not end with {CONFIG_END!r}); {fix}")
     if not OmegaConf.is_dict(cfg) or not cfg:
         raise RunDirError(f"{path} is empty or not a mapping (a write was interrupted?); {fix}")
     return cfg

@@ -88,6 +88,23 @@ def test_damaged_saved_config_is_one_line_and_exit_2(tmp_path, capsys, content, 
     assert (run / "config.yaml").read_text() == content  # nothing overwritten
 
 
+def test_a_written_config_cut_at_any_line_is_refused(tmp_path):
+    """A ``config.yaml`` agentrl wrote and something cut short is refused wherever the cut lands, even where the
+    rest is valid YAML that fits the schema (the missing keys would silently take their defaults)."""
+    from agentrl import rundir
+
+    text = rundir.config_yaml_text(build_config(["env=retool", "actor.lr=3e-6"]))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(text)
+    assert load_run_config([f"resume={run}"]).actor.lr == 3e-6  # whole: read as written
+    lines = text.splitlines(keepends=True)
+    for cut in range(1, len(lines)):
+        (run / "config.yaml").write_text("".join(lines[:cut]))
+        with pytest.raises(RunDirError, match="cut short"):
+            rundir.read_config_yaml(run, fix="restore it")
+
+
 def test_cli_unknown_env_and_model_suggest(tmp_path, capsys):
     assert main(["env=retol", f"run_dir={tmp_path / 'a'}", "trainer.tensorboard=false"]) == 2
     assert "Did you mean: retool?" in capsys.readouterr().err

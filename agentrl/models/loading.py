@@ -262,14 +262,13 @@ def chat_format_of(name: str, format: str = "auto", *, depth: int = 0) -> Any:
     of train/eval gives it), found without loading weights: Harmony for the GPT-OSS built-ins and ``gpt_oss``
     checkpoints, SmolLM2's chat template (its cached tokenizer) for ``smollm2-135m``, the tokenizer of a
     ``save_pretrained`` directory or hub id, and for a training run directory its own ``model``/``format``."""
-    from omegaconf import OmegaConf
 
     from agentrl.harmony import make_format
 
     if format not in ("auto", "chat_template"):
         return make_format(format)
     if is_run_dir(name) and depth <= 8:
-        cfg = OmegaConf.load(os.path.join(name, "config.yaml"))
+        cfg = read_config_yaml(name, fix="pass another model=, or restore the file (it was written by agentrl train)")
         return chat_format_of(str(cfg.get("model") or ""), str(cfg.get("format") or "auto"), depth=depth + 1)
     if name in ("tiny-gpt-oss", "gpt-oss-20b-random"):
         return make_format("harmony")

@@ -112,7 +112,7 @@ class Trainer:
         is its directory written (``config.yaml``, the held-out config) and are the metrics sinks opened."""
         if self.parallel.is_main:
             os.makedirs(rundir.TrainRun(self.run_dir).trajectories, exist_ok=True)
-            rundir.write_atomic(rundir.TrainRun(self.run_dir).config, OmegaConf.to_yaml(self.cfg))
+            rundir.write_atomic(rundir.TrainRun(self.run_dir).config, rundir.config_yaml_text(self.cfg))
             self.heldout.save_config()
         self.reporter.open()
         self.started = True

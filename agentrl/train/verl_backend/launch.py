@@ -35,6 +35,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from agentrl import rundir
 from agentrl.train.verl_backend.config_map import (
     LOSS_MODE_KEY,
     VerlConfigError,
@@ -103,7 +104,7 @@ def plan(cfg: Any) -> LaunchPlan:
 
 def _plan_in(cfg: Any, env: str, run_dir: Path) -> LaunchPlan:
     """:func:`plan` once ``run_dir`` exists: its config, the dataset, the composed and validated verl config."""
-    OmegaConf.save(cfg, run_dir / "config.yaml")  # what resume=RUN_DIR starts from
+    (run_dir / rundir.CONFIG_YAML).write_text(rundir.config_yaml_text(cfg))  # what resume=RUN_DIR starts from
     max_turns = select(cfg, "rollout.max_turns")
     env_kwargs = dict(select(cfg, "env_kwargs") or {})
     if max_turns is not None:
