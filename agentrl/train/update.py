@@ -44,7 +44,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -377,10 +377,28 @@ def _old_policy_pass(run: _Run) -> None:
 
 
 def _reference_pass(run: _Run, ref_model: Any | None) -> None:
-    """The frozen reference's log-probs for the KL loss (when there is one)."""
+    """The frozen reference's log-probs for the KL loss (when there is one). A LoRA policy's own base (its
+    adapters disabled) runs in eval mode, as a separate reference copy does: a base whose config has dropout
+    would otherwise give a random reference (and draw from the RNG the policy's forwards use)."""
     if ref_model is not None:
-        with adapters_disabled(run.model) if ref_model is run.model else nullcontext():
+        if ref_model is run.model:
+            with adapters_disabled(run.model), eval_mode(run.model):
+                run.ref_log_prob = _no_grad_pass(run, ref_model, "ref", None)
+        else:
             run.ref_log_prob = _no_grad_pass(run, ref_model, "ref", None)
+
+
+@contextmanager
+def eval_mode(model: Any) -> Iterator[Any]:
+    """``model`` in eval mode (dropout off) inside the context; every submodule's own mode is restored on exit,
+    also on error."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.train(training)
 
 
 def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
