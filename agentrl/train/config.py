@@ -215,6 +215,9 @@ class ActorConfig:
                            verl="actor_rollout_ref.actor.policy_loss.loss_mode")
     loss_agg_mode: str = key("token-mean", "how token losses are aggregated", choices=tuple(LOSS_AGG_MODES),
                              verl="actor_rollout_ref.actor.loss_agg_mode")
+    loss_scale_factor: int | None = key(None, "divisor of loss_agg_mode=seq-mean-token-sum-norm (null: the batch's "
+                                        "response width, over all ranks; set a constant for a fixed normaliser)",
+                                        min=1, verl="actor_rollout_ref.actor.loss_scale_factor")
     clip_ratio: float = key(0.2, "PPO clip range", min=0, verl="actor_rollout_ref.actor.clip_ratio")
     clip_ratio_low: float | None = key(None, "lower clip range (null: clip_ratio)", min=0,
                                        verl="actor_rollout_ref.actor.clip_ratio_low")
