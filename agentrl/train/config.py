@@ -358,6 +358,9 @@ class TrainConfig:
     attn_implementation: str | None = key(None, "transformers attention implementation (e.g. agentrl_sink)")
     seed: int = key(0, "seed of everything: tasks, sampling, updates", verl="data.seed")
     threads: int | None = key(None, "torch CPU threads (null: torch's default)", min=1)
+    deterministic: bool = key(True, "device=cpu: torch's deterministic algorithms, so that a re-run is bit-identical "
+                              "at any thread count (MoE expert gradients accumulate in a fixed order); no effect "
+                              "on a GPU")
     run_dir: str | None = key(None, "the run directory (default: runs/<env>-<time>)")
     resume: str | None = key(None, "continue the run in this directory from its latest checkpoint")
     data: DataConfig = field(default_factory=DataConfig)
