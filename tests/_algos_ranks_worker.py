@@ -200,15 +200,24 @@ def run_updates(out: Path) -> None:
     step taken on the rank-averaged gradient) and, per rank, the number of model forwards (equal on every
     rank, else FSDP's collectives would deadlock)."""
     world, rank = distributed.world_size(), distributed.rank()
-    torch.nn.utils.clip_grad_norm_ = _averaging_clip(torch.nn.utils.clip_grad_norm_)
     results = []
     for k in range(SCENARIOS):
         overrides, per_rank = scenario(k, world)
+        # FSDP2 (gloo): a collective out of step would hang or fail here
+        sharded = distributed.shard(tiny_llama())
+        scenario_update(sharded, per_rank[rank], overrides)
+        fsdp = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in sharded.named_parameters()}
         model = tiny_llama()
         forwards = [0]
         model.model.register_forward_pre_hook(lambda *_, c=forwards: c.__setitem__(0, c[0] + 1))
-        metrics = scenario_update(model, per_rank[rank], overrides)
-        results.append({"weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+        original = torch.nn.utils.clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_ = _averaging_clip(original)
+        try:
+            metrics = scenario_update(model, per_rank[rank], overrides)
+        finally:
+            torch.nn.utils.clip_grad_norm_ = original
+        results.append({"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "fsdp_weights": fsdp,
                         "metrics": distributed.average_metrics(metrics),
                         "forwards": distributed.gather_objects([forwards[0]])})
     if rank == 0:

@@ -8,7 +8,8 @@ full-batch single-process reference (the workers are in ``tests/_algos_ranks_wor
   unequal row counts and widths, fewer rows with a model token than ranks: the weights after the update
   (each step on the rank-averaged gradient, FSDP's reduction), the number of optimizer steps and the
   rank-averaged losses and metrics equal the single-process update on all rows, and every rank runs as
-  many forwards as the others (else FSDP's collectives would deadlock).
+  many forwards as the others; the same update with the model sharded by FSDP2 (whose collectives would
+  hang or fail out of step) gives the same weights.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def test_update_on_several_ranks_equals_the_single_process_update(ranks, k):
         scale = float((p.detach() - before[name]).abs().max()) + 1e-12
         moved |= scale > 1e-9
         torch.testing.assert_close(result["weights"][name], p.detach(), rtol=1e-5, atol=1e-5 * scale, msg=name)
+        torch.testing.assert_close(result["fsdp_weights"][name], p.detach(), rtol=1e-5, atol=1e-5 * scale,
+                                   msg=f"FSDP2 {name}")
     metrics = result["metrics"]
     assert moved == (single["actor/optimizer_steps"] > 0)
     for key in [*SAME_METRICS, *(m for m in single if m.startswith("rollout_corr/"))]:

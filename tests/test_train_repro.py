@@ -44,7 +44,7 @@ def _start(run_dir: Path, hash_seed: int, config: list[str] = TINY) -> subproces
 @pytest.mark.slow
 def test_two_runs_that_train_with_tools_at_the_default_thread_count_are_identical(tmp_path):
     """MoE expert gradients used to differ in the last bit between such runs (CPU ``index_put_`` accumulation
-    in transformers' experts path); ``deterministic`` (on by default) removes it: 81 metrics differed without it."""
+    in transformers' experts path); ``deterministic`` (on by default) removes it."""
     runs = [tmp_path / "a", tmp_path / "b"]
     procs = [_start(run, seed, TRAINING) for run, seed in zip(runs, (1, 2), strict=True)]
     for proc in procs:

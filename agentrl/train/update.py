@@ -146,12 +146,11 @@ def _micro_batches(rows: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
 def _rank_micro_batches(rows: torch.Tensor, size: int) -> Iterator[tuple[torch.Tensor, bool]]:
     """``(rows, padding)`` per micro-batch of ``rows``; under torchrun every rank runs as many micro-batches as
     the rank with the most (FSDP's collectives in each forward and backward must stay in step), the extra
-    ones being row 0 of the batch marked ``padding`` (their output is discarded, their loss is 0)."""
-    chunks = list(_micro_batches(rows, size))
-    yield from ((mb, False) for mb in chunks)
-    if distributed.is_distributed():
-        for _ in range(distributed.global_max(len(chunks)) - len(chunks)):
-            yield torch.zeros(1, dtype=torch.long), True
+    ones being row 0 of the batch marked ``padding`` (their output is discarded, their loss is 0). The count is
+    agreed on (a collective) before the first micro-batch: no other collective may come between."""
+    chunks = [(mb, False) for mb in _micro_batches(rows, size)]
+    padding = distributed.global_max(len(chunks)) - len(chunks)
+    return iter(chunks + [(torch.zeros(1, dtype=torch.long), True)] * padding)
 
 
 @torch.no_grad()
