@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -95,15 +96,19 @@ def key(
     min: float | None = None,  # noqa: A002 - the bound's natural name
     gt: float | None = None,
     max: float | None = None,  # noqa: A002
+    check: Callable[[Any], Any] | None = None,
     **extra: Any,
 ) -> Any:
     """Declare one config key as a dataclass field: its ``default`` (lists and dicts are copied per instance;
     omit it, or pass ``omegaconf.MISSING``, for a required key), a one-line ``doc`` (shown by ``--help``),
     ``choices`` (its valid values, or a function returning them, e.g. the registered env names; for a list
-    key, the valid values of its items) and bounds (``min`` <= value, ``gt`` < value, value <= ``max``), all
-    checked by :func:`parse`. ``extra`` entries are kept for the command's own use (:func:`declaration`),
-    e.g. the trainer's ``gpu=`` default and ``verl=`` key."""
-    meta = {"doc": doc, "choices": choices, "min": min, "gt": gt, "max": max, **extra}
+    key, the valid values of its items), bounds (``min`` <= value, ``gt`` < value, value <= ``max``) and
+    ``check``, a function of a set value that raises ``ValueError`` (or ``TypeError``) saying why it is not
+    valid (for values a type cannot say, e.g. a number or a ``'lo_hi'`` string), all checked by :func:`parse`.
+    Every number of every key, a list's items included, must be finite: inf and NaN are refused whatever
+    the declaration. ``extra`` entries are kept for the command's own use (:func:`declaration`), e.g. the
+    trainer's ``gpu=`` default and ``verl=`` key."""
+    meta = {"doc": doc, "choices": choices, "min": min, "gt": gt, "max": max, "check": check, **extra}
     if isinstance(default, (list, dict)):
         value = default
         return field(default_factory=lambda: type(value)(value), metadata=meta)
@@ -435,6 +440,14 @@ def check_declared(obj: Any) -> None:
 def _check_value(key: str, value: Any, meta: Mapping[str, Any], extra: Sequence[Any] | None = None) -> None:
     if value is None:
         return
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(item, float) and not math.isfinite(item):
+            raise UsageError(f"{key} must be a finite number, got {_show(value)}")
+    if meta.get("check") is not None:
+        try:
+            meta["check"](value)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"bad value {key}={_show(value)}: {str(exc).splitlines()[0]}") from None
     valid = meta.get("choices") or extra
     accept = meta.get("accept")  # values valid beyond the choices (e.g. an env given as module:Class)
     if valid is not None and not (accept is not None and isinstance(value, str) and accept(value)):

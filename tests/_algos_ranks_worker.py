@@ -5,12 +5,13 @@
    :func:`agentrl.train.update.batch_advantages`; its rows must equal those of the single-process
    ``compute_advantages`` on the concatenated batch, for every estimator (the whitened REINFORCE++ ones
    are the point). Every rank checks its own rows and the verdicts are gathered, so the ranks stay in step.
-2. A policy update: each rank runs ``update_policy`` on its share of :func:`scenario_trajectories` (an
-   unsharded tiny model and plain SGD at lr 0), the gradients are averaged over the ranks (what FSDP's
-   reduction does) and rank 0 saves them with the rank-averaged metrics, for the test to compare with
-   the single-process update on all the rows.
+2. Policy updates on random :func:`scenario` batches (every loss aggregation mode, several mini-batches and
+   epochs, unequal row counts, rows without a model token): each rank runs ``update_policy`` on its rows (an
+   unsharded tiny model, plain SGD whose gradients are averaged over the ranks before clipping, as FSDP's
+   reduction does) and rank 0 saves the weights after the update, the rank-averaged metrics and each rank's
+   forward count, for the test to compare with the single-process update on all the rows.
 
-usage: torchrun --standalone --nproc_per_node=2 tests/_algos_ranks_worker.py --out DIR [--examples 100]
+usage: torchrun --standalone --nproc_per_node=N tests/_algos_ranks_worker.py --out DIR [--examples 100]
 """
 
 from __future__ import annotations
@@ -29,21 +30,15 @@ from _tiny_update import tiny_llama  # noqa: E402
 
 from agentrl.harmony.trajectory import Trajectory  # noqa: E402
 from agentrl.train import distributed  # noqa: E402
-from agentrl.train.algorithms import compute_advantages  # noqa: E402
+from agentrl.train.algorithms import LOSS_AGG_MODES, compute_advantages  # noqa: E402
 from agentrl.train.batch import Batch, collate  # noqa: E402
 from agentrl.train.config import build_config  # noqa: E402
 from agentrl.train.update import batch_advantages, update_policy  # noqa: E402
 
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo", "rloo", "opo")
-#: (estimator, loss_agg_mode, rejection options, thresholds) of the update scenarios
-SCENARIOS = [
-    ("reinforce_plus_plus", "token-mean", "token_k1", "0.5_2.0"),
-    ("reinforce_plus_plus", "seq-mean-token-mean", "seq_max_k2,token_k1", "2.0,0.5_2.0"),
-    ("reinforce_plus_plus_baseline", "seq-mean-token-sum", "seq_max_k2", "2.0"),
-    ("reinforce_plus_plus_baseline", "seq-mean-token-sum-norm", "token_k1", "0.5_2.0"),
-    ("grpo", "seq-mean-token-mean", "seq_max_k2,token_k1", "2.0,0.5_2.0"),
-]
-GROUPS_PER_RANK, GROUP_SIZE = (2, 3), 3
+#: random update scenarios per world size; each loss aggregation mode comes up in several of them
+SCENARIOS = 15
+GROUP_SIZE = 3
 
 
 def _batch(rewards: torch.Tensor, mask: torch.Tensor, index: list[int]) -> Batch:
@@ -116,52 +111,115 @@ def check_advantages(examples: int) -> int:
     return seen[0]
 
 
-def scenario_trajectories(seed: int) -> list[tuple[Trajectory, int]]:
-    """``(trajectory, group)`` for ``sum(GROUPS_PER_RANK)`` groups of ``GROUP_SIZE``: ragged prompts and
-    responses with env tokens inside, rewards varying within groups, rollout log-probs around the tiny
-    model's (about -4.6 on its 100-token vocabulary) so that the rejection options reject some tokens and
-    some whole rows."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(sum(GROUPS_PER_RANK) * GROUP_SIZE):
-        length = int(torch.randint(2, 9, (1,), generator=g))
-        ids = torch.randint(6, 100, (length,), generator=g).tolist()
-        mask = [1] * length
-        if length > 4:
-            mask[2] = mask[3] = 0
-        prompt = torch.randint(6, 100, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-        logprobs = (-4.6 + torch.randn(length, generator=g)).tolist()
-        reward = float(torch.rand(1, generator=g)) * (i % 2)
-        out.append((Trajectory(prompt_ids=prompt, response_ids=ids, response_mask=mask, rollout_logprobs=logprobs,
-                               reward=reward), i // GROUP_SIZE))
-    return out
+def scenario(k: int, world: int) -> tuple[list[str], list[list[tuple[Trajectory, int]]]]:
+    """Update scenario ``k`` on ``world`` ranks: the config overrides, and per rank its ``(trajectory, group)``
+    pairs (whole groups of :data:`GROUP_SIZE`, group ids global and increasing with the rank). Drawn from
+    ``k`` alone: every loss aggregation mode in turn, an estimator, 1-3 mini-batches, 1-2 epochs, micro-batches
+    of 1-3 rows, rejection sampling or none, ``loss_scale_factor`` set or not; 1-3 groups per rank (ranks
+    with unequal row counts and response widths), rows without a model token (a failed episode), and some
+    scenarios where fewer rows hold a model token than there are ranks. Rollout log-probs lie around the
+    tiny model's (about -4.6 on its 100-token vocabulary) so that rejection rejects some tokens and rows."""
+    g = torch.Generator().manual_seed(1000 + k)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    mode = LOSS_AGG_MODES[k % len(LOSS_AGG_MODES)]
+    sparse = k % 4 == 3  # one row in the whole batch holds a model token (GRPO gives it a nonzero advantage)
+    rs = pick([None, ("token_k1", "0.5_2.0"), ("seq_max_k2,token_k1", "2.0,0.5_2.0")])
+    estimator = pick(ESTIMATORS)
+    if sparse:
+        rs, estimator = None, "grpo"
+    overrides = [f"algorithm.adv_estimator={estimator}", f"actor.loss_agg_mode={mode}",
+                 f"actor.num_mini_batches={pick([1, 2, 3])}", f"actor.ppo_epochs={pick([1, 2])}",
+                 f"actor.micro_batch_size={pick([1, 2, 3])}"]
+    if rs is not None:
+        overrides += [f"algorithm.rollout_correction.rollout_rs={rs[0]}",
+                      f"algorithm.rollout_correction.rollout_rs_threshold='{rs[1]}'"]
+    if pick([False, True]):
+        overrides.append(f"actor.loss_scale_factor={pick([3, 16])}")
+    per_rank, group = [], 0
+    for _rank in range(world):
+        mine = []
+        for _ in range(pick([1, 2, 3])):
+            for _i in range(GROUP_SIZE):
+                length = int(torch.randint(2, 9, (1,), generator=g))
+                ids = torch.randint(6, 100, (length,), generator=g).tolist()
+                mask = [1] * length
+                if length > 4:
+                    mask[2] = mask[3] = 0
+                if sparse or float(torch.rand(1, generator=g)) < 0.15:
+                    mask = [0] * length
+                prompt = torch.randint(6, 100, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+                logprobs = (-4.6 + torch.randn(length, generator=g)).tolist()
+                reward = float(torch.rand(1, generator=g)) * int(torch.randint(0, 2, (1,), generator=g))
+                mine.append((Trajectory(prompt_ids=prompt, response_ids=ids, response_mask=mask,
+                                        rollout_logprobs=logprobs, reward=reward), group))
+            group += 1
+        per_rank.append(mine)
+    if sparse:  # the first row of the last rank's batch keeps its model tokens, and the only reward of its group
+        for i, (t, _) in enumerate(per_rank[-1][:GROUP_SIZE]):
+            t.reward = float(i == 0)
+        per_rank[-1][0][0].response_mask = [1] * len(per_rank[-1][0][0].response_ids)
+    return overrides, per_rank
 
 
-def scenario_config(estimator: str, mode: str, rs: str, threshold: str):
-    return build_config([
-        "env=retool", f"algorithm.adv_estimator={estimator}", f"actor.loss_agg_mode={mode}", "actor.grad_clip=1e9",
-        f"algorithm.rollout_correction.rollout_rs={rs}", f"algorithm.rollout_correction.rollout_rs_threshold='{threshold}'",
-        "actor.micro_batch_size=2", "actor.share_prompt_prefix=false",
-    ])
+def scenario_config(overrides: list[str]):
+    return build_config(["env=retool", "actor.grad_clip=1e9", "actor.share_prompt_prefix=false",
+                         "rollout.batch_size=6", "rollout.n=2", *overrides])
+
+
+def scenario_update(model: torch.nn.Module, trajectories: list[tuple[Trajectory, int]], overrides: list[str]):
+    """One update of ``model`` (plain SGD at lr 0.5, one fixed mini-batch shuffle) on ``trajectories``;
+    returns its metrics."""
+    first = trajectories[0][1]
+    batch = collate([t for t, _ in trajectories], [grp - first for _, grp in trajectories])
+    return update_policy(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), batch=batch,
+                         cfg=scenario_config(overrides), temperature=1.0,
+                         generator=torch.Generator().manual_seed(5))
+
+
+def _averaging_clip(original):
+    """``clip_grad_norm_`` that first averages the gradients over the ranks: FSDP's reduction, for this
+    unsharded model, so that every rank steps on the global gradient and its norm."""
+
+    def clip(params, *args, **kwargs):
+        params = list(params)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= distributed.world_size()
+        return original(params, *args, **kwargs)
+
+    return clip
 
 
 def run_updates(out: Path) -> None:
-    rank = distributed.rank()
-    first = sum(GROUPS_PER_RANK[:rank])
+    """Every scenario on this rank's rows: the rank-averaged metrics, the weights after the update (every
+    step taken on the rank-averaged gradient) and, per rank, the number of model forwards (equal on every
+    rank, else FSDP's collectives would deadlock)."""
+    world, rank = distributed.world_size(), distributed.rank()
     results = []
-    for k, scenario in enumerate(SCENARIOS):
-        mine = [(t, grp - first) for t, grp in scenario_trajectories(k)
-                if first <= grp < first + GROUPS_PER_RANK[rank]]
-        batch = collate([t for t, _ in mine], [grp for _, grp in mine])
+    for k in range(SCENARIOS):
+        overrides, per_rank = scenario(k, world)
+        # FSDP2 (gloo): a collective out of step would hang or fail here
+        sharded = distributed.shard(tiny_llama())
+        scenario_update(sharded, per_rank[rank], overrides)
+        fsdp = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in sharded.named_parameters()}
         model = tiny_llama()
-        metrics = update_policy(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), batch=batch,
-                                cfg=scenario_config(*scenario), temperature=1.0)
-        grads = {}
-        for name, p in model.named_parameters():
-            grad = p.grad.clone()
-            torch.distributed.all_reduce(grad)
-            grads[name] = grad / distributed.world_size()
-        results.append({"grads": grads, "metrics": distributed.average_metrics(metrics)})
+        forwards = [0]
+        model.model.register_forward_pre_hook(lambda *_, c=forwards: c.__setitem__(0, c[0] + 1))
+        original = torch.nn.utils.clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_ = _averaging_clip(original)
+        try:
+            metrics = scenario_update(model, per_rank[rank], overrides)
+        finally:
+            torch.nn.utils.clip_grad_norm_ = original
+        results.append({"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "fsdp_weights": fsdp,
+                        "metrics": distributed.average_metrics(metrics),
+                        "forwards": distributed.gather_objects([forwards[0]])})
     if rank == 0:
         torch.save(results, out / "updates.pt")
 

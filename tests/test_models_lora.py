@@ -386,3 +386,46 @@ def test_lora_fsdp2_on_two_cpu_processes(tmp_path):
     assert r["adapter_max_abs_diff"] < 1e-6 and r["base_unchanged"]
     assert r["checkpoint_files"] == ["adapter", "optimizer.pt", "rng.pt", "state.json"]
     assert r["reloaded_equal_fsdp"] and r["reloaded_equal_single_process"]
+
+
+def test_lora_kl_reference_of_a_base_with_dropout_is_deterministic():
+    """A base whose config has dropout: the adapters-off reference runs in eval mode like a separate base copy
+    (before, the policy's train mode made the reference random), and the policy is back in train mode after."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, attention_dropout=0.5,
+                                         attn_implementation="eager")).train()
+    base = copy.deepcopy(model).eval()
+    lora.apply_lora(model, lora.LoraSpec(rank=4), seed=1)
+    _perturb(model)
+    batch = _batch(base)
+    cfg = _cfg("actor.use_kl_loss=true", "actor.kl_loss_coef=0.5")
+    results = []
+    for ref in ("self", "self", "copy"):
+        policy = copy.deepcopy(model).train()
+        torch.manual_seed(7)  # the same dropout draws in the policy's forward each time
+        results.append(update_policy(model=policy, optimizer=torch.optim.SGD(list(policy.parameters()), lr=0.0),
+                                     batch=batch, cfg=cfg, temperature=1.0,
+                                     ref_model=policy if ref == "self" else base))
+        assert all(m.training for m in policy.modules())
+    assert results[0]["actor/kl_loss"] > 0
+    assert results[0]["actor/kl_loss"] == results[1]["actor/kl_loss"] == results[2]["actor/kl_loss"]
+    assert results[0]["actor/grad_norm"] == results[2]["actor/grad_norm"]
+
+
+def test_adapter_config_lists_target_modules_in_the_same_order_whatever_the_hash_seed(tmp_path):
+    """PEFT keeps target_modules as a set; the file must not depend on PYTHONHASHSEED (the repro comparison of
+    two identical LoRA runs would flag it)."""
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    code = ("import sys, torch; from peft import LoraConfig; from agentrl.models import lora; "
+            f"lora.save_adapter(sys.argv[1], {{'w': torch.zeros(1)}}, LoraConfig(r=2, target_modules={names!r}))")
+    texts = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(Path(lora.__file__).parents[2])}
+        subprocess.run([sys.executable, "-c", code, str(out)], env=env, check=True, timeout=120)
+        texts.append((out / lora.CONFIG_FILE).read_text())
+    assert texts[0] == texts[1]
+    assert json.loads(texts[0])["target_modules"] == sorted(names)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
+from agentrl.cli_args import field_type
 from agentrl.rundir import RunDirError
 from agentrl.train.cli import load_run_config, main
-from agentrl.train.config import ConfigError, all_keys, build_config, help_text
+from agentrl.train.config import ConfigError, TrainConfig, all_keys, build_config, help_text
 
 
 def test_overrides_are_typed_and_nested():
@@ -189,3 +190,37 @@ def test_the_start_line_names_the_profile_and_what_was_set():
     assert describe_device_defaults(cpu).startswith(f"device=cpu defaults: actor.lr={cpu.actor.lr!r} ")
     assert "(set)" not in describe_device_defaults(cpu)
     assert "(device=cuda) or a verl run (backend=verl): " in help_text() and "actor.lr=1e-06" in help_text()
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize("name", [k for k in all_keys() if field_type(TrainConfig, k) is float])
+def test_every_float_key_refuses_inf_and_nan(name, value):
+    """A property of the declarations, not a list of keys: no number of any key may be inf or NaN (they would
+    skip every step or corrupt the weights)."""
+    with pytest.raises(ConfigError, match=f"{name} must be a finite number"):
+        build_config(["env=retool", f"{name}={value}"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["actor.betas=[0.9,nan]"], "actor.betas must be a finite number"),
+        (["algorithm.rollout_correction.rollout_is_threshold=-1"], "rollout_is_threshold=-1: rollout_is_threshold"),
+        (["algorithm.rollout_correction.rollout_is_threshold=nan"], "must be a finite number > 0"),
+        (["algorithm.rollout_correction.rollout_is_threshold=inf"], "must be a finite number > 0"),
+        (["algorithm.rollout_correction.rollout_is_threshold='0.5_nan'"], "'lo_hi' with 0 < lo <= hi"),
+        (["algorithm.rollout_correction.rollout_is_threshold='2_0.5'"], "'lo_hi' with 0 < lo <= hi"),
+        (["algorithm.rollout_correction.rollout_rs=token_k9"], "unknown rollout_rs option 'token_k9'"),
+        (["algorithm.rollout_correction.rollout_rs=token_k3"], "rollout_rs_threshold is required"),
+        (["algorithm.rollout_correction.rollout_rs=token_k3", "algorithm.rollout_correction.rollout_rs_threshold=nan"],
+         "bad rollout_rs_threshold 'nan'"),
+    ],
+)
+def test_rollout_correction_values_are_checked_at_config_time(argv, expected):
+    with pytest.raises(ConfigError) as info:
+        build_config(["env=retool", *argv])
+    assert expected in str(info.value) and "\n" not in str(info.value)
+    # the valid forms still pass
+    build_config(["env=retool", "algorithm.rollout_correction.rollout_is_threshold='0.5_2.0'",
+                  "algorithm.rollout_correction.rollout_rs=seq_mean_k1,token_k3",
+                  "algorithm.rollout_correction.rollout_rs_threshold='0.5_2.0,3.0'"])

@@ -292,3 +292,31 @@ def test_verl_onpolicy_loss_on_4_dp_ranks_gives_the_embedded_update_gradient(mod
             accumulated[k] += p.grad / 4  # FSDP's average over the data-parallel group
     for k, g in embedded.items():
         torch.testing.assert_close(accumulated[k], g, rtol=1e-5, atol=1e-8)
+
+
+_UNFINISHED_UPDATE = r"""
+import torch
+from tensordict import TensorDict
+import verl  # loads the agentrl plugin, which installs the update guard
+from verl.utils import tensordict_utils
+from agentrl.train.verl_backend.losses import current_update_steps
+
+td = TensorDict({"x": torch.arange(8)}, batch_size=[8])
+old = tensordict_utils.make_iterator(td, 2, 1)
+next(old)  # an update that stopped after its first mini-batch (e.g. it raised)
+new = tensordict_utils.make_iterator(td, 8, 1)
+next(new)
+old.close()  # closing the abandoned one must not clear the running update's count
+assert current_update_steps() == 1, current_update_steps()
+stuck = tensordict_utils.make_iterator(td, 2, 1)
+next(stuck)
+torch._agentrl_test_keep = stuck  # held by a module finalized after the guard's: collected at interpreter exit
+print("ok")
+"""
+
+
+def test_an_unfinished_update_iterator_is_finalized_quietly_at_interpreter_exit():
+    out = subprocess.run([sys.executable, "-c", _UNFINISHED_UPDATE], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))})
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert "Exception ignored" not in out.stderr and "TypeError" not in out.stderr, out.stderr[-2000:]

@@ -28,6 +28,7 @@ Adapters take the dtype of the weights they adapt (as verl's FSDP workers do: FS
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterator
@@ -335,11 +336,17 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], *, sour
 def save_adapter(directory: str, state: dict[str, torch.Tensor], config: Any) -> list[str]:
     """Write PEFT's adapter directory: ``adapter_config.json`` (``config``: the model's ``peft.LoraConfig``) and
     ``adapter_model.safetensors`` (``state`` from :func:`adapter_state_dict`, moved to the CPU). Returns the
-    paths written (the caller fsyncs them for atomic checkpoints)."""
+    paths written (the caller fsyncs them for atomic checkpoints). The config's sets (PEFT keeps
+    ``target_modules`` as one) are written sorted: PEFT would write them in an order that depends on the hash
+    seed, so the same run would give different files."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    config.save_pretrained(directory)
+    written = copy.copy(config)
+    for name, value in vars(config).items():
+        if isinstance(value, (set, frozenset)):
+            setattr(written, name, sorted(value))
+    written.save_pretrained(directory)
     weights = os.path.join(directory, WEIGHTS_FILE)
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, weights, metadata={"format": "pt"})
     return [os.path.join(directory, CONFIG_FILE), weights]

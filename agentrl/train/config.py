@@ -43,6 +43,7 @@ from agentrl.cli_args import CommandSpec, UsageError, declarations, key, normali
 from agentrl.cli_args import help_text as spec_help_text
 from agentrl.engines.factory import KINDS as ENGINE_KINDS
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+from agentrl.train.algorithms.rollout_correction import parse_is_threshold, parse_rs_thresholds, rs_options
 from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
 
 # critic-free estimators only: this trainer has no value model (gae needs one)
@@ -155,9 +156,10 @@ class RolloutCorrectionConfig:
     rollout_is: str | None = key(None, "importance weights: null, token or sequence", choices=("token", "sequence"),
                                  verl="algorithm.rollout_correction.rollout_is")
     rollout_is_threshold: Any = key(2.0, "clip of the IS weights: a float (TIS) or 'lo_hi' (IcePop)",
+                                    check=parse_is_threshold,
                                     verl="algorithm.rollout_correction.rollout_is_threshold", verl_value=lambda v: v)
     rollout_rs: str | None = key(None, "rejection sampling mode (token_k1, seq_mean_k3, ...), null for none",
-                                 verl="algorithm.rollout_correction.rollout_rs")
+                                 check=rs_options, verl="algorithm.rollout_correction.rollout_rs")
     rollout_rs_threshold: Any = key(None, "rejection threshold of rollout_rs ('lo_hi' or a float)",
                                     verl="algorithm.rollout_correction.rollout_rs_threshold", verl_value=lambda v: v)
 
@@ -218,6 +220,9 @@ class ActorConfig:
                            verl="actor_rollout_ref.actor.policy_loss.loss_mode")
     loss_agg_mode: str = key("token-mean", "how token losses are aggregated", choices=tuple(LOSS_AGG_MODES),
                              verl="actor_rollout_ref.actor.loss_agg_mode")
+    loss_scale_factor: int | None = key(None, "divisor of loss_agg_mode=seq-mean-token-sum-norm (null: the batch's "
+                                        "response width, over all ranks; set a constant for a fixed normaliser)",
+                                        min=1, verl="actor_rollout_ref.actor.loss_scale_factor")
     clip_ratio: float = key(0.2, "PPO clip range", min=0, verl="actor_rollout_ref.actor.clip_ratio")
     clip_ratio_low: float | None = key(None, "lower clip range (null: clip_ratio)", min=0,
                                        verl="actor_rollout_ref.actor.clip_ratio_low")
@@ -359,6 +364,9 @@ class TrainConfig:
     attn_implementation: str | None = key(None, "transformers attention implementation (e.g. agentrl_sink)")
     seed: int = key(0, "seed of everything: tasks, sampling, updates", verl="data.seed")
     threads: int | None = key(None, "torch CPU threads (null: torch's default)", min=1)
+    deterministic: bool = key(True, "device=cpu: torch's deterministic algorithms, so that a re-run is bit-identical "
+                              "at any thread count (MoE expert gradients accumulate in a fixed order); no effect "
+                              "on a GPU")
     run_dir: str | None = key(None, "the run directory (default: runs/<env>-<time>)")
     resume: str | None = key(None, "continue the run in this directory from its latest checkpoint")
     data: DataConfig = field(default_factory=DataConfig)
@@ -427,6 +435,13 @@ def validate(cfg: DictConfig) -> None:
             f"rollout.batch_size*rollout.n={total} must be divisible by actor.num_mini_batches={cfg.actor.num_mini_batches}"
         )
     _validate_lora(cfg)
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_rs is not None:
+        try:
+            parse_rs_thresholds(rs_options(rc.rollout_rs), rc.rollout_rs_threshold)
+        except ValueError as exc:
+            raise ConfigError(f"bad value algorithm.rollout_correction.rollout_rs_threshold="
+                              f"{rc.rollout_rs_threshold!r}: {exc}") from None
     if cfg.rollout.deterministic and (cfg.rollout.engine == "transformers"
                                       or (cfg.rollout.engine == "auto" and cfg.device != "cuda")):
         raise ConfigError(

@@ -13,9 +13,10 @@ differs and calls the primitives here. How a run goes:
 - Rollout runs on every rank, on its own ``rollout.batch_size / N`` tasks (whole GRPO groups), with the
   parameters gathered once for the whole rollout (:func:`unsharded`): generation then needs no
   collective, so ranks may sample different numbers of tokens.
-- The update keeps the single-GPU maths: the loss normalisers (token and sequence counts) are global,
-  so with FSDP's gradient averaging the step equals the single-GPU step on the union of the ranks'
-  batches (:func:`global_share`); the logged loss and grad norm are the global ones.
+- The update keeps the single-GPU maths: the step plan is made over all ranks' rows and the loss
+  normalisers (token and sequence counts, the response width) are global, so with FSDP's gradient
+  averaging each step equals the single-GPU step on the union of the ranks' batches (:func:`global_sum`);
+  the logged loss and grad norm are the global ones.
 - Rank 0 alone writes metrics and trajectories (all ranks' episodes, gathered).
 
 ``device=cpu`` uses the gloo backend with one process per ``trainer.n_gpus`` (for tests); ``device=cuda``
@@ -148,16 +149,28 @@ def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 # ---------------------------------------------------------------------------- reductions
-def global_share(count: torch.Tensor) -> torch.Tensor:
-    """``count`` summed over ranks and divided by the world size (``count`` itself when not distributed).
+def global_sum(count: torch.Tensor) -> torch.Tensor:
+    """``count`` summed over ranks (in fp64, returned in ``count``'s float dtype, fp32 for an integer one);
+    ``count`` itself when not distributed.
 
-    A loss normalised by this share on every rank, then averaged by FSDP's gradient reduction, equals
-    the loss normalised by the global count."""
+    The update divides each rank's loss by such global totals and multiplies it by the world size (verl's
+    ``global_batch_info``), so that FSDP's gradient average equals the gradient of the loss over all ranks'
+    rows, and the rank-averaged logged loss is that loss."""
     if not is_distributed():
         return count
     total = count.detach().clone().to(torch.float64)
     dist.all_reduce(total)
-    return (total / world_size()).to(count.dtype if count.is_floating_point() else torch.float32)
+    return total.to(count.dtype if count.is_floating_point() else torch.float32)
+
+
+def global_max(value: int) -> int:
+    """The largest of the ranks' ``value`` (``value`` itself when not distributed)."""
+    if not is_distributed():
+        return int(value)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    top = torch.tensor([int(value)], dtype=torch.int64, device=device)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    return int(top.item())
 
 
 def full_value(value: Any) -> float:

@@ -91,7 +91,7 @@ class SingleProcess:
 class FSDP2Parallel(SingleProcess):
     """One rank of a torchrun job (the process group already initialised): FSDP2 over the decoder layers,
     each rank rolling out ``rollout.batch_size / world_size`` tasks (whole GRPO groups), global loss
-    normalisers (see :func:`agentrl.train.distributed.global_share`), rank 0 writing."""
+    normalisers (see :func:`agentrl.train.distributed.global_sum`), rank 0 writing."""
 
     equal_batches = True
 

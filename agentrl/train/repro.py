@@ -21,7 +21,18 @@ import torch
 
 from agentrl import rundir
 
-__all__ = ["differing_keys", "is_timing_key", "metric_differences", "weight_differences"]
+__all__ = ["deterministic_cpu", "differing_keys", "is_timing_key", "metric_differences", "weight_differences"]
+
+
+def deterministic_cpu() -> None:
+    """Make this process's CPU kernels deterministic (``trainer.deterministic``, on by default for
+    ``device=cpu``): ``torch.use_deterministic_algorithms(True)``. Some CPU kernels otherwise accumulate in an
+    order that depends on thread scheduling, e.g. ``index_put_(accumulate=True)`` in transformers' default
+    MoE experts path, whose expert-bias gradients then differ in the last bit from one run to the next at
+    the default thread count. Freshly allocated memory is not filled with NaN (torch's default in this mode):
+    that costs time on every allocation and adds nothing to the determinism of what is computed."""
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 def is_timing_key(key: str) -> bool:

@@ -43,6 +43,7 @@ from agentrl.train.heldout import HeldOutEvaluation
 from agentrl.train.metrics import episode_metrics
 from agentrl.train.parallel import SingleProcess
 from agentrl.train.reporting import Reporter, headline
+from agentrl.train.repro import deterministic_cpu
 from agentrl.train.resume import Checkpoints, RunState
 from agentrl.train.rollout import rollout, trainable
 from agentrl.train.stages import TrainingFailed, run_stages
@@ -83,6 +84,8 @@ class Trainer:
         self.reporter.print(describe_device_defaults(cfg), markup=False, highlight=False)
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
+        if cfg.device == "cpu" and cfg.deterministic:
+            deterministic_cpu()
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device=cuda but torch sees no CUDA device; use device=cpu")
         random.seed(cfg.seed)

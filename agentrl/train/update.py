@@ -6,9 +6,11 @@ to the model:
 - advantages from ``algorithm.adv_estimator`` over the task groups, on the whole batch: under torchrun
   every rank's rows are gathered first (:func:`batch_advantages`), so whitened estimators (REINFORCE++,
   REINFORCE++-baseline) normalise over all ranks' tokens as verl does, whatever the number of GPUs;
-- the step plan: rows without a model token are dropped (single process; under torchrun every rank keeps
-  its rows so that the ranks' collectives stay in step, and mini-batches without a token on any rank
-  are dropped), then ``actor.ppo_epochs`` x ``actor.num_mini_batches`` chunks are formed;
+- the step plan, made over all ranks' rows as one process would hold them (so the steps, their rows and
+  their number do not depend on the number of ranks): rows without a model token are dropped, then
+  ``actor.ppo_epochs`` x ``actor.num_mini_batches`` chunks are formed; under torchrun every rank runs as
+  many micro-batches per step (and per no-grad pass) as the rank with the most, padding with an all-masked
+  one, so FSDP's collectives stay in step whatever the ranks' row counts;
 - the on-policy fix, decided on that plan: when it is exactly one optimizer step over all the rows,
   ``old_log_prob = log_prob.detach()`` of that very forward (ratio exactly 1); otherwise a separate no-grad
   pass computes ``old_log_prob`` first (logged as ``actor/on_policy``; ``actor.onpolicy_fix=false``
@@ -26,13 +28,15 @@ to the model:
   (no ``±inf``, no zeros pulling a mean down), and a batch without a trained token reports none.
 
 Loss normalisation is verl's trainer's (``agg_loss`` with ``global_batch_info``): every micro-batch loss
-is divided by totals of the whole optimizer step over all ranks, so gradient accumulation and FSDP's
-averaging give the gradient of the step's loss. ``token-mean`` divides by the tokens left after rejection
+is divided by totals of the whole optimizer step over all ranks and multiplied by the world size
+(``dp_size``), so gradient accumulation and FSDP's averaging give the gradient of the step's loss, and the
+rank-averaged logged losses are that loss (``token-sum`` included: it has no denominator, only ``dp_size``).
+``seq-mean-token-sum-norm`` divides by ``actor.loss_scale_factor``, by default the batch's response width
+over all ranks (one process's width of the concatenated batch). ``token-mean`` divides by the tokens left after rejection
 sampling (verl's ``batch_num_tokens``, the sum of the rejected loss mask); the ``seq-mean-*`` modes divide
 by every row of the mini-batch (verl's ``global_batch_size = ppo_mini_batch_size * rollout.n``), also a row
 that rejection emptied, which adds 0 to the sum; ``token-sum`` divides by nothing. The rows of a
-mini-batch are those of the step plan, i.e. rows that hold a model token before rejection (under
-torchrun a rank's rows without one, kept for FSDP's sake, count for nothing). The token total after
+mini-batch are those of the step plan, i.e. rows that hold a model token before rejection. The token total after
 rejection is not known before the on-policy path's forwards, so every micro-batch is aggregated with
 the total before rejection and the gradients are multiplied by ``before / after`` after the last
 backward. Both paths do exactly this, so the on-policy path with rejection gives the gradient of the
@@ -44,7 +48,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,16 +143,27 @@ def _micro_batches(rows: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
         yield rows[start : start + size]
 
 
+def _rank_micro_batches(rows: torch.Tensor, size: int) -> Iterator[tuple[torch.Tensor, bool]]:
+    """``(rows, padding)`` per micro-batch of ``rows``; under torchrun every rank runs as many micro-batches as
+    the rank with the most (FSDP's collectives in each forward and backward must stay in step), the extra
+    ones being row 0 of the batch marked ``padding`` (their output is discarded, their loss is 0). The count is
+    agreed on (a collective) before the first micro-batch: no other collective may come between."""
+    chunks = [(mb, False) for mb in _micro_batches(rows, size)]
+    padding = distributed.global_max(len(chunks)) - len(chunks)
+    return iter(chunks + [(torch.zeros(1, dtype=torch.long), True)] * padding)
+
+
 @torch.no_grad()
 def batched_logprobs(model: Any, batch: Batch, *, micro_batch_size: int, chunk_size: int, temperature: float,
                      routing: list[torch.Tensor] | None = None, share_prefix: bool = False) -> torch.Tensor:
     """No-grad ``[B, R]`` log-probs over micro-batches (old-policy or reference pass)."""
     out = torch.zeros_like(batch.rollout_log_probs)
     rows = torch.arange(len(batch))
-    for mb in _micro_batches(rows, micro_batch_size):
+    for mb, padding in _rank_micro_batches(rows, micro_batch_size):
         lp, _ = forward_logprobs(model, batch.select(mb), chunk_size=chunk_size, temperature=temperature,
                                  compute_entropy=False, routing=_rows(routing, mb), share_prefix=share_prefix)
-        out[mb.to(out.device)] = lp
+        if not padding:
+            out[mb.to(out.device)] = lp
     return out
 
 
@@ -242,21 +257,21 @@ def _global_rollout_metrics(
 
 
 def _plan_steps(batch: Batch, cfg_actor: Any, generator: torch.Generator | None) -> list[torch.Tensor]:
-    """The row indices of each optimizer step (epochs x mini-batches) that has a model token on some rank."""
-    mask = batch.response_mask
-    rows = torch.arange(len(batch))
-    if not distributed.is_distributed():
-        rows = rows[(mask.sum(-1) > 0).cpu()]
+    """This rank's row indices of each optimizer step (epochs x mini-batches). The plan is made over the whole
+    batch, i.e. all ranks' rows in rank order as one process would hold them: rows without a model token
+    dropped, a shuffle by ``generator`` (the same on every rank) when there are several mini-batches, chunks.
+    So the steps, their rows and their number are those of one process on the concatenated batch, whatever
+    the number of ranks; a step may hold no row of this rank (it then runs a padding micro-batch)."""
+    usable = (batch.response_mask.sum(-1) > 0).cpu()
+    parts = distributed.gather_objects([usable])
+    offset = sum(len(p) for p in parts[: distributed.rank()])
+    rows = torch.arange(sum(len(p) for p in parts))[torch.cat(parts)]
     steps: list[torch.Tensor] = []
     for _epoch in range(cfg_actor.ppo_epochs):
         order = torch.randperm(len(rows), generator=generator) if cfg_actor.num_mini_batches > 1 else None
         chosen = rows if order is None else rows[order]
         steps += list(chosen.chunk(cfg_actor.num_mini_batches)) if len(chosen) else []
-    if not steps:
-        return []
-    tokens = torch.stack([mask[s.to(mask.device)].sum() for s in steps])
-    tokens = distributed.global_share(tokens)
-    return [s for s, n in zip(steps, tokens.tolist(), strict=True) if n > 0]
+    return [s[(s >= offset) & (s < offset + len(batch))] - offset for s in steps]
 
 
 @dataclass
@@ -282,6 +297,7 @@ class _Run:
     rc_options: dict[str, Any]
     advantages: torch.Tensor
     on_policy: bool
+    loss_scale_factor: float
     old_log_prob: torch.Tensor | None = None  # the separate pass's, or (on-policy) filled step by step
     ref_log_prob: torch.Tensor | None = None
     is_weights: torch.Tensor | None = None
@@ -338,6 +354,8 @@ def run_update(
                         rollout_rs=rc.rollout_rs, rollout_rs_threshold=rc.rollout_rs_threshold),
         advantages=batch_advantages(batch, algo),
         on_policy=bool(actor.onpolicy_fix) and is_on_policy(optimizer_steps=len(steps)),
+        # seq-mean-token-sum-norm's divisor: the key, else the response width of the whole batch (all ranks)
+        loss_scale_factor=float(actor.loss_scale_factor or distributed.global_max(batch.response_mask.shape[1])),
         train_mask=batch.response_mask,
     )
     if steps:
@@ -377,10 +395,28 @@ def _old_policy_pass(run: _Run) -> None:
 
 
 def _reference_pass(run: _Run, ref_model: Any | None) -> None:
-    """The frozen reference's log-probs for the KL loss (when there is one)."""
+    """The frozen reference's log-probs for the KL loss (when there is one). A LoRA policy's own base (its
+    adapters disabled) runs in eval mode, as a separate reference copy does: a base whose config has dropout
+    would otherwise give a random reference (and draw from the RNG the policy's forwards use)."""
     if ref_model is not None:
-        with adapters_disabled(run.model) if ref_model is run.model else nullcontext():
+        if ref_model is run.model:
+            with adapters_disabled(run.model), eval_mode(run.model):
+                run.ref_log_prob = _no_grad_pass(run, ref_model, "ref", None)
+        else:
             run.ref_log_prob = _no_grad_pass(run, ref_model, "ref", None)
+
+
+@contextmanager
+def eval_mode(model: Any) -> Iterator[Any]:
+    """``model`` in eval mode (dropout off) inside the context; every submodule's own mode is restored on exit,
+    also on error."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.train(training)
 
 
 def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
@@ -390,19 +426,20 @@ def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
     mask = run.batch.response_mask
     run.optimizer.zero_grad(set_to_none=True)
     pre = mask[step_rows.to(mask.device)]
-    # totals before rollout correction (this rank's share of the global ones under torchrun)
-    tokens_before = distributed.global_share(pre.sum()).clamp(min=1)
-    rows_before = distributed.global_share((pre.sum(-1) > 0).sum()).clamp(min=1)
-    agg = {"batch_num_tokens": tokens_before, "global_batch_size": rows_before}
+    # totals of the whole step (all ranks) before rollout correction; dp_size: FSDP averages the ranks' gradients
+    tokens_before = distributed.global_sum(pre.sum()).clamp(min=1)
+    rows_before = distributed.global_sum((pre.sum(-1) > 0).sum()).clamp(min=1)
+    agg = {"dp_size": distributed.world_size(), "batch_num_tokens": tokens_before, "global_batch_size": rows_before,
+           "loss_scale_factor": run.loss_scale_factor}
     after = {"tokens": torch.zeros((), dtype=torch.float64, device=mask.device)}
     partial = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
-    for mb in _micro_batches(step_rows, run.actor.micro_batch_size):
-        _micro_batch(run, mb, agg, after, partial)
+    for mb, padding in _rank_micro_batches(step_rows, run.actor.micro_batch_size):
+        _micro_batch(run, mb, agg, after, partial, padding=padding)
     # token-mean: re-normalise from the tokens before rejection to the tokens after it (the seq-mean modes
     # keep every row of the mini-batch, token-sum has no denominator)
     factor = 1.0
     if run.actor.loss_agg_mode == "token-mean":
-        later = float(distributed.global_share(after["tokens"]))
+        later = float(distributed.global_sum(after["tokens"]))
         factor = float(tokens_before) / later if later > 0 else 1.0
     if factor != 1.0:
         for p in run.params:
@@ -425,29 +462,31 @@ def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
 
 
 def _micro_batch(run: _Run, mb: torch.Tensor, agg: dict[str, Any], after: dict[str, torch.Tensor],
-                 partial: dict[str, float]) -> None:
-    """Forward, loss and backward of one micro-batch of a step (adds to ``after`` and ``partial``). Routing
-    replay stays on through the backward: gradient checkpointing re-runs the routers there."""
+                 partial: dict[str, float], *, padding: bool = False) -> None:
+    """Forward, loss and backward of one micro-batch of a step (adds to ``after`` and ``partial``); a
+    ``padding`` one (torchrun: FSDP's collectives in step) has an all-zero loss mask and records nothing.
+    Routing replay stays on through the backward: gradient checkpointing re-runs the routers there."""
     mask = run.batch.response_mask
     if not mask[mb.to(mask.device)].any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
         return
     sub = run.batch.select(mb)
     with replayed(run.model, sub, _rows(run.routing, mb)):
-        _micro_batch_loss(run, mb, sub, agg, after, partial)
+        _micro_batch_loss(run, mb, sub, agg, after, partial, padding)
 
 
 def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, Any], after: dict[str, torch.Tensor],
-                      partial: dict[str, float]) -> None:
+                      partial: dict[str, float], padding: bool) -> None:
     actor, mask = run.actor, run.batch.response_mask
     rows = mb.to(mask.device)
-    sub_mask = run.train_mask[rows]
+    sub_mask = torch.zeros_like(run.train_mask[rows]) if padding else run.train_mask[rows]
     log_prob, entropy = forward_logprobs(run.model, sub, chunk_size=actor.logprob_chunk_size,
                                          temperature=run.temperature, compute_entropy=True,
                                          share_prefix=actor.share_prompt_prefix and run.routing is None)
     sub_weights = None if run.is_weights is None else run.is_weights[rows]
     if run.on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
         sub_old = onpolicy_old_log_prob(log_prob, optimizer_steps=1)
-        run.old_log_prob[rows] = sub_old
+        if not padding:
+            run.old_log_prob[rows] = sub_old
         if sub_mask.any():
             sub_weights, sub_mask, _ = rollout_correction(
                 old_log_prob=sub_old, rollout_log_prob=sub.rollout_log_probs, response_mask=sub_mask,
@@ -473,7 +512,7 @@ def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, An
         loss = loss + actor.kl_loss_coef * kl_loss
         partial["kl_loss"] += kl_loss.item()
     loss.backward()
-    run.trained_tokens += int(sub.attention_mask.sum())
+    run.trained_tokens += 0 if padding else int(sub.attention_mask.sum())
     partial["pg_loss"] += pg_loss.item()
     partial["entropy"] += entropy_loss.item()
     run.loss_metrics.add(pg_metrics, float(sub_tokens))

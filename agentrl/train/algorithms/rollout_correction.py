@@ -60,8 +60,9 @@ def parse_is_threshold(spec: float | int | str) -> tuple[float, float | None]:
         raise ValueError(
             f"rollout_is_threshold {spec!r} is not a number or a 'lo_hi' pair like '0.5_2.0'"
         ) from exc
-    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
-        raise ValueError(f"rollout_is_threshold {spec!r} needs 0 < lo <= hi")
+    # written as "not within" so that NaN fails too
+    if not (0 < upper < math.inf) or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"rollout_is_threshold {spec!r} must be a finite number > 0, or 'lo_hi' with 0 < lo <= hi")
     return upper, lower
 
 
@@ -90,18 +91,18 @@ def parse_rs_thresholds(
                 lo_s, hi_s = part.split("_", 1) if "_" in part else (None, part)
                 hi = float(hi_s)
                 lo = 1.0 / hi if lo_s is None else float(lo_s)
-                if not 0 < lo <= hi:
+                if not 0 < lo <= hi < math.inf:
                     raise ValueError
                 out[opt] = (lo, hi)
             else:
                 hi = float(part)
-                if hi <= 0:
+                if not 0 < hi < math.inf:
                     raise ValueError
                 out[opt] = (None, hi)
         except ValueError as exc:
             raise ValueError(
                 f"bad rollout_rs_threshold {part!r} for {opt!r}: k1 options take 'lo_hi' or one "
-                "ratio bound u > 0 (meaning [1/u, u]); k2/k3 options take one positive upper bound"
+                "ratio bound u > 0 (meaning [1/u, u]); k2/k3 options take one positive upper bound (finite)"
             ) from exc
     return out
 
@@ -179,7 +180,8 @@ def _batch_normalize(weights, mask, level, with_metrics) -> tuple[torch.Tensor, 
     return weights, ({"rollout_is_batch_norm_factor": 1.0} if with_metrics else {})
 
 
-def _rs_options(rs: str) -> list[str]:
+def rs_options(rs: str) -> list[str]:
+    """The distinct options of a ``rollout_rs`` string, in order; raises ``ValueError`` for an unknown or no option."""
     options: list[str] = []
     for opt in (o.strip() for o in rs.split(",") if o.strip()):
         if opt not in RS_OPTIONS:
@@ -193,7 +195,7 @@ def _rs_options(rs: str) -> list[str]:
 
 def _rs_mask(log_ratio, mask, rs, rs_threshold, with_metrics):
     """Return ``(keep mask [B, T] in mask's dtype, metrics)`` for rejection sampling."""
-    options = _rs_options(rs)
+    options = rs_options(rs)
     bounds = parse_rs_thresholds(options, rs_threshold)
     lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     per_token = {"k1": -lr, "k2": 0.5 * lr.square(), "k3": torch.exp(lr) - 1.0 - lr}

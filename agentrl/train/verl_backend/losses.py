@@ -46,7 +46,7 @@ class StaleOldLogProbError(RuntimeError):
 
 
 # ---------------------------------------------------------------------------- the update guard
-_GUARD: dict[str, int | None] = {"steps": None}
+_GUARD: dict[str, Any] = {"steps": None, "owner": None}
 
 
 def current_update_steps() -> int | None:
@@ -57,19 +57,24 @@ def current_update_steps() -> int | None:
 def install_update_guard() -> bool:
     """Wrap ``verl.utils.tensordict_utils.make_iterator`` so that, while an update iterates over its
     mini-batches, :func:`current_update_steps` is its optimizer-step count (``ceil(rows / mini_batch_size)
-    * epochs``). Idempotent; returns True once the wrapper is in place."""
+    * epochs``). Idempotent; returns True once the wrapper is in place. An iterator left unfinished (an update
+    that raised) clears the count when it is closed or collected, only if no later update has set it since,
+    and also when that happens at interpreter exit, after this module's globals are gone."""
     from verl.utils import tensordict_utils
 
     original = tensordict_utils.make_iterator
     if getattr(original, "_agentrl_guard", False):
         return True
+    guard = _GUARD  # bound in the closure: no global lookup in the generator's finally
 
     def guarded(batches, steps):
-        _GUARD["steps"] = steps  # from the first mini-batch until the update's last one is done
+        owner = object()
+        guard["steps"], guard["owner"] = steps, owner  # from the first mini-batch until the update's last one is done
         try:
             yield from batches
         finally:
-            _GUARD["steps"] = None
+            if guard["owner"] is owner:
+                guard["steps"], guard["owner"] = None, None
 
     @functools.wraps(original)
     def make_iterator(tensordict, mini_batch_size, epochs, *args, **kwargs):
