@@ -24,7 +24,10 @@ At the end of each phase it also records the RSS then (``rss_at_end_gb``) and gl
 (``malloc_system_gb``: memory malloc holds; ``malloc_in_use_gb``: of which live allocations): a large gap is
 freed memory the allocator keeps (fragmentation), not memory the phase needs. GB here are GiB (2**30 bytes).
 
-Writes ``OUT.json``: ``{"phases": {name: {"peak_rss_gb", "children_gb", "seconds", "entries", "rss_at_end_gb",
+Each phase also gets ``cpu_s``: this process's CPU seconds (all its threads, ``time.process_time``) while it
+ran, a figure that a loaded machine inflates far less than wall time.
+
+Writes ``OUT.json``: ``{"phases": {name: {"peak_rss_gb", "children_gb", "seconds", "cpu_s", "entries", "rss_at_end_gb",
 "malloc_system_gb", "malloc_in_use_gb", "malloc_arenas"}}, "peak_rss_gb": <whole run>, "exit_code": <the
 command's>}``.
 """
@@ -117,6 +120,7 @@ class PhaseRecorder:
         self.phases: dict[str, dict[str, float]] = {}
         self.lock = threading.Lock()
         self.since = time.perf_counter()
+        self.cpu_since = time.process_time()
         self.can_reset = self._reset()
         self.stop = threading.Event()
         threading.Thread(target=self._sample_children, daemon=True).start()
@@ -131,7 +135,8 @@ class PhaseRecorder:
             return False
 
     def _entry(self, name: str) -> dict[str, float]:
-        return self.phases.setdefault(name, {"peak_rss_gb": 0.0, "children_gb": 0.0, "seconds": 0.0, "entries": 0})
+        return self.phases.setdefault(name, {"peak_rss_gb": 0.0, "children_gb": 0.0, "seconds": 0.0, "cpu_s": 0.0,
+                                                 "entries": 0})
 
     def _close_segment(self) -> None:
         """Charge the segment since the last boundary to the phase on top of the stack."""
@@ -139,7 +144,9 @@ class PhaseRecorder:
         entry = self._entry(self.stack[-1])
         entry["peak_rss_gb"] = max(entry["peak_rss_gb"], _status_kb("VmHWM") * 1024 / _GB)
         entry["seconds"] += now - self.since
-        self.since = now
+        cpu = time.process_time()
+        entry["cpu_s"] += cpu - self.cpu_since
+        self.since, self.cpu_since = now, cpu
         if self.can_reset:
             self._reset()
 

@@ -49,9 +49,11 @@ def sft_loss(
 
 
 #: Tokens one SFT forward may run with gradient (see :func:`forward_groups`). SmolLM2-135M keeps about 1.6 MB of
-#: activations per token (30 layers, fp32), so this bounds a forward's activations to about 1.6 GB whatever the
+#: activations per token (30 layers, fp32), so this bounds a forward's activations to about 2.5 GB whatever the
 #: trajectories' lengths; longer trajectories run alone with activation checkpointing (about 0.12 MB per token).
-MAX_FORWARD_TOKENS = 1024
+#: 1536 lets a micro-batch of 8 retool demonstrations (1,250-1,380 tokens with the shared prompt) run as one
+#: forward, as before the bound: at 1024 each ran as two, the shared prompt computed twice.
+MAX_FORWARD_TOKENS = 1536
 
 _MIN_SHARED_PREFIX = 32  # as agentrl.train.prefix_sharing: shorter common prefixes are not shared
 

@@ -22,6 +22,7 @@ from typing import Any
 from agentrl import rundir
 from agentrl.cli_args import UsageError
 from agentrl.episodes import EnvPool
+from agentrl.train.free_memory import release_free_memory
 
 _DEMO_OFFSET = 1_000_000_000  # SFT demonstrations use training tasks from this index on (RL starts at 0)
 
@@ -201,6 +202,11 @@ async def sft_stage(trainer: Any, trajectories: list[Any], data_s: float) -> dic
         chunk_size=cfg.actor.logprob_chunk_size, share_prefix=cfg.actor.share_prompt_prefix,
     )
     losses = _sft_steps(trainer, stage, optimizer)
+    # the SFT optimizer's state and gradients are not needed any more (RL's first step starts from zero
+    # gradients): free them, and the SFT activations malloc kept, before the evaluation and RL
+    del stage, optimizer
+    actor.model.zero_grad(set_to_none=True)
+    release_free_memory()
     state.sft_info.update(steps=sft.steps)
     if losses:
         state.sft_info.update(loss_last=losses[-1])

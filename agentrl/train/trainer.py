@@ -39,6 +39,7 @@ from agentrl.evaluation.policies import env_kwargs_of
 from agentrl.train.actor import build_actor
 from agentrl.train.batch import collate
 from agentrl.train.config import describe_device_defaults
+from agentrl.train.free_memory import release_free_memory
 from agentrl.train.heldout import HeldOutEvaluation
 from agentrl.train.metrics import episode_metrics
 from agentrl.train.parallel import SingleProcess
@@ -150,6 +151,7 @@ class Trainer:
         label = label or ("before" if step == 0 else f"step_{step}")
         directory = label if label in ("before", "after_sft") else f"step_{step:06d}"
         metrics, figures = await self.heldout(directory, step, pool)
+        release_free_memory()  # the evaluation's KV caches, freed on the engine's threads
         self.state.eval_history[label] = {"step": step, **figures}
         self.reporter.evaluation(figures, {"before": "before", "after_sft": "after SFT"}.get(label, f"@ step {step}"),
                                  metrics["eval/timing_s"])
@@ -169,7 +171,9 @@ class Trainer:
                                    progress_interval_s=cfg.trainer.progress_interval_s)
         for e in result.episodes:
             e.trajectory.policy_version = state.step  # sampled with the weights of `step` updates
+        release_free_memory()  # the rollout's KV caches, before the update's activations
         update = self._update(result.episodes)
+        release_free_memory()  # the update's activations, before the next rollout or evaluation
         episodes = par.gather(result.episodes)
         self._save_trajectories(state.step + 1, episodes)
         self._log_failures(state.step + 1, episodes)
