@@ -11,7 +11,7 @@ Reads ``RUN_DIR/summary.json`` of a finished ``agentrl train env=retool`` run (t
   ``run.mean >= readme - 2 * run.sem`` (the run's own standard error of that evaluation).
 
 The README's figures are the ones its main-job paragraph states as ``before -> after SFT -> after RL``
-(``0.000 -> 0.672 -> 0.773``), read from ``--readme`` (default: the repository's ``README.md``); ``--before``,
+(e.g. ``0.000 -> 0.672 -> 0.797``), read from ``--readme`` (default: the repository's ``README.md``); ``--before``,
 ``--after-sft`` and ``--after-rl`` override them one by one (e.g. to check against another recorded run).
 
 Prints one line per failed check, then last:
@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-#: the README's main-job figures: "(0.000 -> 0.672 -> 0.773, ..."
+#: the README's main-job figures: "(0.000 -> 0.672 -> 0.797, ..."
 _FIGURES = re.compile(r"after RL \((\d+\.\d+) -> (\d+\.\d+) -> (\d+\.\d+)")
 #: summary.json key -> the README figure it is checked against
 EVALS = (("before", "eval_before"), ("after_sft", "eval_after_sft"), ("after_rl", "eval_after"))
