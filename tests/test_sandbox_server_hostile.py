@@ -202,8 +202,10 @@ def test_config_dataclass_drives_the_command_line():
     a = parse_args(["--port", "9001", "--max-timeout-s", "5", "--unsafe-no-isolation"])
     b = parse_args(["port=9001", "max_timeout_s=5", "unsafe_no_isolation=true"])
     assert a == b and a.port == 9001 and a.max_timeout_s == 5.0 and a.unsafe_no_isolation
-    with pytest.raises(UsageError, match="max_timeout_s must be a positive number"):
+    with pytest.raises(UsageError, match="max_timeout_s must be a finite number, got nan"):
         parse_args(["max_timeout_s=nan"])
+    with pytest.raises(UsageError, match="max_timeout_s must be a positive number"):
+        parse_args(["max_timeout_s=-1"])
     with pytest.raises(UsageError, match="token must be"):
         parse_args(["token=a/b"])
     assert parse_args(["--max-timeout", "7"]).max_timeout_s == 7.0  # the flag's old name still works
