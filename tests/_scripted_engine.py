@@ -53,3 +53,26 @@ class ScriptedEngine:
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return [self._one(p, sampling) for p in prompts]
+
+
+def scripted_verl_agent_loop(engine: ScriptedEngine, *, response_length: int):
+    """verl's ``AgentrlAgentLoop`` whose server manager answers from ``engine`` (needs verl installed), with
+    verl's prompt length 1024 and ``response_length`` tokens of response."""
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
+    from verl.workers.rollout.replica import TokenOutput
+
+    from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
+    from agentrl.train.verl_backend.agent_loop import AgentrlAgentLoop
+
+    class ServerManager:
+        async def generate(self, request_id, *, prompt_ids, sampling_params):
+            sampling = SamplingParams(max_new_tokens=sampling_params["max_tokens"],
+                                      stop_token_ids=sampling_params["stop_token_ids"])
+            (c,) = await engine.generate([prompt_ids], sampling)
+            return TokenOutput(token_ids=c.token_ids, log_probs=c.logprobs)
+
+    rollout = {"prompt_length": 1024, "response_length": response_length}
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}})
+    return AgentrlAgentLoop(DictConfigWrap(config), ServerManager(), harmony_hf_tokenizer(), None, None,
+                            DictConfigWrap(OmegaConf.create({})))

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from _scripted_engine import ScriptedEngine
+from _scripted_engine import ScriptedEngine, scripted_verl_agent_loop
 
 import agentrl.envs.registry as registry
 from agentrl.engines.base import SamplingParams
@@ -487,25 +487,8 @@ def test_agentrl_debug_reraises_a_fatal_error(tmp_path, monkeypatch):
 
 def test_verl_agent_loop_runs_an_infrastructure_failure_again_then_marks_it():
     pytest.importorskip("verl")
-    from omegaconf import OmegaConf
-    from verl.experimental.agent_loop.agent_loop import DictConfigWrap
-    from verl.workers.rollout.replica import TokenOutput
-
-    from agentrl.harmony.hf_tokenizer import harmony_hf_tokenizer
-    from agentrl.train.verl_backend.agent_loop import AgentrlAgentLoop
-
     engine = ScriptedEngine(FMT, script)
-
-    class ServerManager:
-        async def generate(self, request_id, *, prompt_ids, sampling_params):
-            sampling = SamplingParams(max_new_tokens=sampling_params["max_tokens"],
-                                      stop_token_ids=sampling_params["stop_token_ids"])
-            (c,) = await engine.generate([prompt_ids], sampling)
-            return TokenOutput(token_ids=c.token_ids, log_probs=c.logprobs)
-
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 1024, "response_length": 1024}}})
-    loop = AgentrlAgentLoop(DictConfigWrap(config), ServerManager(), harmony_hf_tokenizer(), None, None,
-                            DictConfigWrap(OmegaConf.create({})))
+    loop = scripted_verl_agent_loop(engine, response_length=1024)
 
     async def run(prompt):
         spec = {"env": ENV, "format": "harmony", "task": {"prompt": prompt, "answer": "42"}, "max_new_tokens": 64}
