@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -185,7 +184,7 @@ async def collect(
             started = env.trajectory is not None and env.trajectory is not previous
             partial = env.trajectory if started else Trajectory(prompt_ids=[])
             partial.error, partial.stop_reason = error, "error"
-            return EpisodeResult(partial, "error", error=error, traceback=traceback.format_exc())
+            return EpisodeResult(partial, "error", error=error, traceback=errorlog.format_exception(exc))
 
     async def episode(job: EpisodeJob) -> EpisodeResult | None:
         env = await pool.acquire()

@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jsonschema
 
+from agentrl import errorlog
 from agentrl.envs.tools.base import StatefulTool, Tool, ToolError, ToolInfrastructureError, ToolOutput
 from agentrl.harmony.trajectory import ToolRecord
 from agentrl.harmony.types import ToolCall, ToolSpec
@@ -194,7 +194,7 @@ class ToolBox:
     @staticmethod
     def _infrastructure(exc: ToolInfrastructureError, sessions: Sessions, record: Any) -> ToolRecord:
         """The record of a backend failure; its traceback is kept in ``sessions.tracebacks``."""
-        sessions.tracebacks.append("".join(traceback.format_exception(exc)))
+        sessions.tracebacks.append(errorlog.format_exception(exc))
         return record(f"Error: {exc}", "tool_infrastructure")
 
     async def call_many(self, calls: Sequence[ToolCall], sessions: Sessions) -> list[ToolRecord]:
