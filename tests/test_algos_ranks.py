@@ -15,17 +15,14 @@ full-batch single-process reference (the workers are in ``tests/_algos_ranks_wor
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from _algos_ranks_worker import SCENARIOS, scenario, scenario_update
 from _tiny_update import tiny_llama
+from _torchrun import torchrun
 
-import agentrl
 from agentrl.train.algorithms import LOSS_AGG_MODES
 
 HERE = Path(__file__).parent
@@ -40,13 +37,8 @@ SAME_METRICS = ("actor/pg_loss", "actor/entropy", "actor/ppo_ratio_mean", "actor
 def ranks(request, tmp_path_factory) -> tuple[int, Path]:
     world = request.param
     out = tmp_path_factory.mktemp(f"ranks{world}")
-    here = str(Path(agentrl.__file__).parent.parent)  # the workers import the agentrl under test
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                          str(HERE / "_algos_ranks_worker.py"), "--out", str(out), "--examples", str(EXAMPLES[world])],
-                         cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-6000:])
+    torchrun([str(HERE / "_algos_ranks_worker.py"), "--out", str(out), "--examples", str(EXAMPLES[world])],
+             nproc=world, cwd=HERE, timeout=600)
     return world, out
 
 

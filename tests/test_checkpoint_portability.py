@@ -4,12 +4,11 @@ trainer; a checkpoint of other parameters fails with a message that says what di
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from _torchrun import run_launch
 
 from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
 
@@ -79,9 +78,7 @@ def test_n_gpus_2_checkpoint_resumes_in_the_single_process_trainer(tmp_path):
             "rollout.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=4", "eval.num_tasks=0",
             "model_kwargs.num_layers=1", "actor.freeze=[embeddings]", "trainer.total_steps=1", f"run_dir={run_dir}",
             "actor.entropy_coeff=0.01"]  # a gradient even when every GRPO group scores alike: Adam has state
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-5000:])
+    run_launch(args, cwd=tmp_path)
     ckpt = run_dir / "checkpoints" / "step_000001"
     assert json.loads((ckpt / "state.json").read_text())["n_gpus"] == 2
     saved_opt = torch.load(ckpt / "optimizer.pt", weights_only=True)

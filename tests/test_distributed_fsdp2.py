@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _torchrun import run_launch, torchrun
 
 from agentrl.train import distributed
 
 HERE = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-
-def _torchrun(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    out = subprocess.run(args, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-5000:])
-    return out
 
 
 def test_fsdp2_step_matches_single_process(tmp_path):
     result_path = tmp_path / "parity.json"
-    _torchrun([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(HERE / "_fsdp2_parity_worker.py"), "--device", "cpu", "--out", str(result_path)], HERE)
+    torchrun([str(HERE / "_fsdp2_parity_worker.py"), "--device", "cpu", "--out", str(result_path)], cwd=HERE)
     r = json.loads(result_path.read_text())
     assert r["world"] == 2 and r["episodes"] == 8
     ref, fsdp = r["ref"], r["fsdp"]
@@ -43,7 +34,7 @@ def test_agentrl_train_n_gpus_2_runs_saves_and_resumes_under_torchrun(tmp_path):
             "trainer.n_gpus=2", "trainer.save_every=1", "trainer.progress=false", "trainer.tensorboard=false",
             "rollout.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=4", "eval.num_tasks=0",
             "model_kwargs.num_layers=1", f"run_dir={run_dir}"]
-    _torchrun(args + ["trainer.total_steps=1"], tmp_path)
+    run_launch(args + ["trainer.total_steps=1"], cwd=tmp_path)
     episodes = (run_dir / "trajectories" / "step_000001.jsonl").read_text().splitlines()
     assert len(episodes) == 4  # both ranks' episodes, written once by rank 0
     assert len({json.loads(e)["task"]["prompt"] for e in episodes}) == 2
@@ -52,7 +43,7 @@ def test_agentrl_train_n_gpus_2_runs_saves_and_resumes_under_torchrun(tmp_path):
     saved = torch.load(run_dir / "checkpoints" / "step_000001" / "model.pt", weights_only=True)
     assert "lm_head.weight" in saved and saved["lm_head.weight"].shape[0] == 201088  # full, unsharded
 
-    out = _torchrun(args + [f"resume={run_dir}", "trainer.total_steps=2"], tmp_path)
+    out = run_launch(args + [f"resume={run_dir}", "trainer.total_steps=2"], cwd=tmp_path)
     assert "resumed from" in out.stdout + out.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and "actor/grad_norm" in records[-1]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from _tiny_update import ragged_batch, tiny_llama
+from _torchrun import torchrun
 
 from agentrl.models import lora
 from agentrl.models.routing import find_routers, record_routing, replay_routing
@@ -372,12 +373,7 @@ def test_lora_adapter_attaches_from_a_peft_config_dict_as_a_weight_sync_sends_it
 # ---------------------------------------------------------------------------- FSDP2, 2 CPU processes
 def test_lora_fsdp2_on_two_cpu_processes(tmp_path):
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    worker = Path(__file__).parent / "_fsdp2_lora_worker.py"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(worker), "--out", str(out), "--run-dir", str(tmp_path / "run")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    torchrun([str(Path(__file__).parent / "_fsdp2_lora_worker.py"), "--out", str(out), "--run-dir", str(tmp_path / "run")])
     r = json.loads(out.read_text())
     assert r["world"] == 2 and r["trainable_only_adapter"]
     ref, fsdp = r["ref"], r["fsdp"]

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _torchrun import torchrun
 
 pytest.importorskip("verl")
 
@@ -31,13 +29,9 @@ def test_local_heads_slices_in_verl_head_order():
 def test_ulysses_sink_attention_equals_full_sequence(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "ulysses.json"
-    proc = subprocess.run(  # KV heads 2, and 1 (fewer than ranks: repeated before the all-to-all)
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(HERE / "_ulysses_worker.py"), str(out), "2", "1"],
-        cwd=HERE, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "VERL_USE_EXTERNAL_PLUGINS": "none", "TRITON_INTERPRET": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # KV heads 2, and 1 (fewer than ranks: repeated before the all-to-all)
+    torchrun([str(HERE / "_ulysses_worker.py"), str(out), "2", "1"], cwd=HERE, timeout=240,
+             env={"VERL_USE_EXTERNAL_PLUGINS": "none", "TRITON_INTERPRET": "1"})
     results = json.loads(out.read_text())
     assert sorted(results) == ["1", "2", "model"]
     # a tiny GPT-OSS on the registered kernel, inputs sliced by verl: same logits and d(sink) as without SP
