@@ -1,0 +1,135 @@
+"""The README is a front door that works as written: its python blocks run and print what they say, its shell
+commands parse (every `agentrl` command line is read by its command's own parser; nothing long runs), and
+every link and repository path in it and in ``docs/`` exists."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+#: top-level folders whose paths, written as `code` in the docs, must exist in the repository
+REPO_DIRS = ("agentrl/", "tests/", "benchmarks/", "examples/", "scripts/", "docs/", ".ci/")
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```$", text, flags=re.S | re.M)
+
+
+def _commands(text: str) -> list[str]:
+    """Every command line of the ``bash`` blocks: continuation lines joined, trailing ``# comments`` dropped."""
+    lines = []
+    for block in _blocks(text, "bash"):
+        lines += block.replace("\\\n", " ").splitlines()
+    return [c for c in (re.split(r"\s+#\s", line)[0].strip() for line in lines) if c and not c.startswith("#")]
+
+
+def test_readme_is_at_most_250_lines():
+    assert len(README.read_text().splitlines()) <= 250
+
+
+def test_readme_python_blocks_run_and_print_what_their_comments_say(tmp_path):
+    """The blocks run in order as one script in a fresh interpreter; each ``print(...)  # ...: X`` line's output
+    is the comment's last part (``X``, after its last ``: ``)."""
+    blocks = _blocks(README.read_text(), "python")
+    assert blocks, "the README has no python block"
+    script = "\n".join(blocks)
+    expected = [re.split(r": ", comment)[-1].strip()
+                for comment in re.findall(r"^print\(.*\)\s+#\s*(.*)$", script, flags=re.M)]
+    (tmp_path / "readme_blocks.py").write_text(script)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "readme_blocks.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == expected
+
+
+def _parse_agentrl(words: list[str]) -> None:
+    """Read an ``agentrl ...`` command line with its command's own parser; raises on a line it refuses."""
+    from agentrl import cli_args
+    from agentrl.cli import main as cli_main
+
+    if words[-1] == "--help":
+        assert cli_main(words) == 0, words
+        return
+    if words[0] in ("train", "sft"):
+        from agentrl.train.config import SFT_SPEC, build_config
+
+        args = [w for w in words[1:] if w != "--dry-run"]
+        if words[0] == "sft":
+            build_config(args, spec=SFT_SPEC, profile="sft")
+        else:
+            build_config(args)
+        return
+    specs = {"eval": "agentrl.evaluation.cli", "serve model": "agentrl.engines.serve_cli",
+             "serve sandbox": "agentrl.envs.sandbox.server", "view": "agentrl.viewer.html", "plot": "agentrl.train.plots"}
+    name = " ".join(words[:2]) if " ".join(words[:2]) in specs else words[0]
+    assert name in specs, f"the README runs `agentrl {' '.join(words)}`, which this test cannot check yet"
+    import importlib
+
+    spec = importlib.import_module(specs[name]).SPEC
+    cli_args.parse(spec, words[len(name.split()):])
+
+
+def _install_profiles() -> set[str]:
+    return set(re.findall(r"^\s+(\w+)\)", (ROOT / "scripts" / "install.sh").read_text(), flags=re.M))
+
+
+def _check_command(command: str) -> None:
+    """One README command line: each part joined by ``&&`` is checked for what it is."""
+    for part in (p.strip() for p in command.split("&&")):
+        words = shlex.split(part)
+        if words[0] == "scripts/install.sh":
+            assert (ROOT / words[0]).exists() and words[1] in _install_profiles(), part
+        elif words[0] in ("agentrl", ".venv/bin/agentrl"):
+            _parse_agentrl(words[1:])
+        elif words[:3] in (["python", "-m", "pytest"], [".venv/bin/python", "-m", "pytest"]):
+            # the same options, collecting one small file only: pytest refuses an unknown option or marker
+            done = subprocess.run([sys.executable, "-m", "pytest", *words[3:], "--collect-only", "-p",
+                                   "no:cacheprovider", "tests/test_config_docs.py"], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=300)
+            assert done.returncode == 0, (part, done.stdout[-2000:], done.stderr[-2000:])
+        elif words[0] == "bash" and words[1].startswith("examples/"):
+            assert subprocess.run(["bash", "-n", str(ROOT / words[1])]).returncode == 0, part
+        else:
+            pytest.fail(f"the README runs {part!r}, which this test cannot check yet")
+
+
+def test_readme_shell_commands_parse(monkeypatch):
+    """Every command line of the README's bash blocks, as written (from the repository root): the install
+    profile exists, pytest takes the options, each ``agentrl`` line is accepted by its command's parser (a
+    ``--dry-run`` line is parsed, not planned; ``--help`` runs), each example script is valid bash."""
+    pytest.importorskip("torch")
+    monkeypatch.chdir(ROOT)
+    commands = _commands(README.read_text())
+    assert "scripts/install.sh train && .venv/bin/agentrl train env=retool" in commands
+    assert any(c.startswith("scripts/install.sh test && .venv/bin/python -m pytest") for c in commands)
+    for command in commands:
+        _check_command(command)
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_links_and_repository_paths_exist(page):
+    """Every relative Markdown link resolves from the page's folder, and every `path` into the repository's
+    folders written as code exists (a placeholder such as ``runs/<run>`` is not a repository path)."""
+    text = page.read_text()
+    missing = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if not re.match(r"[a-z]+://|#|mailto:", target) and not (page.parent / target.split("#")[0]).exists():
+            missing.append(target)
+    for path in re.findall(r"`([\w./-]+)`", text):
+        if path.startswith(REPO_DIRS) and "*" not in path and not (ROOT / path).exists():
+            missing.append(path)
+    assert not missing, f"{page.name}: {missing}"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    text = README.read_text()
+    assert [p for p in DOCS if f"](docs/{p.name})" not in text] == []
