@@ -133,3 +133,24 @@ def test_links_and_repository_paths_exist(page):
 def test_every_docs_page_is_linked_from_the_readme():
     text = README.read_text()
     assert [p for p in DOCS if f"](docs/{p.name})" not in text] == []
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_docs_python_blocks_are_valid_python(page):
+    """The docs' examples (which need a server, a GPU or tensors, so they are not run) at least compile."""
+    for block in _blocks(page.read_text(), "python"):
+        compile(block, str(page), "exec")
+
+
+def test_docs_transcripts_are_what_the_commands_print(capsys, monkeypatch):
+    """Each ``$ agentrl ...`` line of a docs transcript, run as written, prints the lines under it and exits 2."""
+    from agentrl.cli import main as cli_main
+
+    pytest.importorskip("torch")
+    monkeypatch.chdir(ROOT)
+    transcripts = [m for page in DOCS for m in re.findall(r"^\$ agentrl (.*)\n((?:[^$`].*\n)+)", page.read_text(), flags=re.M)]
+    assert transcripts
+    for command, printed in transcripts:
+        assert cli_main(shlex.split(command)) == 2, command
+        out = capsys.readouterr()
+        assert (out.out + out.err).strip() == printed.strip(), command
