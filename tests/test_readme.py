@@ -154,3 +154,23 @@ def test_docs_transcripts_are_what_the_commands_print(capsys, monkeypatch):
         assert cli_main(shlex.split(command)) == 2, command
         out = capsys.readouterr()
         assert (out.out + out.err).strip() == printed.strip(), command
+
+
+#: verl's own keys, which docs/scale-out.md names as verl's (they are no agentrl train key)
+VERL_KEYS = {"data.train_files", "data.train_batch_size", "trainer.logger", "trainer.resume_mode",
+             "verl.plugins", "verl.trainer.main_ppo"}
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_trainer_key_the_docs_name_exists(page):
+    """A dotted ``agentrl train`` key in the README or a docs page (``actor.lora.rank``, ``trainer.n_gpus``) is
+    declared, or a section of declared keys (``algorithm.rollout_correction``), or under an open mapping
+    (``env_kwargs.tier``, ``verl.overrides``)."""
+    from agentrl.train.config import all_keys
+
+    keys = set(all_keys())
+    sections = {k.rsplit(".", 1)[0] for k in keys} | {k.rsplit(".", 2)[0] for k in keys}
+    pattern = r"(?<![\w./])((?:actor|rollout|trainer|algorithm|sft|eval|data|verl|env_kwargs|model_kwargs)\.[a-z_][\w.]*\w)"
+    unknown = {name for name in re.findall(pattern, page.read_text())
+               if name not in keys | sections | VERL_KEYS and not name.startswith(("env_kwargs.", "model_kwargs."))}
+    assert not unknown, f"{page.name} names keys that agentrl train does not declare: {sorted(unknown)}"
