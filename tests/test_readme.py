@@ -174,3 +174,44 @@ def test_every_trainer_key_the_docs_name_exists(page):
     unknown = {name for name in re.findall(pattern, page.read_text())
                if name not in keys | sections | VERL_KEYS and not name.startswith(("env_kwargs.", "model_kwargs."))}
     assert not unknown, f"{page.name} names keys that agentrl train does not declare: {sorted(unknown)}"
+
+
+def _needs_more_than_a_parse(command: str) -> bool:
+    """Docs command lines this parse cannot stand for: placeholders (``<run>``, ``...``), lines that read what an
+    earlier run wrote (``resume=``, ``data=runs/``, ``--compare``), other programs (pip, ray, a shell ``export``,
+    ``VAR=value`` prefixes) and printed output lines (``ready: ...``)."""
+    first = command.split()[0]
+    return (any(mark in command for mark in ("<", "...", "resume=", "data=runs/", "--compare"))
+            or "=" in first or first not in ("agentrl", ".venv/bin/agentrl", "scripts/install.sh", "bash"))
+
+
+def test_docs_shell_commands_parse(monkeypatch, capsys):
+    """The docs' command lines, as far as a parse can check them (:func:`_needs_more_than_a_parse` says which
+    are left out): each is accepted by its command's parser, as the README's are."""
+    pytest.importorskip("torch")
+    monkeypatch.chdir(ROOT)
+    checked = 0
+    for page in DOCS:
+        for command in _commands(page.read_text()):
+            if not _needs_more_than_a_parse(command):
+                _check_command(command)
+                checked += 1
+    capsys.readouterr()  # --help output
+    assert checked >= 20, checked
+
+
+@pytest.mark.slow
+def test_readme_verl_dry_run_plans_as_written(tmp_path):
+    """The README's ``backend=verl ... --dry-run`` lines run as written (``agentrl`` of this interpreter's venv on
+    PATH, in an empty folder): verl's own config validation passes and nothing launches."""
+    import os
+
+    pytest.importorskip("verl")
+    dry_runs = [c for c in _commands(README.read_text()) if "backend=verl" in c and c.endswith("--dry-run")]
+    assert dry_runs
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": str(ROOT)}
+    for command in dry_runs:
+        done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0 and "--dry-run: nothing launched." in done.stdout, (command, done.stderr[-2000:])
