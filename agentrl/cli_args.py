@@ -489,8 +489,8 @@ def to_object(spec: CommandSpec, cfg: DictConfig) -> Any:
 
 
 def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
-    """Dotted key -> the first line of the string literal written under the field (an attribute docstring),
-    for the dataclasses that document their fields that way; nested dataclasses included."""
+    """Dotted key -> the first paragraph, on one line, of the string literal written under the field (an attribute
+    docstring), for the dataclasses that document their fields that way; nested dataclasses included."""
     import ast
     import inspect
     import textwrap
@@ -509,7 +509,7 @@ def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
             and isinstance(after.value, ast.Constant)
             and isinstance(after.value.value, str)
         ):
-            docs[prefix + node.target.id] = after.value.value.strip().splitlines()[0]
+            docs[prefix + node.target.id] = " ".join(after.value.value.strip().split("\n\n")[0].split())
     hints = _hints(schema)
     for f in dataclasses.fields(schema):
         tp = _strip_optional(hints.get(f.name, f.type))

@@ -41,3 +41,20 @@ def test_check_mode_reports_a_stale_file(tmp_path, monkeypatch, capsys):
     assert script.main(["--check"]) == 1
     assert "config.md is stale" in capsys.readouterr().err
     assert script.main([]) == 0 and script.main(["--check"]) == 0
+
+
+def test_a_field_docstring_over_several_lines_is_described_whole():
+    """An attribute docstring wrapped over two lines gives its whole first paragraph, never a cut sentence."""
+    from dataclasses import dataclass
+
+    from agentrl.cli_args import field_docs
+
+    @dataclass
+    class Wrapped:
+        limit: int = 1
+        """Connections from one client (an address; an IPv6
+        client is its /64).
+
+        Details nobody needs in --help."""
+
+    assert field_docs(Wrapped) == {"limit": "Connections from one client (an address; an IPv6 client is its /64)."}
