@@ -215,3 +215,10 @@ def test_readme_verl_dry_run_plans_as_written(tmp_path):
         done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0 and "--dry-run: nothing launched." in done.stdout, (command, done.stderr[-2000:])
+
+
+def test_ci_runs_the_readme_test_command():
+    """The README says `.ci/run` runs exactly the two steps of its test command: each is a line of `.ci/run`."""
+    command = next(c for c in _commands(README.read_text()) if c.startswith("scripts/install.sh test"))
+    ci = [line.split(" || ")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert [part.strip() for part in command.split("&&") if part.strip() not in ci] == []
