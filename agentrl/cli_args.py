@@ -352,7 +352,7 @@ def _value_error(spec: CommandSpec, key: str, value: str, detail: str = "") -> U
     expected = f" expected {_type_label(tp)}" if tp is not None else f" {detail}"
     if example is None:
         example = _EXAMPLES.get(_strip_optional(tp))
-    eg = f"; e.g. {key}={_show(example)}" if example is not None else ""
+    eg = f"; e.g. {key}={show_value(example)}" if example is not None else ""
     return UsageError(f"bad value {key}={value!r}:{expected}{eg}")
 
 
@@ -360,11 +360,12 @@ def _value_error(spec: CommandSpec, key: str, value: str, detail: str = "") -> U
 _EXAMPLES: dict[Any, Any] = {int: 8, float: 0.5, bool: True, str: "TEXT"}
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """``value`` as it is written on a command line: ``true``, ``null``, ``[a,b]``."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_show(v) for v in value) + "]"
+        return "[" + ",".join(show_value(v) for v in value) + "]"
     if value is None:
         return "null"
     return str(value)
@@ -442,12 +443,12 @@ def _check_value(key: str, value: Any, meta: Mapping[str, Any], extra: Sequence[
         return
     for item in value if isinstance(value, (list, tuple)) else [value]:
         if isinstance(item, float) and not math.isfinite(item):
-            raise UsageError(f"{key} must be a finite number, got {_show(value)}")
+            raise UsageError(f"{key} must be a finite number, got {show_value(value)}")
     if meta.get("check") is not None:
         try:
             meta["check"](value)
         except (TypeError, ValueError) as exc:
-            raise UsageError(f"bad value {key}={_show(value)}: {str(exc).splitlines()[0]}") from None
+            raise UsageError(f"bad value {key}={show_value(value)}: {str(exc).splitlines()[0]}") from None
     valid = meta.get("choices") or extra
     accept = meta.get("accept")  # values valid beyond the choices (e.g. an env given as module:Class)
     if valid is not None and not (accept is not None and isinstance(value, str) and accept(value)):
@@ -488,8 +489,8 @@ def to_object(spec: CommandSpec, cfg: DictConfig) -> Any:
 
 
 def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
-    """Dotted key -> the first line of the string literal written under the field (an attribute docstring),
-    for the dataclasses that document their fields that way; nested dataclasses included."""
+    """Dotted key -> the first paragraph, on one line, of the string literal written under the field (an attribute
+    docstring), for the dataclasses that document their fields that way; nested dataclasses included."""
     import ast
     import inspect
     import textwrap
@@ -508,7 +509,7 @@ def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
             and isinstance(after.value, ast.Constant)
             and isinstance(after.value.value, str)
         ):
-            docs[prefix + node.target.id] = after.value.value.strip().splitlines()[0]
+            docs[prefix + node.target.id] = " ".join(after.value.value.strip().split("\n\n")[0].split())
     hints = _hints(schema)
     for f in dataclasses.fields(schema):
         tp = _strip_optional(hints.get(f.name, f.type))
@@ -517,30 +518,54 @@ def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
     return docs
 
 
-def help_text(
+class KeyRow(typing.NamedTuple):
+    """One key as ``--help`` and ``docs/config.md`` show it: dotted ``key``, its default as written on a command
+    line (``(required)`` when it has none), its valid values or bounds (``""`` when any value of its type goes)
+    and its one-line description (``""`` when undocumented)."""
+
+    key: str
+    default: str
+    valid: str
+    doc: str
+
+
+def key_rows(
     spec: CommandSpec, *, docs: Mapping[str, str] | None = None, defaults: DictConfig | None = None,
-) -> str:
-    """``usage``, then every key with its default (``(required)``), its valid values and bounds, and its
-    description (``docs``, else the key's declaration, else the field's attribute docstring). ``defaults``:
-    the config whose values are shown (a command's own profile); the schema's declared defaults when None."""
+) -> list[KeyRow]:
+    """Every key of ``spec`` in declaration order, with its default (from ``defaults``, a command's own profile,
+    else the schema's declared defaults), valid values (the declaration's ``choices`` unless they are computed,
+    else ``spec.choices``, else its bounds) and description (``docs``, else the key's declaration, else the
+    field's attribute docstring)."""
     defaults = OmegaConf.structured(spec.schema) if defaults is None else defaults
     declared = {k: m["doc"] for k, m in declarations(spec.schema).items() if m.get("doc")}
     docs = {**field_docs(spec.schema), **declared, **(docs or {})}
-    lines = [f"usage: {spec.usage}", "", "keys (key=value; dotted keys nest; lists as key=[a,b]):"]
+    rows = []
     for key in spec.keys():
         if OmegaConf.is_missing(defaults, key):
             shown = "(required)"
         else:
             value = OmegaConf.select(defaults, key)
-            shown = _show(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
-        choices = ""
+            shown = show_value(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+        valid = ""
         raw = declaration(spec.schema, key).get("choices") or spec.choices.get(key)
         if raw is not None and not callable(raw):
-            choices = f"  [{', '.join(str(v) for v in raw)}]"
+            valid = ", ".join(str(v) for v in raw)
         elif _bounds(declaration(spec.schema, key)):
-            choices = f"  [{_bounds(declaration(spec.schema, key))}]"
-        doc = f"  # {docs[key]}" if docs and key in docs else ""
-        lines.append(f"  {key} = {shown}{choices}{doc}")
+            valid = _bounds(declaration(spec.schema, key))
+        rows.append(KeyRow(key, shown, valid, docs.get(key, "")))
+    return rows
+
+
+def help_text(
+    spec: CommandSpec, *, docs: Mapping[str, str] | None = None, defaults: DictConfig | None = None,
+) -> str:
+    """``usage``, then every key of :func:`key_rows` (``docs``, ``defaults``: as there) on one line each, then the
+    aliases and ``notes``."""
+    lines = [f"usage: {spec.usage}", "", "keys (key=value; dotted keys nest; lists as key=[a,b]):"]
+    for row in key_rows(spec, docs=docs, defaults=defaults):
+        valid = f"  [{row.valid}]" if row.valid else ""
+        doc = f"  # {row.doc}" if row.doc else ""
+        lines.append(f"  {row.key} = {row.default}{valid}{doc}")
     aliases = [f"{a} -> {t}" for a, t in spec.aliases.items()]
     if aliases:
         lines.append(f"aliases: {', '.join(aliases)}")

@@ -144,7 +144,7 @@ class BumpEnv(AgentEnv):
 
 
 def test_module_level_state_of_a_sync_tool_stays_in_its_process_but_a_session_persists():
-    """The documented behaviour (README "Write an env", ``@tool``): use a StatefulTool for state across calls."""
+    """The documented behaviour (docs/envs.md, "State"): use a StatefulTool for state across calls."""
     env = BumpEnv(format=FMT)
     env.reset(seed=0, options={"task": {"prompt": "go"}})
     call = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{{}}<|call|>"
