@@ -375,20 +375,25 @@ class _Worker:
         return obj
 
     async def kill(self) -> None:
-        """Kill the sandbox (its pid namespace dies with it) and forget its kernels."""
+        """Kill the sandbox (its pid namespace dies with it) and forget its kernels. Its stderr reader is
+        cancelled and awaited even when this call is cancelled (the pool's close cancels a retired worker's
+        stop): a task left pending is finalised later by the garbage collector, inside whatever code runs then."""
         proc, self.proc, self._frame_size = self.proc, None, None
-        if proc is not None and proc.returncode is None:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            await proc.wait()
-        if self.cgroup is not None:
-            cgroup, self.cgroup = self.cgroup, None
-            await asyncio.to_thread(cgroup.remove)
-        if self._stderr_task is not None:
-            self._stderr_task.cancel()
-            self._stderr_task = None
+        try:
+            if proc is not None and proc.returncode is None:
+                try:
+                    os.killpg(proc.pid, 9)
+                except ProcessLookupError:
+                    pass
+                await proc.wait()
+            if self.cgroup is not None:
+                cgroup, self.cgroup = self.cgroup, None
+                await asyncio.to_thread(cgroup.remove)
+        finally:
+            if self._stderr_task is not None:
+                task, self._stderr_task = self._stderr_task, None
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _abandon(self) -> None:
         """Kill the sandbox now, without waiting; reaping and cgroup removal finish in the background."""
@@ -399,6 +404,8 @@ class _Worker:
             os.killpg(proc.pid, 9)
         if self._stderr_task is not None:
             self._stderr_task.cancel()
+            self.s.background.add(self._stderr_task)  # the pool's close awaits it
+            self._stderr_task.add_done_callback(self.s.background.discard)
             self._stderr_task = None
         cgroup, self.cgroup = self.cgroup, None
         task = asyncio.get_running_loop().create_task(_reap(proc, cgroup))
@@ -937,8 +944,10 @@ class LocalSandbox:
             if not future.done():
                 future.set_exception(SandboxError("this sandbox backend is closed"))
         await asyncio.gather(*(w.kill() for w in self._workers + self._retiring))
-        for task in list(self._settings.background):
+        background = list(self._settings.background)
+        for task in background:
             task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)  # none is left pending for the GC to finalise
         if self._tmp_dir is not None:
             self._tmp_dir.cleanup()
         if self._uids is not None:
