@@ -1,6 +1,6 @@
 """The local backend: a pool of pre-started, isolated fork-server workers (Linux, bubblewrap).
 
-Each worker is one sandbox (see :mod:`.isolation`) running ``_worker.py``, which forks a child per stateless
+Each worker is one sandbox (see :mod:`.isolation`) running :mod:`._worker`, which forks a child per stateless
 run (about a millisecond) and keeps one long-lived kernel process per stateful session; each execution gets its
 own namespaces, tmpfs, memory cgroup and (as root) uid, so nothing of one run or session reaches another.
 Stateless runs go to the least busy worker; a session is pinned to the worker that holds its kernel.
@@ -176,7 +176,7 @@ class _Worker:
         self._frame_size = None
         self.cgroup = self._make_cgroup()
         cg_fd = self.cgroup.open_dir() if self.cgroup is not None else None
-        source_fd = os.open(iso.WORKER_SOURCE, os.O_RDONLY) if s.mode != "none" else None
+        source_fd = iso.worker_source_fd() if s.mode != "none" else None
         pass_fds = tuple(fd for fd in (cg_fd, source_fd) if fd is not None)
         try:
             if s.mode == "none":
