@@ -408,3 +408,24 @@ def test_the_output_budget_counts_the_answer_as_sent(server):  # noqa: F811 - th
     r = _post(server, "/run_jupyter", {"cells": [escaped] * 40})
     assert r.status_code == 200 and "output budget" in r.json()["message"], r.text[:300]
     assert len(r.content) < 2 * 64 * 1024, len(r.content)
+
+
+# ------------------------------------------------------------------ 7. a session's CPU limit, call by call
+
+#: Prints the CPU-seconds the session's kernel may still use before its soft RLIMIT_CPU.
+CPU_LEFT = "import resource, time\nprint(resource.getrlimit(resource.RLIMIT_CPU)[0] - time.process_time())"
+
+
+def test_each_session_call_gets_the_cpu_time_of_its_own_timeout(sb):
+    """The worker lowered a session kernel's hard RLIMIT_CPU to its soft limit + 1 on every call, and no call
+    after the first could raise it again (that takes CAP_SYS_RESOURCE on the host): a call with a longer
+    timeout than the first, or any call once the session had used that much CPU in all, died by SIGXCPU long
+    before its own timeout. Now each call's soft limit covers its own timeout, and the worker enforces the hard
+    bound itself."""
+    sid = session_on(sb, 0)
+    try:
+        for timeout in (1, 30, 2):
+            r = sb.run(CPU_LEFT, session=sid, timeout_s=timeout)
+            assert r.ok and timeout <= float(r.stdout) <= timeout + 3, (timeout, r)
+    finally:
+        sb.release_session(sid)

@@ -49,6 +49,8 @@ _SETTLE_S = 2.0
 #: How often an idle worker checks that its sessions' kernels stay stopped, and the CPU time one may use between
 #: two calls before it is killed (seconds). See Worker.watch_idle.
 _IDLE_CHECK_S, _IDLE_CPU_S = 0.1, 0.5
+#: The shortest wait between two checks of a session kernel's CPU time during a call, seconds (see collect).
+_CPU_CHECK_MIN_S = 0.05
 #: How long a session's kernel may take to be set up, seconds.
 _SETUP_TIMEOUT_S = 10.0
 
@@ -73,6 +75,7 @@ class Worker(Confinement):
         self.shm_opts = size + b"mode=1777"
         self.kernels = {}  # session key -> Kernel
         self.me = os.getpid()
+        self.cpus = len(os.sched_getaffinity(0))  # how many CPUs one execution's threads may use at once
         self.cgroups = cgroups
         # Code uids, least recently used first; a uid is here only while no task of it exists.
         if self.mode == "root":
@@ -321,6 +324,7 @@ class Worker(Confinement):
             lambda _col, exited: self.end_session(kernel, exited),
             one_shot=False,
             nonce=nonce,
+            cpu_cap=None if kernel.cpu_limit is None else kernel.cpu_limit + 1,
         )
         col["setup"] = SETUP_DONE
         col["cpu_limit_s"] = kernel.cpu_limit
@@ -363,14 +367,27 @@ class Worker(Confinement):
             self.kill_strays()
 
     def set_cpu_limit(self, kernel, timeout):
-        """RLIMIT_CPU of a session's kernel for its next call: the CPU time it used so far plus the call's
-        timeout (a process's CPU limit counts all its life; the kernel dies by SIGXCPU when it is reached)."""
+        """The CPU-time limit of a session's kernel for its next call: the CPU time it used so far plus the call's
+        timeout (a process's CPU limit counts all its life; the kernel dies by SIGXCPU when it is reached).
+
+        Only the soft limit is set. A hard limit, once lowered, could never be raised again for a later call (that
+        takes CAP_SYS_RESOURCE on the host, which the worker does not hold), so the kernel's stays as it started;
+        :meth:`collect` kills the kernel itself once it passes the soft limit by a second, as the hard limit
+        did, even if the code ignores SIGXCPU or raises its own soft limit."""
         soft = int(_cpu_seconds(kernel.pid)) + int(timeout) + 2
         try:
-            resource.prlimit(kernel.pid, resource.RLIMIT_CPU, (soft, soft + 1))
+            hard = resource.prlimit(kernel.pid, resource.RLIMIT_CPU)[1]
+            if hard != resource.RLIM_INFINITY:  # the code lowered it itself
+                soft = min(soft, hard)
+            resource.prlimit(kernel.pid, resource.RLIMIT_CPU, (soft, hard))
             kernel.cpu_limit = soft
         except OSError:  # it died between calls; collect() sees it
             pass
+
+    def cpu_check_in(self, pid, cap):
+        """Seconds until ``pid`` could at the earliest have used ``cap`` CPU-seconds (every CPU of the sandbox
+        busy with it), or 0.0 once it has."""
+        return max(0.0, cap - _cpu_seconds(pid)) / self.cpus
 
     # -- memory shares
     def memory_for(self, key, want):
@@ -424,14 +441,15 @@ class Worker(Confinement):
         before, self.limit_hits = self.limit_hits, hits
         return hits > before
 
-    def collect(self, procs, deadline, fetch, stop, exited=False, one_shot=True, nonce=""):
+    def collect(self, procs, deadline, fetch, stop, exited=False, one_shot=True, nonce="", cpu_cap=None):
         """Gather output until the run finishes (a one-shot child exits, a kernel answers) or the deadline.
 
         ``procs``: (pid, pidfd, stdout, stderr and result pipes). ``exited``: the process has already exited (its
         output is still in the pipes). When the process is finished (one-shot, died, timed out or corrupted its
         channel) ``stop(col, exited)`` ends it and returns its wait status; in every case all other processes of
         the sandbox are killed after it. The result frame may be at most as large as the request allows
-        (:func:`result_frame_limit`) and must carry ``nonce``.
+        (:func:`result_frame_limit`) and must carry ``nonce``. ``cpu_cap``: CPU-seconds at which the process is
+        killed (checked when it could first have used them), or None.
         """
         pid, pidfd, out_r, err_r, res_r = procs
         bufs = {out_r: bytearray(), err_r: bytearray()}
@@ -439,15 +457,26 @@ class Worker(Confinement):
         res_buf = bytearray()
         limit = result_frame_limit(self.cap, fetch)
         col = {"result": None, "timed_out": False, "wait_status": None, "bad_frame": False, "reset": False}
+        col["over_cpu"] = False
         poller = select.poll()
         for fd in (out_r, err_r, res_r, pidfd):
             poller.register(fd, select.POLLIN)
+        # the first check: the call's cap lies at least its time limit beyond what the process had used
+        now = time.monotonic()
+        check_at = now + max(0.0, deadline - now) / self.cpus if cpu_cap is not None else float("inf")
         while not exited:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 col["timed_out"] = True
                 break
-            for fd, _ in poller.poll(remaining * 1000.0):
+            if now >= check_at:
+                wait = self.cpu_check_in(pid, cpu_cap)
+                if wait <= 0.0:
+                    col["over_cpu"], col["cpu_s"] = True, _cpu_seconds(pid)
+                    break
+                check_at = now + max(wait, _CPU_CHECK_MIN_S)
+            for fd, _ in poller.poll(max(0.0, min(remaining, check_at - now)) * 1000.0):
                 if fd in bufs:
                     if not self._pump(fd, bufs, dropped):
                         poller.unregister(fd)
@@ -463,7 +492,7 @@ class Worker(Confinement):
                 break
             if not one_shot and _frame_complete(res_buf):
                 break
-        finished = one_shot or exited or col["timed_out"] or col["bad_frame"]
+        finished = one_shot or exited or col["timed_out"] or col["bad_frame"] or col["over_cpu"]
         if finished:
             col["wait_status"] = stop(col, exited)
         self.strays_left = self.kill_strays()
