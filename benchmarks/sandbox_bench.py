@@ -44,8 +44,8 @@ import time
 
 import httpx
 
-from agentrl.envs.sandbox import _worker
 from agentrl.envs.sandbox import isolation as iso
+from agentrl.envs.sandbox._worker import seccomp as worker_seccomp
 from agentrl.envs.sandbox.cgroups import descendants
 from agentrl.envs.sandbox.local import WORKERS_PER_CORE, LocalSandbox
 
@@ -53,10 +53,10 @@ SNIPPET = "print(1 + 1)"
 #: The worker's seccomp rules against channels between executions, as source for a fresh interpreter.
 CHANNEL_RULES = "\n".join(
     [
-        f"_LOCK_COMMANDS, F_NOTIFY, RWF_NOWAIT = {_worker._LOCK_COMMANDS!r}, {_worker.F_NOTIFY}, {_worker.RWF_NOWAIT}",
-        f"POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE = {_worker.POSIX_FADV_DONTNEED}, {_worker.POSIX_FADV_NOREUSE}",
-        f"MADV_MERGEABLE, MADV_COLD, MADV_PAGEOUT = {_worker.MADV_MERGEABLE}, {_worker.MADV_COLD}, {_worker.MADV_PAGEOUT}",
-        inspect.getsource(_worker._add_channel_rules),
+        f"_LOCK_COMMANDS, F_NOTIFY, RWF_NOWAIT = {worker_seccomp._LOCK_COMMANDS!r}, {worker_seccomp.F_NOTIFY}, {worker_seccomp.RWF_NOWAIT}",
+        f"POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE = {worker_seccomp.POSIX_FADV_DONTNEED}, {worker_seccomp.POSIX_FADV_NOREUSE}",
+        f"MADV_MERGEABLE, MADV_COLD, MADV_PAGEOUT = {worker_seccomp.MADV_MERGEABLE}, {worker_seccomp.MADV_COLD}, {worker_seccomp.MADV_PAGEOUT}",
+        inspect.getsource(worker_seccomp._add_channel_rules),
     ]
 )
 
@@ -136,14 +136,14 @@ def fresh_argv(same_isolation: bool) -> list[str]:
             import errno, os, resource, seccomp
             flt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
             eperm = seccomp.ERRNO(errno.EPERM)
-            for name in {_worker._DENIED!r}:
+            for name in {worker_seccomp._DENIED!r}:
                 try:
                     flt.add_rule(eperm, name)
                 except (RuntimeError, ValueError, OSError):
                     pass
             flt.add_rule(eperm, "socket", seccomp.Arg(0, seccomp.NE, 1))
             flt.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-            for flag in {_worker._CLONE_NS_FLAGS!r}:
+            for flag in {worker_seccomp._CLONE_NS_FLAGS!r}:
                 flt.add_rule(eperm, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
             {channel_rules}
             _add_channel_rules(flt, seccomp)

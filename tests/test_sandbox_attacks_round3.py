@@ -11,18 +11,25 @@ Each attack runs as the code would, inside the sandbox; the checks look from the
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import select
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 
+import httpx
 import pytest
 from test_sandbox_attacks import AS_ROOT, on_worker, pool, session_on
-from test_sandbox_attacks_server import _post, server  # noqa: F401 - server is a fixture
+from test_sandbox_attacks_server import TOKEN, _post, server  # noqa: F401 - server is a fixture
+from test_sandbox_server import _serve
 
 from agentrl.envs.sandbox import SyncSandbox
+from agentrl.envs.sandbox.http_guard import ConnectionLimits, _client_of, loopback_peer_uid
 from agentrl.envs.sandbox.local import uid_processes
+from agentrl.envs.sandbox.server import SandboxServerConfig
 
 WORKERS = 2
 
@@ -408,3 +415,94 @@ def test_the_output_budget_counts_the_answer_as_sent(server):  # noqa: F811 - th
     r = _post(server, "/run_jupyter", {"cells": [escaped] * 40})
     assert r.status_code == 200 and "output budget" in r.json()["message"], r.text[:300]
     assert len(r.content) < 2 * 64 * 1024, len(r.content)
+
+
+def test_connections_beyond_a_clients_cap_wait_instead_of_being_refused(server):  # noqa: F811 - the fixture
+    """MEDIUM: at its connection cap (this server: 4 per address) with every connection being served, a client's
+    next connection was refused, and its request lost (two local clients lost 64 of 128 executions). Now it
+    waits, unread, until one of that client's connections ends."""
+
+    async def one(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post(
+            f"{server}/{TOKEN}/run_code", json={"code": "import time\ntime.sleep(0.3)\nprint(7)"}
+        )
+
+    async def scenario() -> list[httpx.Response]:
+        transport = httpx.AsyncHTTPTransport(local_address="127.0.0.77")
+        limits = httpx.Limits(max_connections=12, max_keepalive_connections=0)  # a connection per request
+        async with httpx.AsyncClient(transport=transport, timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client) for _ in range(12)))
+
+    replies = asyncio.run(scenario())
+    assert [r.json()["run_result"]["stdout"] for r in replies] == ["7\n"] * 12
+
+
+def test_local_users_are_separate_clients_of_the_server():
+    """MEDIUM: all of loopback was one client, so one local process at the cap held every other local process
+    (of any user) off. Loopback connections now count per local user, whom the kernel names (not the client)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    connect = "import socket, sys, time\ns = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\ntime.sleep(30)"
+    users = [os.getuid()] + ([65534] if AS_ROOT else [])
+    procs = [subprocess.Popen(["/usr/bin/python3", "-c", connect, str(port)], user=u, cwd="/") for u in users]
+    try:
+        keys = []
+        for _ in users:
+            conn, peer = listener.accept()
+            keys.append((_client_of(ConnectionLimits(), peer), loopback_peer_uid(peer)))
+            conn.close()
+        assert sorted(uid for _, uid in keys) == sorted(users), keys
+        assert len({key for key, _ in keys}) == len(users), keys
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        listener.close()
+
+
+@pytest.fixture(scope="module")
+def answer_server():
+    """A server whose answers may be large (16 MiB budget) and may be left unread for 2 s."""
+    config = SandboxServerConfig(token=TOKEN, max_response_bytes=16 << 20, answer_timeout_s=2.0)
+    yield from _serve(config)
+
+
+def test_an_answer_left_unread_is_dropped_with_its_connection(answer_server):
+    """MEDIUM: an answer the client never reads stayed in the server's memory for as long as the client kept
+    the connection open. Now a client that leaves its answer unread (here 11 MB, more than the kernel buffers,
+    behind an 8 KiB receive window) for ``answer_timeout_s`` loses the connection (reset, so that the kernel
+    drops its part too), and the answer is freed."""
+    port = int(answer_server.rsplit(":", 1)[1])
+    cell = "import sys\nprint('\\x01' * 4000)\nsys.stderr.write('\\x01' * 4000)"  # 48 kB of answer
+    body = json.dumps({"cells": [cell] * 300}).encode()
+    head = f"POST /{TOKEN}/run_jupyter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", port))
+        s.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        closed = select.poll()
+        closed.register(s, select.POLLRDHUP | select.POLLHUP | select.POLLERR)  # not POLLIN: nothing is read
+        assert closed.poll(120_000), "the server kept the connection and its unread answer"
+    r = _post(answer_server, "/run_code", {"code": "print(6 * 7)"})
+    assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "42\n", r.text[:300]
+
+
+# ------------------------------------------------------------------ 7. a session's CPU limit, call by call
+
+#: Prints the CPU-seconds the session's kernel may still use before its soft RLIMIT_CPU.
+CPU_LEFT = "import resource, time\nprint(resource.getrlimit(resource.RLIMIT_CPU)[0] - time.process_time())"
+
+
+def test_each_session_call_gets_the_cpu_time_of_its_own_timeout(sb):
+    """The worker lowered a session kernel's hard RLIMIT_CPU to its soft limit + 1 on every call, and no call
+    after the first could raise it again (that takes CAP_SYS_RESOURCE on the host): a call with a longer
+    timeout than the first, or any call once the session had used that much CPU in all, died by SIGXCPU long
+    before its own timeout. Now each call's soft limit covers its own timeout, and the worker enforces the hard
+    bound itself."""
+    sid = session_on(sb, 0)
+    try:
+        for timeout in (1, 30, 2):
+            r = sb.run(CPU_LEFT, session=sid, timeout_s=timeout)
+            assert r.ok and timeout <= float(r.stdout) <= timeout + 3, (timeout, r)
+    finally:
+        sb.release_session(sid)

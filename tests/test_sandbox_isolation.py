@@ -395,7 +395,7 @@ def test_capabilities_seccomp_and_no_host_paths(sb):
             str(REPO),
             "/work/",
             "site-packages",
-            "envs/sandbox/_worker.py",
+            "envs/sandbox/_worker",
             str(Path(sys.executable).parent),
         ):
             assert host_path not in mounts, (host_path, mounts)

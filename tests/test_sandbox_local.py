@@ -59,7 +59,7 @@ def test_stateless_basics(sb):
 
 def test_code_environment_is_exactly_the_documented_one(sb):
     """Nothing of the host's or the worker's own environment (e.g. its LD_BIND_NOW) reaches the code."""
-    from agentrl.envs.sandbox._worker import CODE_ENV
+    from agentrl.envs.sandbox._worker.execute import CODE_ENV
 
     code = "import os\nprint(sorted(os.environ.items()))"
     expected = sorted({**CODE_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items())
@@ -100,7 +100,7 @@ def test_state_does_not_leak_between_stateless_runs(sb):
 def test_traceback_points_at_the_code(sb):
     r = sb.run("def f():\n    return 1 / 0\nf()")
     assert 'File "<cell>", line 2, in f' in r.stderr and "return 1 / 0" in r.stderr
-    assert "sandbox_worker" not in r.stderr and "_worker.py" not in r.stderr
+    assert "sandbox_worker" not in r.stderr and "_worker" not in r.stderr
 
 
 def test_session_is_a_notebook(sb):

@@ -10,10 +10,20 @@ descriptors or memory. This protocol adds, per connection:
   never sees the request, so no execution is started);
 - a cap on header bytes: more than ``max_header_bytes`` before the headers end gets HTTP 431 and the connection
   is closed, before anything (the token check included) looks at them;
-- caps on connections open at once, per client and in total. A client is an address, except that all of
-  loopback (127.0.0.0/8, ::1) is one client and an IPv6 client is its /64, so that many addresses of one host
-  count together. At a cap, the oldest connection that is not being served (still sending its request, or idle
-  between requests) is closed to make room; only when every connection is being served is the new one refused.
+- caps on connections open at once, per client and in total. A client is an address, except that an IPv6
+  client is its /64 and all of loopback (127.0.0.0/8, ::1) is one client per local user (the owner of the
+  connecting socket, as the kernel reports it in ``/proc/net/tcp``), so that many addresses of one host count
+  together and local users do not share one cap. At a client's cap, the oldest of its connections that is idle
+  between requests is closed to make room (never one still sending its request: a burst of requests must not
+  cut its own first ones off); at the total cap, the oldest connection of any client that is not being served
+  (idle, or still sending its request). Where none can be closed, the new connection waits, unread, until one
+  ends (first come, first served within a client; at most ``max_connections`` wait, more are refused), so a
+  client that opens more connections than its cap loses none of its requests, and its waiting connections
+  never hold up another client's;
+- a deadline for reading the answer: once the answer fills the connection's send buffers (the client reads it
+  slower than it is written, or not at all), the client has ``answer_timeout_s`` to read enough of it for
+  writing to go on, else the connection is closed and the answer freed (it is held in the server's memory
+  until then).
 
 The time an application takes to answer is not limited here (the sandbox's own timeouts bound it).
 """
@@ -21,8 +31,11 @@ The time an application takes to answer is not limited here (the sandbox's own t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
+import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -52,6 +65,7 @@ class ConnectionLimits:
     max_connections_per_client: int = 64
     max_header_bytes: int = 64 * 1024
     min_bytes_per_s: float = 256.0
+    answer_timeout_s: float = 30.0
     #: Which client an address counts as (:func:`client_key`; e.g. the address itself behind a trusted proxy
     #: that gives each user an address of its own).
     key: Callable[[str], str] = field(default_factory=lambda: client_key)
@@ -59,10 +73,13 @@ class ConnectionLimits:
     open_per_client: Counter[str] = field(default_factory=Counter)
     #: Connections not being served (sending a request, or idle), oldest first: the ones a cap may close.
     idle: dict[Any, None] = field(default_factory=dict)
+    #: Connections waiting, unread, for room under the caps, oldest first.
+    waiting: dict[Any, None] = field(default_factory=dict)
 
 
 def client_key(address: str) -> str:
-    """The client an address counts as: itself, but all of loopback as one and an IPv6 address as its /64."""
+    """The client an address counts as: itself, but all of loopback as one (which the connection then splits by
+    local user) and an IPv6 address as its /64."""
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
@@ -74,6 +91,47 @@ def client_key(address: str) -> str:
     if isinstance(ip, ipaddress.IPv6Address):
         return str(ipaddress.ip_network(f"{ip}/64", strict=False))
     return str(ip)
+
+
+def loopback_peer_uid(peer: tuple[str, int]) -> int | None:
+    """The uid that owns the local TCP socket bound to ``peer`` (the client end of a loopback connection), from
+    the kernel's socket tables (``/proc/net/tcp``, ``/proc/net/tcp6``); None if it is not there (gone)."""
+    host, port = peer[0], peer[1]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv4Address):
+        tables = {"/proc/net/tcp": ip.packed, "/proc/net/tcp6": ipaddress.IPv6Address(f"::ffff:{ip}").packed}
+    else:
+        tables = {"/proc/net/tcp6": ip.packed}
+        if ip.ipv4_mapped is not None:
+            tables["/proc/net/tcp"] = ip.ipv4_mapped.packed
+    for table, packed in tables.items():
+        # the kernel prints each 32-bit word of the address in host (little-endian) order
+        words = "".join(
+            f"{int.from_bytes(packed[i : i + 4], 'little'):08X}" for i in range(0, len(packed), 4)
+        )
+        local = f"{words}:{port:04X}"
+        try:
+            with open(table) as f:
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 7 and fields[1] == local:
+                        return int(fields[7])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _client_of(limits: ConnectionLimits, client: tuple[str, int] | None) -> str:
+    """The client a connection counts as: ``limits.key`` of its address; on loopback, per local user."""
+    if not client:
+        return "?"
+    key = limits.key(client[0])
+    if key == "loopback":
+        key = f"loopback:uid={loopback_peer_uid(client)}"
+    return key
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
@@ -98,25 +156,45 @@ class _Guard:
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[misc]
         self._guard_timer: asyncio.TimerHandle | None = None
+        self._answer_timer: asyncio.TimerHandle | None = None
         self._guard_phase = ""
         self._counted = False
-        self._peer = self.limits.key(self.client[0]) if self.client else "?"
+        self._peer = _client_of(self.limits, self.client)
         limits = self.limits
-        if not self._make_room():
+        if not any(c._peer == self._peer for c in limits.waiting) and self._make_room():
+            self._admit()
+        elif len(limits.waiting) < limits.max_connections:
+            log.info(
+                "a connection from %s waits: every open connection it may have is being served", self._peer
+            )
+            transport.pause_reading()
+            limits.waiting[self] = None
+        else:
             log.warning("refusing a connection from %s: every open connection is being served", self._peer)
             transport.abort()
-            return
+
+    def _admit(self) -> None:
+        limits = self.limits
         self._counted = True
         limits.open_total += 1
         limits.open_per_client[self._peer] += 1
         limits.idle[self] = None
         self._arm("headers", limits.header_timeout_s)
 
+    def _admit_waiting(self) -> None:
+        """Admit the waiting connections that now fit under the caps (closing idle ones as for a new one)."""
+        for conn in list(self.limits.waiting):
+            if conn._make_room():
+                del self.limits.waiting[conn]
+                conn._admit()
+                conn.transport.resume_reading()
+
     def _make_room(self) -> bool:
-        """Close the oldest idle connections until this one fits under both caps; False if it cannot."""
+        """Close the oldest idle connections until this one fits under both caps (see the module docstring);
+        False if it cannot."""
         limits = self.limits
         while limits.open_per_client[self._peer] >= limits.max_connections_per_client:
-            if not self._evict(lambda c: c._peer == self._peer):
+            if not self._evict(lambda c: c._peer == self._peer and not c._guard_phase):
                 return False
         while limits.open_total >= limits.max_connections:
             if not self._evict(lambda c: True):
@@ -160,14 +238,43 @@ class _Guard:
         super().on_response_complete()  # type: ignore[misc]
         if self._counted and not self.transport.is_closing():
             self.limits.idle[self] = None  # idle until its next request: a cap may close it
+            if self.limits.waiting:
+                self._admit_waiting()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._answer_timer is None and not self.transport.is_closing():
+            self._answer_timer = self.loop.call_later(self.limits.answer_timeout_s, self._answer_unread)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()  # type: ignore[misc]
+        self._stop_answer_timer()
+
+    def _answer_unread(self) -> None:
+        self._answer_timer = None
+        log.info("closing a connection from %s: it left its answer unread", self._peer)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # reset, so that the kernel drops what it still holds of the answer at once
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()  # drops the buffered answer; the application's next send sees the disconnect
+
+    def _stop_answer_timer(self) -> None:
+        if getattr(self, "_answer_timer", None) is not None:
+            self._answer_timer.cancel()
+        self._answer_timer = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._release()
         super().connection_lost(exc)  # type: ignore[misc]
+        if self.limits.waiting:
+            self._admit_waiting()
 
     def _release(self) -> None:
         self._disarm()
+        self._stop_answer_timer()
         self.limits.idle.pop(self, None)
+        self.limits.waiting.pop(self, None)
         if getattr(self, "_counted", False):
             self._counted = False
             self.limits.open_total -= 1

@@ -1,7 +1,7 @@
 """How a pool worker is started: the bubblewrap command line (or none), its config, and the checks that explain
 failures.
 
-Two isolated modes, chosen from the host user (see ``_worker.py`` for what happens inside):
+Two isolated modes, chosen from the host user (see :mod:`._worker` for what happens inside):
 
 - **root** (CI, servers): bubblewrap runs privileged without a user namespace and grants the worker only
   CAP_SETUID/SETGID/SYS_ADMIN (and SYS_RESOURCE where the host has it), which it needs once at startup: to mount
@@ -20,15 +20,19 @@ read); empty environment; the worker dies with the pool.
 
 from __future__ import annotations
 
+import functools
+import io
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
 from agentrl.envs.sandbox.base import SandboxUnavailable
 
-WORKER_SOURCE = Path(__file__).with_name("_worker.py")
-WORKER_PATH_INSIDE = "/opt/agentrl/sandbox_worker.py"
+#: The worker's package (it runs inside the sandbox, see WORKER_BOOTSTRAP).
+WORKER_PACKAGE = Path(__file__).with_name("_worker")
+WORKER_PATH_INSIDE = "/opt/agentrl/sandbox_worker.zip"
 #: Capabilities the worker starts with, by mode (it drops them for good before any code runs).
 _WORKER_CAPS = {
     # CAP_SYS_RESOURCE: to size the per-uid quotas of the worker's user namespace (a host may not grant it)
@@ -42,8 +46,10 @@ _SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 #: (numpy finds its BLAS through /etc/alternatives).
 _ETC_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/etc/alternatives")
 
-#: What the sandbox's interpreter runs (``python -I -c BOOTSTRAP <worker path>``): compile the worker in a
-#: short-lived child and run the compiled code here. Compiling a 50 kB script leaves megabytes of fragmented heap
+#: What the sandbox's interpreter runs (``python -I -c BOOTSTRAP <worker source>``), where the source is the worker
+#: package (:mod:`._worker`) as a zipapp (:func:`worker_zipapp`) or as a directory: compile its modules in a
+#: short-lived child and run the compiled code here, each module served to the import system by a finder of the
+#: compiled code, as the package ``sandbox_worker``. Compiling 80 kB of source leaves megabytes of fragmented heap
 #: behind in the process that compiled it, and the worker forks a child per execution: every fork copies the page
 #: tables of that heap, and every child unmaps it again. (Stdlib only; Python 3.8+.)
 WORKER_BOOTSTRAP = """
@@ -54,8 +60,19 @@ pid = os.fork()
 if pid == 0:
     try:
         os.close(r)
-        with open(path, "rb") as f:
-            data = marshal.dumps(compile(f.read(), path, "exec"))
+        if os.path.isdir(path):
+            sources = {}
+            for name in os.listdir(path):
+                with open(os.path.join(path, name), "rb") as f:
+                    sources[name] = f.read()
+        else:
+            import zipfile
+            with zipfile.ZipFile(path) as z:
+                sources = {name: z.read(name) for name in z.namelist()}
+        data = marshal.dumps({
+            name[:-3]: compile(source, path + "/" + name, "exec")
+            for name, source in sources.items() if name.endswith(".py")
+        })
         while data:
             data = data[os.write(w, data):]
     except BaseException:
@@ -73,16 +90,65 @@ while True:
 os.close(r)
 if os.waitpid(pid, 0)[1] != 0:
     sys.exit("setup: could not compile the sandbox worker " + path)
-code = marshal.loads(b"".join(chunks))
+codes = marshal.loads(b"".join(chunks))
 del chunks, r, w, pid
+from importlib.machinery import ModuleSpec
+
+
+class Compiled:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        package, _, module = name.partition(".")
+        if package != "sandbox_worker" or (module or "__init__") not in codes:
+            return None
+        return ModuleSpec(name, Compiled, is_package=not module)
+
+    @staticmethod
+    def create_module(spec):
+        return None
+
+    @staticmethod
+    def exec_module(module):
+        code = codes.pop(module.__name__.partition(".")[2] or "__init__")
+        module.__file__ = code.co_filename
+        exec(code, module.__dict__)
+
+
+sys.meta_path.insert(0, Compiled)
 sys.argv = [path]
-exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+from sandbox_worker.main import main
+sys.exit(main())
 """
 
 INSTALL_HINT = (
     "install bubblewrap (Debian/Ubuntu: `apt-get install bubblewrap python3-seccomp`), or, for trusted code "
     "only, opt out of isolation explicitly with make_backend('unsafe_local')"
 )
+
+
+@functools.cache
+def worker_zipapp() -> bytes:
+    """The worker package's modules as one zip (stored, with fixed timestamps), which the sandbox gets as one file
+    (bubblewrap copies it in from an fd, so no host path shows inside)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        for path in sorted(WORKER_PACKAGE.glob("*.py")):
+            z.writestr(zipfile.ZipInfo(path.name, date_time=(1980, 1, 1, 0, 0, 0)), path.read_bytes())
+    return buf.getvalue()
+
+
+def worker_source_fd() -> int:
+    """A new fd (a memfd, at offset 0) that holds :func:`worker_zipapp`, for ``bwrap_command(source_fd=)``."""
+    fd = os.memfd_create("agentrl-sandbox-worker")
+    try:
+        data = memoryview(worker_zipapp())
+        while data:
+            data = data[os.write(fd, data) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def bwrap_path() -> str:
@@ -129,7 +195,7 @@ def worker_config(
     quotas: dict[str, int],
     tmp_root: str = "",
 ) -> dict[str, Any]:
-    """The config the in-sandbox worker reads as its first frame (see ``_worker.py``).
+    """The config the in-sandbox worker reads as its first frame (see :mod:`._worker`).
 
     Args:
         mode: ``"root"``, ``"userns"`` or ``"none"`` (no isolation).
@@ -205,7 +271,7 @@ def bwrap_command(python: str, *, mode: str, source_fd: int, ro_binds: tuple[str
 
 def unisolated_command(python: str) -> list[str]:
     """The argv that starts one worker directly on the host (no isolation at all)."""
-    return [python, "-I", "-c", WORKER_BOOTSTRAP, str(WORKER_SOURCE)]
+    return [python, "-I", "-c", WORKER_BOOTSTRAP, str(WORKER_PACKAGE)]
 
 
 def explain_start_failure(stderr: str, *, as_root: bool) -> str:

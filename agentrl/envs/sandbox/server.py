@@ -87,15 +87,20 @@ class SandboxServerConfig:
     keepalive_timeout_s: float = 5.0
     """Seconds an idle kept-alive connection stays open."""
     max_connections: int = 1024
-    """Connections open at once, all clients together; more are closed at once."""
+    """Connections open at once, all clients together. At a cap the oldest connection not being served is closed
+    to make room, or else the new one waits unread for one to end (up to this many wait; more are refused)."""
     max_connections_per_client: int = 64
-    """Connections open at once from one client (an address; all of loopback counts as one client, an IPv6
-    client is its /64). At a cap the oldest connection not being served is closed to make room."""
+    """Connections open at once from one client (an address; an IPv6 client is its /64, and all of loopback is one
+    client per local user). At a cap the oldest connection not being served is closed to make room, or else
+    the new one waits unread for one of that client's to end."""
     max_header_bytes: int = 64 * 1024
     """Largest request head (request line and headers), bytes; larger ones get HTTP 431."""
     min_bytes_per_s: float = 256.0
     """Slowest a request's headers and body may arrive after the first second, bytes per second; slower
     connections are closed."""
+    answer_timeout_s: float = 30.0
+    """Seconds a client may leave an answer unread once it fills the connection's buffers; then the connection is
+    closed and the answer freed."""
     max_cells: int = 1024
     """Most cells one ``/run_jupyter`` request may carry; more get HTTP 422."""
     max_response_bytes: int = 16 << 20
@@ -113,7 +118,13 @@ class SandboxServerConfig:
             self.token = os.environ.get(TOKEN_ENV) or None
         if self.token is not None and (not self.token or "/" in self.token or not self.token.isprintable()):
             raise ValueError("token must be a non-empty printable string without '/'")
-        for name in ("max_timeout_s", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+        for name in (
+            "max_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "keepalive_timeout_s",
+            "answer_timeout_s",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -418,6 +429,7 @@ def uvicorn_config(
         max_connections_per_client=config.max_connections_per_client,
         max_header_bytes=config.max_header_bytes,
         min_bytes_per_s=config.min_bytes_per_s,
+        answer_timeout_s=config.answer_timeout_s,
     )
     if client_key is not None:
         limits.key = client_key
