@@ -94,6 +94,9 @@ def test_decode_engine_stamps_the_version_of_the_weights_each_token_was_sampled_
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(cfg).eval()
     engine = DecodeEngine(model, seed=1)
+    (plain,) = engine.generate_sync([[1, 2]], SamplingParams(max_new_tokens=3))
+    assert plain.policy_versions is None  # an engine nobody versions records none
+    engine.policy_version = 0
     new = {name: p.detach() + 0.01 for name, p in model.named_parameters() if name.endswith("mlp.up_proj.weight")}
 
     async def main():

@@ -47,8 +47,9 @@ enabling, disabling or merging the adapter, makes the engine recapture its graph
 
 **Weight updates while requests run** (asynchronous rollouts): :meth:`update_weights` (every trainable tensor of
 a separate rollout copy) and :meth:`update_lora` (its adapter) take the engine's lock, so they land between two
-scheduler steps, never inside one; with ``version=`` they also set :attr:`policy_version`. Every sampled token
-records the version current when its step ran (``Completion.policy_versions``). Running rows keep their KV cache:
+scheduler steps, never inside one; with ``version=`` they also set :attr:`policy_version`. Once it is set, every
+sampled token records the version current when its step ran (``Completion.policy_versions``; None for a request
+with a token sampled before). Running rows keep their KV cache:
 the keys and values of tokens already fed stay those the older weights computed, and the new weights compute
 the rest (no recompute). The behaviour log-prob each token records is the probability it was really drawn
 with, so a decoupled PPO correction (:mod:`agentrl.train.algorithms.decoupled`) stays exact; recomputing the
@@ -166,8 +167,9 @@ class DecodeEngine:
             chunk_steps=self.runner.chunk_steps, share_prefix=share_prefix, canonical_order=deterministic,
             min_length=(1024 if cuda else 0) if min_length is None else min_length)
         self.seed = int(seed)
-        #: The policy version stamped on the tokens sampled from now on (see the module docstring).
-        self.policy_version = 0
+        #: The policy version stamped on the tokens sampled from now on (see the module docstring); None (the
+        #: default, for an engine whose owner does not count versions): no versions are recorded.
+        self.policy_version: int | None = None
         #: ``generate_s``: seconds spent in scheduler steps (prefill, decode, host reads: the engine busy);
         #: ``generated_tokens``: tokens of finished requests; ``batches``: steps that admitted requests
         #: (prefill batches); ``decode_chunks``: decode chunks of up to ``chunk_steps`` steps.
@@ -273,8 +275,9 @@ class DecodeEngine:
 
     @staticmethod
     def _completion(job: Job) -> Completion:
+        versions = list(job.versions) if len(job.versions) == len(job.tokens) else None  # every token's, or none
         return Completion(token_ids=list(job.tokens), logprobs=list(job.logprobs), finish_reason=job.finish or "length",
-                          routing=job.routing, policy_versions=list(job.versions))
+                          routing=job.routing, policy_versions=versions)
 
     def _step(self) -> tuple[list[Job], list[Job]]:
         with self._lock:
@@ -284,8 +287,9 @@ class DecodeEngine:
             sched = self.scheduler
             admissions, chunks = sched.admissions, sched.chunks
             advanced, finished = sched.step()
-            for job in (*advanced, *finished):  # the tokens this step sampled, under the weights it held
-                job.versions.extend([self.policy_version] * (len(job.tokens) - len(job.versions)))
+            if self.policy_version is not None:  # the tokens this step sampled, under the weights it held
+                for job in (*advanced, *finished):
+                    job.versions.extend([self.policy_version] * (len(job.tokens) - len(job.versions)))
             self.stats["generate_s"] += time.perf_counter() - t0
             self.stats["batches"] += sched.admissions - admissions
             self.stats["decode_chunks"] += sched.chunks - chunks
