@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 
 import agentrl.envs.registry as registry  # noqa: E402
 from agentrl.envs.env import AgentEnv  # noqa: E402
@@ -69,13 +69,18 @@ def test_staleness_zero_is_the_synchronous_trainer_bit_for_bit(tmp_path):
                                                                       for s in (1, 2)]
 
 
-@pytest.mark.parametrize("bound", [1, 2])
-def test_bounded_staleness_trains_every_group_once_within_the_bound(tmp_path, bound):
+@pytest.mark.parametrize("bound, extra", [(1, []), (2, []), (1, ["actor.lora.rank=4"])], ids=["k1", "k2", "k1-lora"])
+def test_bounded_staleness_trains_every_group_once_within_the_bound(tmp_path, bound, extra):
     total = 4
     run = tmp_path / f"k{bound}"
     trainer = Trainer(build_config([*BASE, *ASYNC, f"trainer.total_steps={total}", f"rollout.max_staleness={bound}",
-                                    f"run_dir={run}"]))
+                                    f"run_dir={run}", *extra]))
     trainer.fit()
+    # the last update reached the rollout copy (update_weights, or update_lora for the adapter) as version `total`
+    served = dict(trainer.rollouts.engine.model.named_parameters())
+    trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(torch.equal(p, served[n]) for n, p in trained.items())
+    assert trainer.rollouts.lora == bool(extra) and trainer.rollouts.engine.policy_version == total
     # batches start as early as the bound allows: step s at version max(0, s - 1 - bound)
     assert trainer.rollouts.launched == {s: max(0, s - 1 - bound) for s in range(1, total + 1)}
     _check_run(run, total, bound)

@@ -7,6 +7,8 @@ samples ``rollout.n`` episodes per task, does the policy update (:func:`agentrl.
 writes the step's episodes with their train-side log-probs, logs metrics and saves an atomic checkpoint. The
 engine's sampling generator is re-seeded from ``(seed, step)`` at each step, so a resumed run samples exactly
 what the killed one would have.
+With ``rollout.max_staleness > 0`` the batches come from :class:`~agentrl.train.async_rollout.AsyncRollouts`
+instead: the same tasks and seeds per step, sampled up to that many updates earlier while earlier steps train.
 
 The parts, one job each: :mod:`~agentrl.train.actor` (model, reference, optimizers, engine),
 :mod:`~agentrl.train.resume` (what a checkpoint holds and how a run continues), :mod:`~agentrl.train.heldout`
