@@ -28,12 +28,15 @@ class Completion:
     probability of each sampled id under the sampling distribution's model (same length).
     ``finish_reason``: ``"stop"`` (hit a stop token) or ``"length"`` (hit ``max_new_tokens``).
     ``routing``: optional per-token MoE expert choices recorded during sampling (for routing replay).
+    ``policy_versions``: per sampled id, the policy version of the weights that computed its logits, from an
+    engine that takes weight updates while requests run (``DecodeEngine.update_weights``); None otherwise.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     routing: Any = None
+    policy_versions: list[int] | None = None
 
 
 class AsyncClosing:

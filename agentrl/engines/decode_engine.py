@@ -45,6 +45,16 @@ the new adapter. Rows already running continue with their cached keys, so an upd
 rollouts unless the caller accepts mixed-policy rows. Replacing a parameter tensor (new storage), or
 enabling, disabling or merging the adapter, makes the engine recapture its graphs.
 
+**Weight updates while requests run** (asynchronous rollouts): :meth:`update_weights` (every trainable tensor of
+a separate rollout copy) and :meth:`update_lora` (its adapter) take the engine's lock, so they land between two
+scheduler steps, never inside one; with ``version=`` they also set :attr:`policy_version`. Once it is set, every
+sampled token records the version current when its step ran (``Completion.policy_versions``; None for a request
+with a token sampled before). Running rows keep their KV cache:
+the keys and values of tokens already fed stay those the older weights computed, and the new weights compute
+the rest (no recompute). The behaviour log-prob each token records is the probability it was really drawn
+with, so a decoupled PPO correction (:mod:`agentrl.train.algorithms.decoupled`) stays exact; recomputing the
+cache would cost a prefill of every running row per update and change no recorded quantity's meaning.
+
 **Memory.** The cache grows as requests need it and stays allocated, with finished sequences kept for
 reuse by the next turn, until :meth:`release` (the trainer calls it after each rollout so that the update
 gets the memory).
@@ -157,6 +167,9 @@ class DecodeEngine:
             chunk_steps=self.runner.chunk_steps, share_prefix=share_prefix, canonical_order=deterministic,
             min_length=(1024 if cuda else 0) if min_length is None else min_length)
         self.seed = int(seed)
+        #: The policy version stamped on the tokens sampled from now on (see the module docstring); None (the
+        #: default, for an engine whose owner does not count versions): no versions are recorded.
+        self.policy_version: int | None = None
         #: ``generate_s``: seconds spent in scheduler steps (prefill, decode, host reads: the engine busy);
         #: ``generated_tokens``: tokens of finished requests; ``batches``: steps that admitted requests
         #: (prefill batches); ``decode_chunks``: decode chunks of up to ``chunk_steps`` steps.
@@ -184,17 +197,38 @@ class DecodeEngine:
             if not self.scheduler.has_work():
                 self.scheduler.release()
 
-    def update_lora(self, state: dict[str, torch.Tensor]) -> None:
+    def update_lora(self, state: dict[str, torch.Tensor], *, version: int | None = None) -> None:
         """Copy the adapter tensors ``state`` (PEFT's names, as :func:`agentrl.models.lora.adapter_state_dict`
         gives them) into the engine's model in place, between scheduler steps; see the module docstring.
-        ValueError (from :func:`agentrl.models.lora.load_adapter_state`) when the model has no adapter or
-        ``state`` does not fit it."""
+        ``version``: the new :attr:`policy_version` (unchanged when None). ValueError (from
+        :func:`agentrl.models.lora.load_adapter_state`) when the model has no adapter or ``state`` does not fit it."""
         from agentrl.models.lora import has_lora, load_adapter_state
 
         if not has_lora(self.model):
             raise ValueError("update_lora: the engine's model carries no LoRA adapter")
         with self._lock:
             load_adapter_state(self.model, state, source="update_lora")
+            if version is not None:
+                self.policy_version = int(version)
+
+    @torch.no_grad()
+    def update_weights(self, state: dict[str, torch.Tensor], *, version: int | None = None) -> None:
+        """Copy ``state`` (parameter names of the engine's model, as ``named_parameters`` gives them; any subset)
+        into the model's parameters in place, between scheduler steps (see the module docstring). ``version``: the
+        new :attr:`policy_version`. ValueError naming the key for a name the model lacks or a shape that differs;
+        nothing is copied then."""
+        params = dict(self.model.named_parameters())
+        for name, value in state.items():
+            if name not in params:
+                raise ValueError(f"update_weights: the engine's model has no parameter {name!r}")
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, the engine's model "
+                                 f"{tuple(params[name].shape)}")
+        with self._lock:
+            for name, value in state.items():
+                params[name].copy_(value)
+            if version is not None:
+                self.policy_version = int(version)
 
     def open_client(self, seed: int) -> EngineClient:
         """A client whose requests' sampling keys derive from ``seed`` (see the module docstring)."""
@@ -241,8 +275,9 @@ class DecodeEngine:
 
     @staticmethod
     def _completion(job: Job) -> Completion:
+        versions = list(job.versions) if len(job.versions) == len(job.tokens) else None  # every token's, or none
         return Completion(token_ids=list(job.tokens), logprobs=list(job.logprobs), finish_reason=job.finish or "length",
-                          routing=job.routing)
+                          routing=job.routing, policy_versions=versions)
 
     def _step(self) -> tuple[list[Job], list[Job]]:
         with self._lock:
@@ -252,6 +287,9 @@ class DecodeEngine:
             sched = self.scheduler
             admissions, chunks = sched.admissions, sched.chunks
             advanced, finished = sched.step()
+            if self.policy_version is not None:  # the tokens this step sampled, under the weights it held
+                for job in (*advanced, *finished):
+                    job.versions.extend([self.policy_version] * (len(job.tokens) - len(job.versions)))
             self.stats["generate_s"] += time.perf_counter() - t0
             self.stats["batches"] += sched.admissions - admissions
             self.stats["decode_chunks"] += sched.chunks - chunks

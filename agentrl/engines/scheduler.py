@@ -42,8 +42,9 @@ from agentrl.engines.runner import PrefillRow, RowSampling, RowState
 
 @dataclass
 class Job:
-    """One prompt to complete. Filled as it runs: ``tokens``/``logprobs`` (sampled so far), ``finish``
-    (``"stop"`` or ``"length"`` once done), ``routing`` (with routing recording), ``error``."""
+    """One prompt to complete. Filled as it runs: ``tokens``/``logprobs`` (sampled so far), ``versions`` (the
+    engine's policy version per sampled token, filled by the engine after each step), ``finish`` (``"stop"`` or
+    ``"length"`` once done), ``routing`` (with routing recording), ``error``."""
 
     prompt: list[int]
     sampling: RowSampling
@@ -51,6 +52,7 @@ class Job:
     tag: Any = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     finish: str | None = None
     routing: Any = None
     error: BaseException | None = None

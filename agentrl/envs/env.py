@@ -338,7 +338,8 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         ids, logprobs = self._action_ids(action)
         traj, builder = self.trajectory, self._builder
         assert builder is not None
-        parsed = builder.add_model(ids, logprobs, parsed=self._parse(ids))
+        versions = getattr(action, "policy_versions", None)  # per token, from an engine taking weight updates
+        parsed = builder.add_model(ids, logprobs, parsed=self._parse(ids), versions=versions)
         errors = [parse_error_kind(e.kind) for e in parsed.errors]
 
         terminated = truncated = False

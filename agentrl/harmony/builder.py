@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from agentrl.harmony.format import ChatFormat
-from agentrl.harmony.trajectory import ToolRecord, Trajectory, TurnRecord
+from agentrl.harmony.trajectory import NOT_SAMPLED, ToolRecord, Trajectory, TurnRecord
 from agentrl.harmony.types import ParsedTurn, ToolSpec
 
 AnalysisPolicy = Literal["keep", "drop"]
@@ -96,6 +96,7 @@ class TrajectoryBuilder:
         self.metadata = dict(metadata or {})
         self.segments: list[Trajectory] = [Trajectory(prompt_ids=prompt, metadata=dict(self.metadata))]
         self._logprobs_missing = False
+        self._versions_missing = False
         self._last_empty = False
         self._last_parsed: ParsedTurn | None = None
         self._expect_model = True
@@ -127,9 +128,12 @@ class TrajectoryBuilder:
         logprobs: Sequence[float] | None = None,
         *,
         parsed: ParsedTurn | None = None,
+        versions: Sequence[int] | None = None,
     ) -> ParsedTurn:
         """Append the ids the model sampled (mask 1) with their log-probs (natural log, one per id; ``None``
-        stores 0.0 and sets ``logprobs_missing``). Returns the parse (``parsed`` if given)."""
+        stores 0.0 and sets ``logprobs_missing``). ``versions``: the policy version that sampled each id
+        (``Completion.policy_versions``); the trajectory's ``token_versions`` are kept only while every completion
+        of the conversation carried them (else ``None``). Returns the parse (``parsed`` if given)."""
         ids = [int(t) for t in completion_ids]
         if not ids and not self.episode:
             raise ValueError("completion_ids is empty: the engine returned no tokens")
@@ -151,9 +155,12 @@ class TrajectoryBuilder:
                 raise ValueError(
                     f"got {len(lps)} log-probs for {len(ids)} completion ids; they must match 1:1"
                 )
+        if versions is not None and len(versions) != len(ids):
+            raise ValueError(f"got {len(versions)} policy versions for {len(ids)} completion ids; they must match 1:1")
         if parsed is None:
             parsed = self.fmt.parse(ids, tools=self.tools) if self.tools is not None else self.fmt.parse(ids)
         t = self.trajectory
+        self._record_versions(t, versions)
         start = len(t.response_ids)
         t.response_ids.extend(ids)
         t.response_mask.extend([1] * len(ids))
@@ -165,6 +172,18 @@ class TrajectoryBuilder:
         self._last_empty = not ids
         self._expect_model = False
         return parsed
+
+    def _record_versions(self, t: Trajectory, versions: Sequence[int] | None) -> None:
+        """Extend ``t.token_versions`` by ``versions`` (env tokens so far: :data:`NOT_SAMPLED`); a completion
+        without versions drops them for the whole conversation."""
+        if versions is None or self._versions_missing:
+            self._versions_missing = True
+            for segment in self.segments:
+                segment.token_versions = None
+            return
+        if t.token_versions is None:
+            t.token_versions = [NOT_SAMPLED] * len(t.response_ids)
+        t.token_versions.extend(int(v) for v in versions)
 
     def add_tools(self, records: Sequence[ToolRecord]) -> None:
         """Attach the tool calls of the last completion (their records) to its turn."""
@@ -193,6 +212,8 @@ class TrajectoryBuilder:
             t.response_ids.extend(obs)
             t.response_mask.extend([0] * len(obs))
             t.rollout_logprobs.extend([0.0] * len(obs))
+            if t.token_versions is not None:
+                t.token_versions.extend([NOT_SAMPLED] * len(obs))
             if t.turns:
                 t.turns[-1].env_span = (start, len(t.response_ids))
         else:

@@ -8,15 +8,17 @@ sampling that produced it, how it ended, its error taxonomy, the trainer's own l
 left for the user's extras and is never read by agentrl.
 
 Invariants (checked by :meth:`Trajectory.validate`):
-- ``len(response_ids) == len(response_mask) == len(rollout_logprobs)`` (and ``len(train_logprobs)`` when set);
+- ``len(response_ids) == len(response_mask) == len(rollout_logprobs)`` (and ``len(train_logprobs)`` and
+  ``len(token_versions)`` when set);
 - ``response_mask[i] == 1`` exactly for tokens the model sampled; env tokens have mask 0 and
   log-prob 0.0;
 - tokens are never re-tokenised: ``prompt_ids + response_ids`` is the stream the model conditioned on.
 
 JSONL schema: :meth:`Trajectory.to_dict` writes ``"schema": SCHEMA_VERSION`` first. :meth:`Trajectory.from_dict`
 reads that version and every older one: schema 1 (no ``schema`` key; agentrl up to the typed record) kept
-these fields in ``metadata`` under other names, which are moved to the typed fields (see :data:`_V1_KEYS`).
-A newer schema raises ``ValueError`` saying to upgrade agentrl.
+these fields in ``metadata`` under other names, which are moved to the typed fields (see :data:`_V1_KEYS`);
+schema 2 had no per-token ``token_versions`` (read as ``None``: :meth:`Trajectory.versions` then gives every model
+token the record's ``policy_version``). A newer schema raises ``ValueError`` saying to upgrade agentrl.
 
 The error taxonomy (:data:`ERROR_KINDS`), what counts as a correct episode (:attr:`Trajectory.correct`) and
 the tool statistics (:attr:`Trajectory.tool_calls`, :attr:`Trajectory.tool_errors`) are defined here, once,
@@ -32,8 +34,12 @@ from typing import Any
 
 from agentrl.harmony.types import ParsedTurn, ParseErrorKind, PlainRecord
 
-SCHEMA_VERSION = 2
-"""The JSONL schema :meth:`Trajectory.to_dict` writes (1: the untyped record, metadata only)."""
+SCHEMA_VERSION = 3
+"""The JSONL schema :meth:`Trajectory.to_dict` writes (1: the untyped record, metadata only; 2: the typed record
+without ``token_versions``)."""
+
+#: The ``token_versions`` entry of a token the model did not sample (an env token).
+NOT_SAMPLED = -1
 
 #: The error taxonomy: every error an episode records is one of these (a tool's ``ToolOutput(error=...)`` of
 #: another name keeps that name). ``tool_exception`` and ``tool_timeout`` are the model's (its call failed or ran
@@ -149,6 +155,13 @@ class Trajectory:
     ``usage`` (token counts an API reported), ``logprobs_missing`` (some model tokens have no sampled
     log-prob; their 0.0 is a placeholder), ``segment`` / ``num_segments`` (a conversation the builder split).
 
+    Per-token provenance of the model tokens (asynchronous rollouts, where an episode runs across weight
+    updates): ``rollout_logprobs`` (the behaviour log-prob), ``token_versions`` (the policy version whose weights
+    computed the logits each token was sampled from; :data:`NOT_SAMPLED` on env tokens; ``None`` when not
+    recorded, see :meth:`versions`) and, for MoE models, the routing the episode runner returns with the episode
+    (``EpisodeResult.routing``). ``policy_version`` is then the version the episode started with, the oldest of
+    its tokens' versions.
+
     Training: ``train_logprobs``, one per response token, the trainer's log-probs of the sampled tokens under
     the weights that sampled them (the old-policy log-probs of the update; 0.0 on env tokens), ``None`` for an
     episode that was not trained on.
@@ -183,6 +196,7 @@ class Trajectory:
     segment: int = 0
     num_segments: int = 1
     train_logprobs: list[float] | None = None
+    token_versions: list[int] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -221,6 +235,14 @@ class Trajectory:
         code's result, not a tool error)."""
         return sum(1 for t in self.turns for rec in t.tools if rec.error)
 
+    def versions(self) -> list[int | None]:
+        """The policy version of each response token: ``token_versions`` when recorded, else ``policy_version``
+        for every model token (a record of schema 2 or older, or one sampled without updates in flight); ``None``
+        for env tokens and where nothing is known."""
+        if self.token_versions is not None:
+            return [v if m else None for v, m in zip(self.token_versions, self.response_mask, strict=True)]
+        return [self.policy_version if m else None for m in self.response_mask]
+
     def error_counts(self) -> Counter[str]:
         """The episode's errors per taxonomy kind: the env's own count (``errors``) or, for a trajectory
         without one, recounted from the turns (a parse error per :func:`parse_error_kind`, one per failed
@@ -249,6 +271,12 @@ class Trajectory:
             raise ValueError(f"train_logprobs has {len(self.train_logprobs)} entries for {n} response tokens")
         if any(m not in (0, 1) for m in self.response_mask):
             raise ValueError("response_mask must contain only 0 (env/prompt token) and 1 (model token)")
+        if self.token_versions is not None:
+            if len(self.token_versions) != n:
+                raise ValueError(f"token_versions has {len(self.token_versions)} entries for {n} response tokens")
+            if any((v < 0) if m else (v != NOT_SAMPLED) for v, m in zip(self.token_versions, self.response_mask,
+                                                                          strict=True)):
+                raise ValueError(f"token_versions must be >= 0 on model tokens and {NOT_SAMPLED} on env tokens")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"schema": SCHEMA_VERSION}
@@ -277,6 +305,7 @@ class Trajectory:
             data = _from_v1(data)
         sampling = data.get("sampling")
         train = data.get("train_logprobs")
+        versions = data.get("token_versions")
         return cls(
             prompt_ids=list(data["prompt_ids"]),
             response_ids=list(data["response_ids"]),
@@ -307,6 +336,7 @@ class Trajectory:
             segment=int(data.get("segment", 0)),
             num_segments=int(data.get("num_segments", 1)),
             train_logprobs=None if train is None else [float(x) for x in train],
+            token_versions=None if versions is None else [int(v) for v in versions],
             metadata=dict(data.get("metadata") or {}),
         )
 

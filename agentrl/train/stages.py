@@ -83,6 +83,7 @@ async def run_stages(trainer: Any) -> dict[str, Any]:
         await rl_stage(trainer, pool)
         _export_hf(trainer)
     finally:
+        await trainer.stop_rollouts()
         await pool.aclose()
         trainer.reporter.close()
     return trainer.reporter.summary(

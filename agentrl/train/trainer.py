@@ -7,6 +7,8 @@ samples ``rollout.n`` episodes per task, does the policy update (:func:`agentrl.
 writes the step's episodes with their train-side log-probs, logs metrics and saves an atomic checkpoint. The
 engine's sampling generator is re-seeded from ``(seed, step)`` at each step, so a resumed run samples exactly
 what the killed one would have.
+With ``rollout.max_staleness > 0`` the batches come from :class:`~agentrl.train.async_rollout.AsyncRollouts`
+instead: the same tasks and seeds per step, sampled up to that many updates earlier while earlier steps train.
 
 The parts, one job each: :mod:`~agentrl.train.actor` (model, reference, optimizers, engine),
 :mod:`~agentrl.train.resume` (what a checkpoint holds and how a run continues), :mod:`~agentrl.train.heldout`
@@ -37,6 +39,7 @@ from agentrl.envs.task_source import TaskSource
 from agentrl.episodes import EnvPool, EpisodeResult
 from agentrl.evaluation.policies import env_kwargs_of
 from agentrl.train.actor import build_actor
+from agentrl.train.async_rollout import AsyncRollouts, staleness_metrics
 from agentrl.train.batch import collate
 from agentrl.train.config import describe_device_defaults
 from agentrl.train.free_memory import release_free_memory
@@ -106,6 +109,8 @@ class Trainer:
         self.state = RunState(cfg.seed)
         self.checkpoints = Checkpoints(self.run_dir, cfg, self.parallel, self.actor, self.state)
         self.heldout = HeldOutEvaluation(cfg, self.run_dir, self.env_cls, self.actor, self.parallel)
+        #: asynchronous rollouts (``rollout.max_staleness > 0``), built at the first step
+        self.rollouts: AsyncRollouts | None = None
         self.stopped_by: str | None = None  # the budget that ended the RL stage early, e.g. max_wall_s
         self.started = False
         if rundir.latest_checkpoint(self.run_dir) is None:  # a resumed run starts once its checkpoint is restored
@@ -162,17 +167,25 @@ class Trainer:
         episodes (with their train-side log-probs); returns the step's metrics and all ranks' episodes."""
         cfg, par, state = self.cfg, self.parallel, self.state
         t_step = time.perf_counter()
-        start, count = par.shard_range(state.data_position, cfg.rollout.batch_size)
-        tasks = [self.train_task(start + i) for i in range(count)]
-        self.engine.reseed(cfg.seed * 1_000_003 + (state.step + 1) * par.world_size + par.rank)
-        with par.gathered(self.model):
-            result = await rollout(pool, self.engine, self.sampling(cfg.rollout.temperature), tasks,
-                                   n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + start * cfg.rollout.n,
-                                   progress_interval_s=cfg.trainer.progress_interval_s)
-        for e in result.episodes:
-            e.trajectory.policy_version = state.step  # sampled with the weights of `step` updates
+        if self.rollouts is None and cfg.rollout.max_staleness:  # after a resume restored the weights
+            self.rollouts = AsyncRollouts(self)
+        if self.rollouts is not None:  # asynchronous: the batch started up to max_staleness versions ago
+            result = await self.rollouts.next_batch(pool)
+        else:
+            start, count = par.shard_range(state.data_position, cfg.rollout.batch_size)
+            tasks = [self.train_task(start + i) for i in range(count)]
+            self.engine.reseed(cfg.seed * 1_000_003 + (state.step + 1) * par.world_size + par.rank)
+            with par.gathered(self.model):
+                result = await rollout(pool, self.engine, self.sampling(cfg.rollout.temperature), tasks,
+                                       n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + start * cfg.rollout.n,
+                                       progress_interval_s=cfg.trainer.progress_interval_s)
+            for e in result.episodes:
+                e.trajectory.policy_version = state.step  # sampled with the weights of `step` updates
         release_free_memory()  # the rollout's KV caches, before the update's activations
-        update = self._update(result.episodes)
+        if self.rollouts is not None:
+            update = await self.rollouts.update(self._update, result.episodes)
+        else:
+            update = self._update(result.episodes)
         release_free_memory()  # the update's activations, before the next rollout or evaluation
         episodes = par.gather(result.episodes)
         self._save_trajectories(state.step + 1, episodes)
@@ -188,8 +201,12 @@ class Trainer:
             "perf/gen_tokens_per_s": result.generated_tokens / max(result.gen_s, 1e-9),
         }))
         metrics.update(update)
+        if self.rollouts is not None:
+            metrics.update(staleness_metrics(result.episodes, state.step))
         state.step += 1
         state.data_position += cfg.rollout.batch_size
+        if self.rollouts is not None:
+            self.rollouts.publish()  # the new weights to the sampler; start the batches they admit
         metrics["training/data_position"] = float(state.data_position)
         metrics["timing_s/step"] = par.max(time.perf_counter() - t_step)
         if self.model.device.type == "cuda":  # the run's peak so far (weights, optimizer, activations, KV cache)
@@ -240,6 +257,11 @@ class Trainer:
             for e in episodes:
                 for what, text in e.failures():
                     errorlog.append(self.run_dir, f"step {step}, {what}", text)
+
+    async def stop_rollouts(self) -> None:
+        """Cancel asynchronous batches still in flight (a run that stopped early); before the env pool closes."""
+        if self.rollouts is not None:
+            await self.rollouts.aclose()
 
     # ------------------------------------------------------------------ run
     def maybe_resume(self) -> None:

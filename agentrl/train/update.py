@@ -15,9 +15,11 @@ to the model:
   ``old_log_prob = log_prob.detach()`` of that very forward (ratio exactly 1); otherwise a separate no-grad
   pass computes ``old_log_prob`` first (logged as ``actor/on_policy``; ``actor.onpolicy_fix=false``
   always takes the separate pass);
-- rollout correction (``algorithm.rollout_correction.*``) against the engine's log-probs: on the separate
-  pass's log-probs before the loop, or, on-policy, per micro-batch on the training forward's own log-probs
-  (weights and rejection masks are row-local, so both give the same values). Its ``rollout_corr/*``
+- the loss is decoupled PPO (:func:`~agentrl.train.algorithms.decoupled_ppo_loss`): the ratio against
+  ``old_log_prob`` (the proximal policy: the weights before this update), and the engine's log-probs (the
+  behaviour policy, older weights too under asynchronous rollouts) corrected towards it by rollout correction
+  (``algorithm.rollout_correction.*``), per micro-batch (weights and rejection masks are row-local, so this
+  gives the values one pass over the whole batch would). Its ``rollout_corr/*``
   metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows
   that hold a model token);
 - optional KL loss to a frozen reference model (for a LoRA policy, the policy itself with its adapters
@@ -60,10 +62,10 @@ from agentrl.train import distributed
 from agentrl.train.algorithms import (
     agg_loss,
     compute_advantages,
+    decoupled_ppo_loss,
     is_on_policy,
     kl_penalty,
     onpolicy_old_log_prob,
-    policy_loss,
     rollout_correction,
 )
 from agentrl.train.batch import Batch
@@ -300,8 +302,6 @@ class _Run:
     loss_scale_factor: float
     old_log_prob: torch.Tensor | None = None  # the separate pass's, or (on-policy) filled step by step
     ref_log_prob: torch.Tensor | None = None
-    is_weights: torch.Tensor | None = None
-    train_mask: torch.Tensor | None = None
     collected: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     loss_metrics: _LossMetrics = field(default_factory=lambda: _LossMetrics())
     totals: dict[str, float] = field(default_factory=lambda: {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0})
@@ -356,7 +356,6 @@ def run_update(
         on_policy=bool(actor.onpolicy_fix) and is_on_policy(optimizer_steps=len(steps)),
         # seq-mean-token-sum-norm's divisor: the key, else the response width of the whole batch (all ranks)
         loss_scale_factor=float(actor.loss_scale_factor or distributed.global_max(batch.response_mask.shape[1])),
-        train_mask=batch.response_mask,
     )
     if steps:
         _old_policy_pass(run)
@@ -382,16 +381,9 @@ def _no_grad_pass(run: _Run, model: Any, name: str, routing: list[torch.Tensor] 
 
 
 def _old_policy_pass(run: _Run) -> None:
-    """Off-policy: the separate no-grad old-log-prob pass, and rollout correction against it."""
-    if run.on_policy:
-        return
-    batch, mask = run.batch, run.batch.response_mask
-    run.old_log_prob = _no_grad_pass(run, run.model, "old_log_prob", run.routing)
-    if mask.any():
-        run.is_weights, run.train_mask, _ = rollout_correction(
-            old_log_prob=run.old_log_prob, rollout_log_prob=batch.rollout_log_probs, response_mask=mask,
-            with_metrics=False, **run.rc_options,
-        )
+    """Off-policy: the separate no-grad old-log-prob pass (the proximal policy of the decoupled loss)."""
+    if not run.on_policy:
+        run.old_log_prob = _no_grad_pass(run, run.model, "old_log_prob", run.routing)
 
 
 def _reference_pass(run: _Run, ref_model: Any | None) -> None:
@@ -478,31 +470,27 @@ def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, An
                       partial: dict[str, float], padding: bool) -> None:
     actor, mask = run.actor, run.batch.response_mask
     rows = mb.to(mask.device)
-    sub_mask = torch.zeros_like(run.train_mask[rows]) if padding else run.train_mask[rows]
+    sub_mask = torch.zeros_like(mask[rows]) if padding else mask[rows]
     log_prob, entropy = forward_logprobs(run.model, sub, chunk_size=actor.logprob_chunk_size,
                                          temperature=run.temperature, compute_entropy=True,
                                          share_prefix=actor.share_prompt_prefix and run.routing is None)
-    sub_weights = None if run.is_weights is None else run.is_weights[rows]
     if run.on_policy:  # the on-policy fix: old = this very forward, detached (ratio == 1)
         sub_old = onpolicy_old_log_prob(log_prob, optimizer_steps=1)
         if not padding:
             run.old_log_prob[rows] = sub_old
-        if sub_mask.any():
-            sub_weights, sub_mask, _ = rollout_correction(
-                old_log_prob=sub_old, rollout_log_prob=sub.rollout_log_probs, response_mask=sub_mask,
-                with_metrics=False, **run.rc_options,
-            )
     else:
         sub_old = run.old_log_prob[rows]
+    mode = actor.loss_agg_mode
+    # decoupled PPO: the ratio against old (the proximal policy), the rollout's log-probs corrected towards it
+    # (row-local weights and rejection: the same values per micro-batch as over the whole batch)
+    pg_loss, pg_metrics, sub_mask = decoupled_ppo_loss(
+        actor.policy_loss, behaviour_log_prob=sub.rollout_log_probs, proximal_log_prob=sub_old, log_prob=log_prob,
+        advantages=run.advantages[rows], response_mask=sub_mask, gap_metrics=False, **run.rc_options,
+        loss_agg_mode=mode, clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
+        clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c, **agg,
+    )
     sub_tokens = sub_mask.sum()
     after["tokens"] += sub_tokens
-    mode = actor.loss_agg_mode
-    pg_loss, pg_metrics = policy_loss(
-        actor.policy_loss, old_log_prob=sub_old, log_prob=log_prob, advantages=run.advantages[rows],
-        response_mask=sub_mask, loss_agg_mode=mode, clip_ratio=actor.clip_ratio,
-        clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
-        clip_ratio_c=actor.clip_ratio_c, rollout_is_weights=sub_weights, **agg,
-    )
     loss = pg_loss
     entropy_loss = agg_loss(entropy, sub_mask, mode, **agg)
     if actor.entropy_coeff:

@@ -14,10 +14,12 @@ Public API:
   agg_loss(loss_mat, loss_mask, loss_agg_mode)
   kl_penalty(log_prob, ref_log_prob, kind)
   rollout_correction(...) -> (is_weights | None, response_mask, metrics)
+  decoupled_ppo_loss(name, ...) -> (loss, metrics, mask)      AReaL's decoupled PPO over any policy loss
   is_on_policy(optimizer_steps=), onpolicy_old_log_prob(log_prob, optimizer_steps=)
 """
 
 from agentrl.train.algorithms.advantages import ADVANTAGE_ESTIMATORS, compute_advantages, register_advantage
+from agentrl.train.algorithms.decoupled import decoupled_ppo_loss
 from agentrl.train.algorithms.losses import (
     KL_KINDS,
     LOSS_AGG_MODES,
@@ -39,6 +41,7 @@ __all__ = [
     "ClipConfig",
     "agg_loss",
     "compute_advantages",
+    "decoupled_ppo_loss",
     "is_on_policy",
     "kl_penalty",
     "onpolicy_old_log_prob",
