@@ -173,7 +173,8 @@ class Trainer:
             e.trajectory.policy_version = state.step  # sampled with the weights of `step` updates
         release_free_memory()  # the rollout's KV caches, before the update's activations
         update = self._update(result.episodes)
-        release_free_memory()  # the update's activations, before the next rollout or evaluation
+        self.optimizer.zero_grad(set_to_none=True)  # every update starts from none: no memory for them till then
+        release_free_memory()  # the update's activations and gradients, before the next rollout or evaluation
         episodes = par.gather(result.episodes)
         self._save_trajectories(state.step + 1, episodes)
         self._log_failures(state.step + 1, episodes)
