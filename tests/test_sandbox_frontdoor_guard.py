@@ -152,3 +152,24 @@ async def test_the_trainers_pool_gets_its_64_episodes_in_flight_with_every_sessi
         _check(await collect(pool, ReToolScriptedTeacher(), _jobs(tasks)))
     finally:
         await pool.aclose()
+
+
+async def test_agentrl_eval_sizes_its_pool_for_its_concurrency_before_starting_it(backend):
+    """``agentrl eval`` builds one started pool for all its envs: it asks it first for ``concurrency`` sessions
+    (at most one per episode of the run), so its collection keeps that many in flight where the memory backs them."""
+    import contextlib
+
+    pytest.importorskip("torch")
+    from agentrl.evaluation import EvalConfig
+    from agentrl.evaluation.policies import open_runner
+
+    async with contextlib.AsyncExitStack() as stack:
+        cfg = EvalConfig(env="retool", model="tiny-gpt-oss", max_new_tokens=2, concurrency=64, limit=EPISODES)
+        runner = await open_runner(cfg, stack)
+        sb = runner.env_kwargs["sandbox"]
+        cap = sb._settings.memory_cap
+        assert sb._started and cap.reserved_bytes >= MIN_RESERVED_MB << 20
+        if cap.capacity_bytes // (-(-64 // sb.num_workers) + 1) >= MIN_RESERVED_MB << 20:
+            assert sb.max_sessions >= 64
+        small = await open_runner(replace(cfg, limit=4), stack)  # 4 episodes: no share is lowered for them
+        assert small.env_kwargs["sandbox"].max_sessions == backend.max_sessions
