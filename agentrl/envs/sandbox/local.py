@@ -14,9 +14,9 @@ restarted on its next use; sessions it held restart from a fresh state and say s
 Sessions are admitted up to what the workers' memory can guarantee (``reserved_mb`` each, :attr:`LocalSandbox.
 max_sessions` in all; a collector that would run more episodes at once may ask, before the pool starts, for a
 smaller share that the memory still backs, :meth:`LocalSandbox.admit`); beyond that ``create_session`` waits in a
-first-come first-served queue for a released session's slot (freed once its kernel is closed) and raises :class:`SandboxError` after ``session_wait_s``. A run
-whose worker dies under it (not one that hangs) runs once more on a fresh worker; a cancelled run finishes in the
-background without harming its worker.
+first-come first-served queue for a released session's slot (freed once its kernel is closed) and raises
+:class:`SandboxError` after ``session_wait_s``. A run whose worker dies under it (not one that hangs) runs once
+more on a fresh worker; a cancelled run finishes in the background without harming its worker.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ _SYSTEM_MARGIN = 64 << 20
 #: The share of this machine's RAM that a pool's memory caps (``worker_memory_mb`` x workers) may add up to by
 #: default, so that every session's guaranteed memory is backed while the host (e.g. a trainer) keeps the rest.
 HOST_MEMORY_SHARE = 0.5
-#: The least share of its worker's memory cap that :meth:`LocalSandbox.admit` reserves for a session, MiB: twice what a
-#: session kernel holds with numpy and sympy imported (66 MB resident, measured; a bare one 11 MB, with numpy 31 MB).
+#: The least share of its worker's memory cap that :meth:`LocalSandbox.admit` reserves for a session, MiB: twice
+#: what a session kernel holds with numpy and sympy imported (66 MB resident, measured; bare 11 MB, numpy 31 MB).
 MIN_RESERVED_MB = 128
 #: Per-uid kernel quotas of one execution (Linux's defaults for a user); a worker's user namespace holds room
 #: for all of its executions at once.
@@ -523,9 +523,9 @@ class LocalSandbox:
         reserved_mb: memory every live session, and a worker's stateless runs, are guaranteed of their worker's
             ``worker_memory_mb``, MiB; default an eighth of it, or less when :meth:`admit` asks for more sessions
             before the pool starts (never below :data:`MIN_RESERVED_MB`). A worker admits
-            ``worker_memory_mb // reserved_mb - 1`` live sessions (:attr:`max_sessions` in all). An execution may use up to ``memory_mb`` while the
-            others leave that much free; when less than its share is free, idle sessions holding more than theirs
-            are ended first (they are told why).
+            ``worker_memory_mb // reserved_mb - 1`` live sessions (:attr:`max_sessions` in all). An execution may
+            use up to ``memory_mb`` while the others leave that much free; when less than its share is free, idle
+            sessions holding more than theirs are ended first (they are told why).
         session_wait_s: how long ``create_session`` waits, in a first-come first-served queue, for a slot when
             the pool holds :attr:`max_sessions` live sessions (a released session's slot frees once its kernel
             is closed); then it raises :class:`SandboxError`. 0: refuse at once.
