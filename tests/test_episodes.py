@@ -380,6 +380,11 @@ class CountingTool(StatefulTool):
     async def session_capacity(self):
         return self.shared["capacity"]
 
+    async def request_sessions(self, sessions):
+        self.shared["requested"].append(sessions)
+        if self.shared["grows_to"] is not None:  # a backend that sizes itself up to what backs it
+            self.shared["capacity"] = max(self.shared["capacity"], min(sessions, self.shared["grows_to"]))
+
     async def call(self, arguments, session=None):
         await self.shared["gate"].wait()
         await asyncio.sleep(0.01)  # the episodes in flight overlap
@@ -407,7 +412,7 @@ def _counter_state(capacity=None, open_gate=False):
     gate = asyncio.Event()
     if open_gate:
         gate.set()
-    return {"live": 0, "peak": 0, "capacity": capacity, "gate": gate}
+    return {"live": 0, "peak": 0, "capacity": capacity, "gate": gate, "requested": [], "grows_to": None}
 
 
 async def test_sessions_are_released_when_an_episode_ends_by_time_limit_error_or_cancellation():
@@ -447,3 +452,18 @@ async def test_collect_keeps_episodes_in_flight_within_the_tools_session_capacit
     await pool.aclose()
     assert pool.in_flight == 3 and len(made) == 3 and shared["peak"] == 3 and shared["live"] == 0
     assert all(r.usable for r in results) and len(results) == 12
+
+
+@pytest.mark.parametrize("grows_to, in_flight", [(6, 6), (100, 8)])
+async def test_collect_asks_the_tools_to_admit_its_pool_size_before_bounding_it(grows_to, in_flight):
+    """The pool asks its tools for ``size`` sessions first; a backend that can back more raises its capacity, and
+    the episodes in flight follow it (up to the pool's size), still never beyond it."""
+    shared = _counter_state(capacity=3, open_gate=True)
+    shared["grows_to"] = grows_to
+    pool = EnvPool(lambda: CounterEnv(shared), 8)
+    jobs = [EpisodeJob({"prompt": f"add: {i} and 1", "answer": str(i + 1)}, i, str(i), i) for i in range(16)]
+    results = await collect(pool, _CountThenAnswer(), jobs)
+    await pool.aclose()
+    assert shared["requested"] == [8] and pool.in_flight == in_flight
+    assert shared["peak"] == in_flight <= shared["capacity"] and shared["live"] == 0
+    assert all(r.usable for r in results) and len(results) == 16

@@ -162,6 +162,42 @@ async def test_a_request_waits_while_no_worker_is_in_rotation_and_gets_the_repla
     await pool.release_session(new)
 
 
+async def test_a_pool_not_started_admits_the_sessions_a_collector_asks_for_within_its_memory():
+    """admit(n) before the pool starts lowers each session's reserved share (never below MIN_RESERVED_MB) so that
+    n sessions fit the workers' memory caps; every admitted session runs, and one more still waits its turn."""
+    from agentrl.envs.sandbox.local import MIN_RESERVED_MB
+
+    sb = make_backend("local", workers=2, memory_mb=64, worker_memory_mb=2048, session_wait_s=0.05)
+    try:
+        assert sb.max_sessions == 14  # 7 a worker, each guaranteed 2048 / 8 = 256 MiB
+        assert sb.admit(10) == 14  # never lowers the capacity
+        assert sb.admit(30) == 30 and sb.max_sessions_per_worker == 15
+        cap = sb._settings.memory_cap
+        assert cap.reserved_bytes == MIN_RESERVED_MB << 20 and cap.max_sessions == 15
+        assert sb.code_uids.blocks == 2 * 16 and len(sb._workers) == 2  # uid blocks for the larger pool
+        assert sb.admit(1000) == 30  # the floor: what the memory backs
+        try:
+            sids = [await sb.create_session() for _ in range(30)]
+        except SandboxError as e:
+            pytest.skip(f"local sandbox unavailable: {e}")
+        results = await asyncio.gather(*(sb.run(f"x = {i}\nprint(x)", session=s) for i, s in enumerate(sids)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(30)]
+        with pytest.raises(SandboxError, match=f"pool is full: 30 live sessions, at most 15 per worker, each "
+                                               f"guaranteed {MIN_RESERVED_MB} MiB"):
+            await sb.create_session()
+        assert sb.admit(60) == 30  # started: the sizes stay
+    finally:
+        await sb.aclose()
+
+
+async def test_admit_keeps_a_given_reserved_share_and_a_started_pool_as_they_are(pool):
+    assert pool.admit(10) == 3  # reserved_mb given, and started
+    sized = make_backend("local", workers=1, memory_mb=64, worker_memory_mb=2048, reserved_mb=512)
+    try:
+        assert sized.max_sessions == 3 and sized.admit(10) == 3
+    finally:
+        await sized.aclose()
+
 
 def test_a_closed_pool_leaves_no_task_pending_for_the_gc():
     """Closing the pool awaits every task it started (workers' stderr readers, cancelled runs' cleanups, reaps)

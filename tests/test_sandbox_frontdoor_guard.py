@@ -6,7 +6,9 @@ evaluation's concurrency, as ``agentrl train env=retool`` runs it, loses no epis
 that SFT uses (one python call with the task's program, then the boxed output; no model). Every episode must
 finish without an infrastructure error: no episode error, no tool error, no tool result that mentions the sandbox
 or a full pool, tool success 1.0 and every answer right. The same must hold when a worker is killed in the middle
-of the collection, and when 128 episodes ask for sessions at once with nothing bounding them (they queue).
+of the collection, and when 128 episodes ask for sessions at once with nothing bounding them (they queue). And as
+the trainer builds it (envs naming the ``"local"`` backend, a pool of 64 envs asking for 64 sessions before the
+sandbox starts), the pool admits them: the evaluation samples 64 episodes at a time, as before admission control.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 
 from agentrl.envs.builtin.retool import ReToolEnv, ReToolScriptedTeacher
 from agentrl.envs.sandbox import SandboxError, make_backend
+from agentrl.envs.sandbox.local import MIN_RESERVED_MB
 from agentrl.episodes import EnvPool, EpisodeJob, EpisodeResult, collect, run_episode
 from agentrl.harmony import HarmonyFormat
 
@@ -130,3 +133,43 @@ async def test_unbounded_session_requests_wait_for_a_slot_instead_of_failing(fmt
     finally:
         for env in envs:
             await env.aclose()
+
+
+async def test_the_trainers_pool_gets_its_64_episodes_in_flight_with_every_session_backed(fmt, tasks, backend):
+    """The trainer's envs name the backend (one shared pool, created on first use); its pool of 64 envs (rollout.
+    concurrency) asks for 64 sessions before the sandbox starts, and a machine whose memory backs them at
+    MIN_RESERVED_MB each runs all 64 at once (this box: 6 workers x 11 sessions of 167 MiB, instead of 7 of 251)."""
+    pool = EnvPool(lambda: ReToolEnv(format=fmt, sandbox="local", max_turns=2), 64)
+    try:
+        in_flight = await pool.open()
+        shared = await pool._envs[0].toolbox.tools["python"].backend()
+        assert shared is not backend and in_flight == min(64, shared.max_sessions)
+        cap = shared._settings.memory_cap
+        assert cap.reserved_bytes >= MIN_RESERVED_MB << 20  # what every admitted session is guaranteed
+        assert shared.max_sessions == shared.num_workers * (cap.capacity_bytes // cap.reserved_bytes - 1)
+        if cap.capacity_bytes // (-(-64 // shared.num_workers) + 1) >= MIN_RESERVED_MB << 20:
+            assert in_flight == 64  # the memory backs them: nothing bounds the evaluation below its concurrency
+        _check(await collect(pool, ReToolScriptedTeacher(), _jobs(tasks)))
+    finally:
+        await pool.aclose()
+
+
+async def test_agentrl_eval_sizes_its_pool_for_its_concurrency_before_starting_it(backend):
+    """``agentrl eval`` builds one started pool for all its envs: it asks it first for ``concurrency`` sessions
+    (at most one per episode of the run), so its collection keeps that many in flight where the memory backs them."""
+    import contextlib
+
+    pytest.importorskip("torch")
+    from agentrl.evaluation import EvalConfig
+    from agentrl.evaluation.policies import open_runner
+
+    async with contextlib.AsyncExitStack() as stack:
+        cfg = EvalConfig(env="retool", model="tiny-gpt-oss", max_new_tokens=2, concurrency=64, limit=EPISODES)
+        runner = await open_runner(cfg, stack)
+        sb = runner.env_kwargs["sandbox"]
+        cap = sb._settings.memory_cap
+        assert sb._started and cap.reserved_bytes >= MIN_RESERVED_MB << 20
+        if cap.capacity_bytes // (-(-64 // sb.num_workers) + 1) >= MIN_RESERVED_MB << 20:
+            assert sb.max_sessions >= 64
+        small = await open_runner(replace(cfg, limit=4), stack)  # 4 episodes: no share is lowered for them
+        assert small.env_kwargs["sandbox"].max_sessions == backend.max_sessions

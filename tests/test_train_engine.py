@@ -78,6 +78,29 @@ def test_concurrent_callers_are_micro_batched(model):
         assert comp.token_ids == engine.generate_sync([[i + 1, i + 2]], params)[0].token_ids
 
 
+def test_every_batch_samples_on_the_engines_one_thread(model):
+    """Batches of several collections and event loops all run on one thread of the engine's own (glibc keeps
+    a thread's freed KV caches in that thread's arena: spread over many threads, they added up)."""
+    import threading
+
+    engine = TransformersEngine(model, pad_token_id=0, max_batch_size=2)
+    params = SamplingParams(max_new_tokens=2, temperature=0.0)
+    threads: list[int] = []
+    hook = model.register_forward_hook(lambda *_: threads.append(threading.get_ident()))
+
+    async def main():
+        for _ in range(3):  # 3 collections of 5 concurrent callers: 3 batches each
+            await asyncio.gather(*[engine.generate([[i + 1, i + 2]], params) for i in range(5)])
+
+    try:
+        asyncio.run(main())
+        asyncio.run(main())  # a second event loop (a new default executor) keeps the same thread
+    finally:
+        hook.remove()
+    assert engine.stats["batches"] == 18
+    assert len(set(threads)) == 1 and threads[0] != threading.get_ident()
+
+
 def test_filter_logits_top_k_top_p():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert torch.isinf(_filter_logits(logits, 2, 1.0)[0, 2:]).all()

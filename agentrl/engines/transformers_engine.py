@@ -5,6 +5,12 @@ joins a queue, and a single worker coroutine drains the queue into one batched f
 in a worker thread. The event loop stays free while the model samples, so tool calls of other
 episodes run meanwhile, and episodes whose tool returned join the next batch.
 
+Every batch runs on the same thread, the engine's own (not one of asyncio's default executor, which has
+several): glibc's malloc gives each thread that allocates an arena of its own and keeps freed chunks there, so
+KV caches freed on a thread stay resident until that thread allocates again. On one thread each batch reuses the
+last one's memory; spread over the default executor's threads, the process held up to a batch's worth per
+thread, more or less depending on which threads ran the batches.
+
 Log-probs: ``Completion.logprobs[i]`` is the natural-log probability of the sampled id under
 ``softmax(logits / temperature)`` of the model (``temperature == 0`` means greedy decoding, and the
 log-prob is then taken under ``softmax(logits)``). This is the distribution the trainer recomputes
@@ -18,6 +24,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +108,7 @@ class TransformersEngine:
         self.generator.manual_seed(seed)
         self._queue: list[_Request] = []
         self._worker: asyncio.Task | None = None
+        self._sampler: ThreadPoolExecutor | None = None  # the one thread every batch runs on (module docstring)
         self._aborted = threading.Event()
         self.stats = {"generate_s": 0.0, "generated_tokens": 0, "batches": 0}
 
@@ -160,7 +168,11 @@ class TransformersEngine:
                         cb(k, token)
 
             try:
-                completions = await asyncio.to_thread(self.generate_sync, prompts, batch[0].sampling, on_token)
+                if self._sampler is None:
+                    self._sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-sampler")
+                completions = await asyncio.get_running_loop().run_in_executor(
+                    self._sampler, self.generate_sync, prompts, batch[0].sampling, on_token
+                )
             except Exception as exc:  # deliver the failure to every waiting caller
                 for req in batch:
                     if not req.future.done():

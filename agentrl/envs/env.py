@@ -406,11 +406,16 @@ class AgentEnv(gymnasium.Env[Observation, ActionLike]):
         obs: Observation = {"tokens": as_token_array(obs_ids), "messages": tuple(obs_messages)}
         return obs, reward, terminated, truncated, info
 
-    async def episode_capacity(self) -> int | None:
+    async def episode_capacity(self, wanted: int | None = None) -> int | None:
         """How many episodes of this env (together with every env sharing its tools' backends) can run at once:
         the least :meth:`~agentrl.envs.tools.StatefulTool.session_capacity` of its stateful tools (an episode
-        holds one session of each), or None: no limit. Collectors keep their episodes in flight within it."""
+        holds one session of each), or None: no limit. Collectors keep their episodes in flight within it.
+        ``wanted``: the episodes the caller would run at once; each stateful tool is first asked to admit that
+        many (:meth:`~agentrl.envs.tools.StatefulTool.request_sessions`)."""
         tools = [t for t in self.toolbox.tools.values() if isinstance(t, StatefulTool)]
+        if wanted is not None:
+            for tool in tools:
+                await tool.request_sessions(wanted)
         capacities = [c for c in [await t.session_capacity() for t in tools] if c is not None]
         return min(capacities) if capacities else None
 

@@ -38,8 +38,9 @@ class EnvPool:
 
     Envs are built lazily on first use (inside the running event loop). At most :attr:`in_flight` episodes run
     at once: ``size``, or fewer when the envs' tools admit fewer live sessions
-    (:meth:`~agentrl.envs.AgentEnv.episode_capacity`, e.g. the local sandbox pool's ``max_sessions``), so that no
-    episode waits for a tool session that only another episode in flight could free."""
+    (:meth:`~agentrl.envs.AgentEnv.episode_capacity`, e.g. the local sandbox pool's ``max_sessions``; the tools are
+    first asked to admit ``size``, which a local pool not yet started grants as far as its memory backs them), so
+    that no episode waits for a tool session that only another episode in flight could free."""
 
     def __init__(self, make_env: Callable[[], AgentEnv], size: int) -> None:
         if size < 1:
@@ -57,7 +58,7 @@ class EnvPool:
         if self._free is None:
             first = self._make_env()
             try:
-                capacity = await first.episode_capacity()
+                capacity = await first.episode_capacity(self.size)
             except Exception as exc:  # noqa: BLE001 - the episodes report it, one by one
                 log.warning("could not ask the envs' tools for their capacity (%s: %s)", type(exc).__name__, exc)
                 capacity = None

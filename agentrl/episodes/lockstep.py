@@ -14,8 +14,8 @@ raises, each job's call is made alone, in order: a request the engine refuses fa
 are running at that point is fixed too: ``pool.in_flight`` episodes run at once and jobs take free envs in job
 order, so once ``f`` jobs have finished, jobs ``0 .. f + pool.in_flight - 1`` have started or are about to. The
 batches, their rows' order and the engine's draws are a function of the jobs, the engine's seed and
-``pool.in_flight`` alone (the pool's size, or less when the envs' tools admit fewer sessions, e.g. a local
-sandbox pool, whose capacity follows the machine's cores and memory).
+``pool.in_flight`` alone (the pool's size, or less when the envs' tools admit fewer sessions even when asked for
+that many, e.g. a local sandbox pool, whose capacity follows the machine's cores and memory).
 
 What lockstep cannot make independent of the machine's speed: an episode wall-time limit (``EpisodeLimits.time_s``,
 none by default; waiting for the batch counts), and a tool's own wall-clock limit for code that runs close to it

@@ -29,7 +29,11 @@ async def open_runner(cfg: EvalConfig, stack: contextlib.AsyncExitStack) -> Epis
     if "sandbox" in inspect.signature(cls.__init__).parameters and "sandbox" not in env_kwargs:
         from agentrl.envs.sandbox import make_backend
 
-        backend = await stack.enter_async_context(make_backend(cfg.sandbox))  # shared by all envs
+        backend = make_backend(cfg.sandbox)  # shared by all envs
+        admit = getattr(backend, "admit", None)
+        if admit is not None:  # a session for every episode in flight, where the memory backs them (before it starts)
+            admit(min(cfg.concurrency, cfg.limit * cfg.n) if cfg.limit else cfg.concurrency)
+        backend = await stack.enter_async_context(backend)
         await backend.run("pass")  # start the pool before the first episode
         env_kwargs["sandbox"] = backend
     if cfg.api == "chat":

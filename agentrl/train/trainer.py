@@ -186,7 +186,8 @@ class Trainer:
             update = await self.rollouts.update(self._update, result.episodes)
         else:
             update = self._update(result.episodes)
-        release_free_memory()  # the update's activations, before the next rollout or evaluation
+        self.optimizer.zero_grad(set_to_none=True)  # every update starts from none: no memory for them till then
+        release_free_memory()  # the update's activations and gradients, before the next rollout or evaluation
         episodes = par.gather(result.episodes)
         self._save_trajectories(state.step + 1, episodes)
         self._log_failures(state.step + 1, episodes)

@@ -13,10 +13,11 @@ sequence of requests came before). A worker that dies or stops answering is kill
 restarted on its next use; sessions it held restart from a fresh state and say so in ``ExecResult.message``.
 
 Sessions are admitted up to what the workers' memory can guarantee (``reserved_mb`` each, :attr:`LocalSandbox.
-max_sessions` in all); beyond that ``create_session`` waits in a first-come first-served queue for a released
-session's slot (freed once its kernel is closed) and raises :class:`SandboxError` after ``session_wait_s``. A run
-whose worker dies under it (not one that hangs) runs once more on a fresh worker; a cancelled run finishes in the
-background without harming its worker.
+max_sessions` in all; a collector that would run more episodes at once may ask, before the pool starts, for a
+smaller share that the memory still backs, :meth:`LocalSandbox.admit`); beyond that ``create_session`` waits in a
+first-come first-served queue for a released session's slot (freed once its kernel is closed) and raises
+:class:`SandboxError` after ``session_wait_s``. A run whose worker dies under it (not one that hangs) runs once
+more on a fresh worker; a cancelled run finishes in the background without harming its worker.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ _BLOCK_RETURN_S = 60.0
 #: The share of this machine's RAM that a pool's memory caps (``worker_memory_mb`` x workers) may add up to by
 #: default, so that every session's guaranteed memory is backed while the host (e.g. a trainer) keeps the rest.
 HOST_MEMORY_SHARE = 0.5
+#: The least share of its worker's memory cap that :meth:`LocalSandbox.admit` reserves for a session, MiB: twice
+#: what a session kernel holds with numpy and sympy imported (66 MB resident, measured; bare 11 MB, numpy 31 MB).
+MIN_RESERVED_MB = 128
 
 
 @dataclass
@@ -127,10 +131,11 @@ class LocalSandbox:
             that the whole pool's caps fit in :data:`HOST_MEMORY_SHARE` of this machine's RAM (never below
             ``memory_mb``; a warning says when the pool's guarantees then exceed that share).
         reserved_mb: memory every live session, and a worker's stateless runs, are guaranteed of their worker's
-            ``worker_memory_mb``, MiB; default an eighth of it. A worker admits ``worker_memory_mb // reserved_mb
-            - 1`` live sessions (:attr:`max_sessions` in all). An execution may use up to ``memory_mb`` while the
-            others leave that much free; when less than its share is free, idle sessions holding more than theirs
-            are ended first (they are told why).
+            ``worker_memory_mb``, MiB; default an eighth of it, or less when :meth:`admit` asks for more sessions
+            before the pool starts (never below :data:`MIN_RESERVED_MB`). A worker admits
+            ``worker_memory_mb // reserved_mb - 1`` live sessions (:attr:`max_sessions` in all). An execution may
+            use up to ``memory_mb`` while the others leave that much free; when less than its share is free, idle
+            sessions holding more than theirs are ended first (they are told why).
         session_wait_s: how long ``create_session`` waits, in a first-come first-served queue, for a slot when
             the pool holds :attr:`max_sessions` live sessions (a released session's slot frees once its kernel
             is closed); then it raises :class:`SandboxError`. 0: refuse at once.
@@ -204,22 +209,13 @@ class LocalSandbox:
                 f"reserved_mb must be between 1 and worker_memory_mb / 2 = {worker_mb // 2}, got {reserved}"
             )
         cap = _MemoryCap(memory_cgroup if self.isolated else "off", worker_mb << 20, reserved << 20)
-        #: Live sessions one worker admits, and the whole pool.
-        self.max_sessions_per_worker = cap.max_sessions
-        self.max_sessions = n * cap.max_sessions
-        self._size = n
-        blocks = n * (cap.max_sessions + 1)  # see DEFAULT_UID_BASE
-        span = blocks * _UIDS_PER_WORKER
+        self._size, self._mode = n, mode
+        #: Whether :meth:`admit` may still size the sessions' reserved share (none was given).
+        self._sizable = reserved_mb is None
+        self._uid_base_arg = uid_base
         #: Root mode: the pool's uid range, reserved host-wide (see uid_blocks) until aclose.
         self._uids: uid_blocks.UidRange | None = None
-        if mode == "root":
-            self._uids = uid_blocks.reserve(DEFAULT_UID_BASE, _UID_RANGE, blocks, _UIDS_PER_WORKER, uid_base)
-            uid_base = self._uids.base
-        elif uid_base is None:
-            uid_base = DEFAULT_UID_BASE + secrets.randbelow(_UID_RANGE // span) * span
-        #: The uids code may run as (root mode): every block of the pool but each block's first uid, which is
-        #: its worker's own.
-        self.code_uids = CodeUids(uid_base, blocks)
+        self._size_for(cap)
         self._tmp_dir: tempfile.TemporaryDirectory | None = None
         if self.isolated:
             iso.bwrap_path()
@@ -245,7 +241,6 @@ class LocalSandbox:
             memory_cap=cap,
             on_unhealthy=self._retire,
         )
-        self._free_blocks = [uid_base + b * _UIDS_PER_WORKER for b in range(blocks)]
         self._next_index = 0
         self._workers: list[_Worker] = []
         self._retiring: list[_Worker] = []
@@ -267,9 +262,66 @@ class LocalSandbox:
             settings = self._settings
             if self._tmp_dir is not None:
                 root = Path(self._tmp_dir.name) / str(index)
-                root.mkdir()
+                root.mkdir(exist_ok=True)
                 settings = _Settings(**{**settings.__dict__, "tmp_root": str(root)})
             self._workers.append(_Worker(index, self._free_blocks.pop(0), settings))
+
+    def _size_for(self, cap: _MemoryCap) -> None:
+        """Set the sessions each worker and the pool admit from ``cap`` and reserve the uid blocks they need (see
+        :data:`DEFAULT_UID_BASE`; in root mode host-wide, giving back any range held before)."""
+        n = self._size
+        #: Live sessions one worker admits, and the whole pool.
+        self.max_sessions_per_worker = cap.max_sessions
+        self.max_sessions = n * cap.max_sessions
+        blocks = n * (cap.max_sessions + 1)  # see DEFAULT_UID_BASE
+        span = blocks * _UIDS_PER_WORKER
+        uid_base = self._uid_base_arg
+        if self._uids is not None:
+            self._uids.release()
+            self._uids = None
+        if self._mode == "root":
+            self._uids = uid_blocks.reserve(DEFAULT_UID_BASE, _UID_RANGE, blocks, _UIDS_PER_WORKER, uid_base)
+            uid_base = self._uids.base
+        elif uid_base is None:
+            uid_base = DEFAULT_UID_BASE + secrets.randbelow(_UID_RANGE // span) * span
+        #: The uids code may run as (root mode): every block of the pool but each block's first uid, which is
+        #: its worker's own.
+        self.code_uids = CodeUids(uid_base, blocks)
+        self._free_blocks = [uid_base + b * _UIDS_PER_WORKER for b in range(blocks)]
+
+    def admit(self, sessions: int) -> int:
+        """Let the pool admit ``sessions`` live sessions at once if its memory backs them; returns
+        :attr:`max_sessions`.
+
+        Before the pool starts, and when no ``reserved_mb`` was given, each session's reserved share is lowered
+        from its default (an eighth of ``worker_memory_mb``) so that ``ceil(sessions / workers)`` sessions plus
+        the stateless runs share each worker's memory cap, but never below :data:`MIN_RESERVED_MB` (the pool
+        then admits what that floor allows). Every admitted session keeps a share its worker's cap backs, so the
+        admission control that keeps one session's memory from ending another's is unchanged; only the share is
+        smaller. Never lowers the capacity; otherwise (started, closed, or ``reserved_mb`` given) a no-op.
+        Collectors call it (through :meth:`~agentrl.envs.tools.StatefulTool.request_sessions`) with the number of
+        episodes they would run at once."""
+        cap = self._settings.memory_cap
+        if not self._sizable or self._started or self._closed or any(w.alive for w in self._workers):
+            return self.max_sessions
+        per_worker = -(-sessions // self._size)
+        if per_worker <= cap.max_sessions:
+            return self.max_sessions
+        floor = min(MIN_RESERVED_MB << 20, cap.capacity_bytes // 2)
+        reserved = max(floor, cap.capacity_bytes // (per_worker + 1))
+        if reserved >= cap.reserved_bytes:
+            return self.max_sessions
+        sized = _MemoryCap(cap.mode, cap.capacity_bytes, reserved)
+        try:
+            self._size_for(sized)
+        except SandboxError as exc:  # an explicit uid_base whose larger range another pool holds: keep the size
+            log.warning("the sandbox pool keeps %d sessions: %s", self.max_sessions, exc)
+            self._size_for(cap)
+            return self.max_sessions
+        self._settings.memory_cap = sized
+        self._workers, self._next_index = [], 0
+        self._refill()
+        return self.max_sessions
 
     def _retire(self, worker: _Worker, reason: str) -> None:
         """Take an unhealthy worker out of rotation at once: it keeps serving its live sessions until they are

@@ -173,3 +173,8 @@ class StatefulTool(Tool):
         """How many sessions of this tool can be live at once (the episodes of every env sharing its backend
         together), or None: no limit. Collectors keep their episodes in flight within it."""
         return None
+
+    async def request_sessions(self, sessions: int) -> None:  # noqa: B027 - optional hook
+        """A collector would run ``sessions`` episodes at once: a backend that sizes itself before first use may
+        raise its :meth:`session_capacity` towards that many, within what backs them (e.g. the local sandbox
+        pool, :meth:`~agentrl.envs.sandbox.LocalSandbox.admit`). Never lowers it; by default nothing."""

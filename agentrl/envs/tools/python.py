@@ -98,6 +98,13 @@ class PythonTool(StatefulTool):
         """The backend's ``max_sessions`` (live sessions it admits at once), if it has one."""
         return getattr(await self.backend(), "max_sessions", None)
 
+    async def request_sessions(self, sessions: int) -> None:
+        """Ask the backend to admit ``sessions`` live sessions (its ``admit``, if it has one: the local pool, before
+        it starts, within what its memory backs)."""
+        admit = getattr(await self.backend(), "admit", None)
+        if admit is not None:
+            admit(sessions)
+
     async def call(self, arguments: dict[str, Any], session: Any = None) -> ToolOutput:
         try:
             backend = await self.backend()
