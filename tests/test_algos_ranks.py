@@ -28,6 +28,7 @@ from _tiny_update import tiny_llama
 import agentrl
 from agentrl.train.algorithms import LOSS_AGG_MODES
 
+pytestmark = pytest.mark.distributed  # two torchrun launches (2 and 3 ranks)
 HERE = Path(__file__).parent
 EXAMPLES = {2: 100, 3: 40}
 #: metrics that must not depend on the number of ranks (timings and per-rank counts aside)

@@ -22,6 +22,7 @@ def _torchrun(args: list[str], cwd: Path, timeout: int = 240) -> subprocess.Comp
     return out
 
 
+@pytest.mark.distributed
 def test_fsdp2_step_matches_single_process(tmp_path):
     result_path = tmp_path / "parity.json"
     _torchrun([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -37,6 +38,7 @@ def test_fsdp2_step_matches_single_process(tmp_path):
     assert r["param_max_abs_diff"] < 1e-5  # same weights after the AdamW step (lr 1e-3)
 
 
+@pytest.mark.distributed
 def test_agentrl_train_n_gpus_2_runs_saves_and_resumes_under_torchrun(tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "agentrl.cli", "train", "env=gsm8k", "model=tiny-gpt-oss", "device=cpu",

@@ -370,6 +370,7 @@ def test_lora_adapter_attaches_from_a_peft_config_dict_as_a_weight_sync_sends_it
 
 
 # ---------------------------------------------------------------------------- FSDP2, 2 CPU processes
+@pytest.mark.distributed
 def test_lora_fsdp2_on_two_cpu_processes(tmp_path):
     out = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

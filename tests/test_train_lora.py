@@ -147,7 +147,7 @@ def test_lora_agentrl_sft_trains_and_saves_the_adapter(tmp_path):
     assert not lora.has_lora(loaded.model)
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_lora_agentrl_train_with_fsdp2_on_two_cpu_processes_saves_and_resumes_the_adapter(tmp_path):
     """``trainer.n_gpus=2`` on the CPU (torchrun, gloo): the adapter is injected before sharding, checkpoints
     gather the adapter alone (no model.pt), and the run resumes from them."""
