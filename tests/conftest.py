@@ -1,4 +1,4 @@
-"""Session-wide test setup: the Triton interpreter, the test tiers and budget guard.
+"""Session-wide test setup: the Triton interpreter, hypothesis profiles, the test tiers and budget guard.
 
 On machines without an NVIDIA GPU, the Triton kernels of ``agentrl.kernels`` are tested under
 Triton's CPU interpreter. ``TRITON_INTERPRET=1`` only takes effect if it is set before the process
@@ -7,11 +7,17 @@ import triton indirectly (verl, transformers' GPT-OSS), so it is set here, befor
 It changes nothing for code that does not launch Triton kernels. torch is not imported here.
 
 Tiers and the budget guard: ``tests/_tiers.py``, loaded here as a plugin.
+
+Hypothesis profiles (``ci``, the default, and ``nightly``): ``tests/_profiles.py``, loaded here.
 """
 
 import os
+
+import _profiles
 
 pytest_plugins = ["_tiers"]
 
 if not os.path.exists("/dev/nvidia0") and not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_profiles.load()

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _profiles import examples  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -146,7 +147,7 @@ def _solo(model, engine_seed, seed, prompt, params):
     return asyncio.run(one())
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8))
 @given(seed=st.integers(0, 10_000), max_rows=st.integers(1, 5), temperature=st.sampled_from([0.0, 1.0]))
 def test_random_arrivals_never_mix_rows_or_drop_tokens(llama, seed, max_rows, temperature):
     rng = random.Random(seed)

@@ -424,12 +424,13 @@ def _action_strategy():
 
 
 def test_random_actions_never_raise_and_keep_invariants():
-    from hypothesis import HealthCheck, given, settings
+    from _profiles import examples
+    from hypothesis import given, settings
     from hypothesis import strategies as st
 
     env = AddEnv(max_turns=4, tool_timeout_s=1.0)
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(60))
     @given(st.lists(_action_strategy(), min_size=1, max_size=4))
     def run(actions):
         env.reset(seed=0)

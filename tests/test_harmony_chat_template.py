@@ -154,6 +154,7 @@ def test_requires_a_chat_template():
 
 
 def test_garbage_never_raises(tokenizer):
+    from _profiles import examples
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
@@ -167,7 +168,7 @@ def test_garbage_never_raises(tokenizer):
         st.sampled_from([*pieces, *[[t] for t in fmt.stop_token_ids]]),
     )
 
-    @settings(max_examples=200, deadline=None, derandomize=True)
+    @settings(max_examples=examples(200))
     @given(st.lists(chunk, max_size=30).map(lambda cs: [t for c in cs for t in c]))
     def check(ids):
         turn = fmt.parse(ids, tools=[LOOKUP])
