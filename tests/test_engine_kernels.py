@@ -17,6 +17,8 @@ from agentrl.engines.slot_attention import KernelAttention, PrefillPlan, TorchAt
 from agentrl.engines.slot_cache import SlotCache  # noqa: E402
 from agentrl.models.tiny import tiny_gpt_oss  # noqa: E402
 
+pytestmark = pytest.mark.kernels  # the Triton kernels' tier; one smoke case stays in the default tier
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -142,7 +144,7 @@ def test_dense_moe_equals_the_per_expert_loop_and_transformers():
     torch.testing.assert_close(looped, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["exact", "kernel"])
+@pytest.mark.parametrize("attention", ["exact", pytest.param("kernel", marks=pytest.mark.smoke)])
 def test_the_engine_with_gpu_kernels_decodes_like_the_transformers_engine(attention):
     import transformers
 

@@ -24,6 +24,8 @@ from test_sandbox_attacks_server import _post, server  # noqa: F401 - server is 
 from agentrl.envs.sandbox import SyncSandbox
 from agentrl.envs.sandbox.local import uid_processes
 
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
+
 WORKERS = 2
 
 

@@ -18,6 +18,8 @@ from agentrl.envs.sandbox.fusion import SandboxFusionBackend
 from agentrl.envs.sandbox.http_guard import client_key
 from agentrl.envs.sandbox.server import SandboxServerConfig
 
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
+
 TOKEN = "attack-token-5e1"
 
 
@@ -91,6 +93,7 @@ def test_idle_connections_from_many_addresses_cannot_lock_out_a_newcomer(server)
             s.close()
 
 
+@pytest.mark.smoke
 def test_loopback_addresses_count_as_one_client():
     assert (
         client_key("127.0.0.1")

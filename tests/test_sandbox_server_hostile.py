@@ -18,6 +18,8 @@ from test_sandbox_server import _serve
 from agentrl.cli_args import UsageError, field_docs
 from agentrl.envs.sandbox.server import SandboxServerConfig, parse_args
 
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
+
 if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)
 
@@ -196,6 +198,7 @@ def test_forged_traceback_in_a_jupyter_cell_is_not_an_error(server):
     assert cells[1]["error"][0]["ename"] == "ZeroDivisionError"
 
 
+@pytest.mark.smoke
 def test_config_dataclass_drives_the_command_line():
     docs = field_docs(SandboxServerConfig)
     assert set(docs) == {f for f in SandboxServerConfig.__dataclass_fields__}  # a docstring for every field
