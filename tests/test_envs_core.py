@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from importlib.metadata import EntryPoint
 from typing import Literal
 
 import gymnasium
 import numpy as np
 import pytest
+from _no_torch import check_imports_without_torch
 from gymnasium.utils.env_checker import check_env
 
 import agentrl
@@ -364,14 +363,9 @@ def test_registry_make_and_entry_points(monkeypatch):
 
 
 def test_envs_import_without_torch():
-    code = (
-        "import sys; sys.modules['torch'] = None\n"
-        "import agentrl.envs, agentrl.envs.builtin.gsm8k, agentrl.envs.builtin.retool\n"
-        "import agentrl.envs.builtin.verifyif, agentrl.envs.builtin.jobs.env, agentrl.envs.tools.search\n"
-        "import agentrl.envs.tools.openapi\n"
-        "assert 'transformers' not in sys.modules\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    check_imports_without_torch(["agentrl.envs", "agentrl.envs.builtin.gsm8k", "agentrl.envs.builtin.retool",
+                                 "agentrl.envs.builtin.verifyif", "agentrl.envs.builtin.jobs.env",
+                                 "agentrl.envs.tools.search", "agentrl.envs.tools.openapi"])
 
 
 @pytest.mark.parametrize(
