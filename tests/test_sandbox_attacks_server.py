@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_sandbox_server import _serve
+from _sandbox_server import serve_sandbox
 
 from agentrl.envs.sandbox.fusion import SandboxFusionBackend
 from agentrl.envs.sandbox.http_guard import client_key
@@ -35,7 +35,7 @@ def server() -> Iterator[str]:
         max_cells=50,
         max_response_bytes=64 * 1024,
     )
-    yield from _serve(config, client_key=lambda address: address)  # every address a client of its own
+    yield from serve_sandbox(config, client_key=lambda address: address)  # every address a client of its own
 
 
 def _connect(url: str, source: str) -> socket.socket:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import sandbox_fusion as sf
-from test_sandbox_server import _serve
+from _sandbox_server import serve_sandbox
 
 from agentrl.cli_args import UsageError, field_docs
 from agentrl.envs.sandbox.server import SandboxServerConfig, parse_args
@@ -36,7 +36,7 @@ def server() -> Iterator[str]:
         max_connections_per_client=4,
         max_timeout_s=60.0,
     )
-    yield from _serve(config)
+    yield from serve_sandbox(config)
 
 
 def _port(url: str) -> int:
