@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from _algos_ranks_worker import SCENARIOS, scenario, scenario_update
-from _tiny_update import tiny_llama
+from _tiny_llama import tiny_llama
 
 import agentrl
 from agentrl.train.algorithms import LOSS_AGG_MODES

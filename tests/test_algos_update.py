@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 from _profiles import examples
-from _tiny_update import ragged_batch, tiny_llama
+from _tiny_llama import tiny_llama
+from _tiny_update import ragged_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_algos_properties import logprob_cases

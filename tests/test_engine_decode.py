@@ -8,6 +8,7 @@ import asyncio
 import random
 
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,10 +27,7 @@ VOCAB = 300
 
 
 def _llama(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama(seed, vocab=VOCAB, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, positions=512).eval()
 
 
 def _qwen3():

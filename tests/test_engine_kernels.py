@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -146,16 +147,12 @@ def test_dense_moe_equals_the_per_expert_loop_and_transformers():
 
 @pytest.mark.parametrize("attention", ["exact", pytest.param("kernel", marks=pytest.mark.smoke)])
 def test_the_engine_with_gpu_kernels_decodes_like_the_transformers_engine(attention):
-    import transformers
-
     from agentrl.engines.base import SamplingParams
     from agentrl.engines.decode_engine import DecodeEngine
     from agentrl.engines.transformers_engine import TransformersEngine
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).to(DEVICE).eval()
+    model = tiny_llama(0, vocab=128, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, positions=256)
+    model = model.to(DEVICE).eval()
     prompts = [list(range(3, 25)), [5, 6], list(range(30, 70))]
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     old = TransformersEngine(model).generate_sync(prompts, greedy)
@@ -169,7 +166,6 @@ def test_the_engine_with_gpu_kernels_decodes_like_the_transformers_engine(attent
 def test_fused_projections_add_the_lora_deltas(name):
     """With ``fused=True`` the q/k/v (and gate/up) copies hold the base weights; the adapter's deltas are added
     to their slices: the same tokens and log-probs as the PEFT model through the transformers engine."""
-    import transformers
 
     pytest.importorskip("peft")
     from agentrl.engines.base import SamplingParams
@@ -179,9 +175,8 @@ def test_fused_projections_add_the_lora_deltas(name):
 
     torch.manual_seed(0)
     if name == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-        model = transformers.LlamaForCausalLM(cfg).to(DEVICE).eval()
+        model = tiny_llama(None, vocab=128, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, positions=256)
+        model = model.to(DEVICE).eval()
     else:
         model = tiny_gpt_oss(num_layers=2, hidden=64, experts=4, top_k=2, vocab=128, seed=1, sliding_window=6,
                              device=DEVICE)
