@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_update import tiny_llama  # noqa: E402
+from _tiny_llama import tiny_llama  # noqa: E402
 
 from agentrl.harmony.trajectory import Trajectory  # noqa: E402
 from agentrl.train import distributed  # noqa: E402

@@ -8,15 +8,6 @@ from agentrl.harmony.trajectory import Trajectory
 from agentrl.train.batch import Batch, collate
 
 
-def tiny_llama(seed: int = 0):
-    """A 1-layer Llama with a 100-token vocabulary (random init, fp32)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1))
-
-
 def ragged_batch(n: int, seed: int = 0) -> Batch:
     """``n`` rows: ragged prompts and responses, an env observation (mask 0) inside the longer responses,
     rewards that vary within each group of 3, rollout log-probs of -1 (callers overwrite them)."""

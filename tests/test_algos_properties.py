@@ -14,7 +14,8 @@ What is asserted:
   outside masks (verl turns it into NaN); zeros where verl raises on fewer than 2 whitening tokens; finite
   rollout-correction weights for any gap, and ``inf`` metrics exactly where verl reports ``inf``.
 
-CI runs the fast settings (deterministic examples); ``-m slow`` runs a larger random sweep.
+CI runs the ``ci`` hypothesis profile (deterministic examples); ``HYPOTHESIS_PROFILE=nightly`` a larger random
+sweep (``tests/_profiles.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from agentrl.train import algorithms as A
@@ -34,9 +35,6 @@ rch = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="verl i
 from omegaconf import OmegaConf  # noqa: E402  (verl dependency)
 from verl.workers.config.actor import ActorConfig  # noqa: E402
 
-_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
-FAST = settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=_HEALTH)
-SLOW = settings(max_examples=2000, deadline=None, suppress_health_check=_HEALTH)
 EPS32 = float(torch.finfo(torch.float32).eps)
 EPS64 = float(torch.finfo(torch.float64).eps)
 JUNK = (0.0, float("nan"), float("inf"), float("-inf"), "mixed")
@@ -243,17 +241,10 @@ GROUP_ESTIMATORS = ["grpo", "rloo", "opo", "reinforce_plus_plus_baseline"]
 ANY_GROUP_CASE = st.sampled_from([torch.float32, torch.float64]).flatmap(lambda d: group_cases(dtype=d))
 
 
-@FAST
 @given(case=ANY_GROUP_CASE, name=st.sampled_from(GROUP_ESTIMATORS), norm=st.booleans())
 def test_group_estimators_match_verl(case, name, norm):
     _check_group_estimator(name, case, norm)
 
-
-@pytest.mark.slow
-@SLOW
-@given(case=ANY_GROUP_CASE, name=st.sampled_from(GROUP_ESTIMATORS), norm=st.booleans())
-def test_group_estimators_match_verl_sweep(case, name, norm):
-    _check_group_estimator(name, case, norm)
 
 
 def _check_constant_groups(size, value, dtype, norm, name, others):
@@ -272,7 +263,6 @@ def _check_constant_groups(size, value, dtype, norm, name, others):
     assert torch.isfinite(adv).all()
 
 
-@FAST
 @given(
     size=st.integers(2, 64),
     value=st.floats(allow_nan=False, allow_infinity=False, width=32),
@@ -354,17 +344,10 @@ def _check_token_estimators(case):
         torch.testing.assert_close(ours_ret, ref_ret, rtol=1e-5, atol=1e-5)
 
 
-@FAST
 @given(case=token_reward_cases())
 def test_gae_and_reinforce_pp_match_verl(case):
     _check_token_estimators(case)
 
-
-@pytest.mark.slow
-@SLOW
-@given(case=token_reward_cases())
-def test_gae_and_reinforce_pp_match_verl_sweep(case):
-    _check_token_estimators(case)
 
 
 # ---------------------------------------------------------------------------- aggregation and KL
@@ -392,19 +375,11 @@ def _check_agg(case, mode, info):
     torch.testing.assert_close(bool_mask, theirs, rtol=1e-5, atol=1e-6)
 
 
-@FAST
 @given(data=st.data(), mode=st.sampled_from(A.LOSS_AGG_MODES))
 def test_agg_loss_matches_verl(data, mode):
     case = data.draw(logprob_cases())
     _check_agg(case, mode, data.draw(batch_info(case["mask"])))
 
-
-@pytest.mark.slow
-@SLOW
-@given(data=st.data(), mode=st.sampled_from(A.LOSS_AGG_MODES))
-def test_agg_loss_matches_verl_sweep(data, mode):
-    case = data.draw(logprob_cases())
-    _check_agg(case, mode, data.draw(batch_info(case["mask"])))
 
 
 KL_KINDS = [*A.KL_KINDS, *(f"{k}+" for k in A.KL_KINDS)]
@@ -422,17 +397,10 @@ def _check_kl(case, kind):
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
-@FAST
 @given(case=logprob_cases(need_token=False), kind=st.sampled_from(KL_KINDS))
 def test_kl_penalty_matches_verl(case, kind):
     _check_kl(case, kind)
 
-
-@pytest.mark.slow
-@SLOW
-@given(case=logprob_cases(need_token=False), kind=st.sampled_from(KL_KINDS))
-def test_kl_penalty_matches_verl_sweep(case, kind):
-    _check_kl(case, kind)
 
 
 # ---------------------------------------------------------------------------- policy losses
@@ -474,19 +442,11 @@ POLICY_LOSS_INPUTS = given(
 )
 
 
-@FAST
 @POLICY_LOSS_INPUTS
 def test_policy_losses_match_verl(data, name, mode, clip, with_is):
     case = data.draw(logprob_cases(need_token=True))
     _check_policy_loss(case, name, mode, clip, with_is, data.draw(batch_info(case["mask"])))
 
-
-@pytest.mark.slow
-@SLOW
-@POLICY_LOSS_INPUTS
-def test_policy_losses_match_verl_sweep(data, name, mode, clip, with_is):
-    case = data.draw(logprob_cases(need_token=True))
-    _check_policy_loss(case, name, mode, clip, with_is, data.draw(batch_info(case["mask"])))
 
 
 # ---------------------------------------------------------------------------- rollout correction
@@ -547,17 +507,10 @@ def _check_correction(case, kw):
     assert met2 == {} and torch.equal(m2, m) and (w is None or torch.equal(w2, w))
 
 
-@FAST
 @given(case=logprob_cases(need_token=True), kw=correction_modes())
 def test_rollout_correction_matches_verl(case, kw):
     _check_correction(case, kw)
 
-
-@pytest.mark.slow
-@SLOW
-@given(case=logprob_cases(need_token=True), kw=correction_modes())
-def test_rollout_correction_matches_verl_sweep(case, kw):
-    _check_correction(case, kw)
 
 
 @pytest.mark.parametrize("kw", [*IS_MODES[:12], *({"rollout_rs": o, "rollout_rs_threshold": t} for o, t in RS_SPECS)])

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 from _algos_ranks_worker import SCENARIOS, scenario, scenario_update
-from _tiny_update import tiny_llama
+from _tiny_llama import tiny_llama
 from _torchrun import torchrun
 
 from agentrl.train.algorithms import LOSS_AGG_MODES
 
+pytestmark = pytest.mark.distributed  # two torchrun launches (2 and 3 ranks)
 HERE = Path(__file__).parent
 EXAMPLES = {2: 100, 3: 40}
 #: metrics that must not depend on the number of ranks (timings and per-rank counts aside)

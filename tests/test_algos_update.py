@@ -16,10 +16,12 @@ import math
 
 import pytest
 import torch
-from _tiny_update import ragged_batch, tiny_llama
+from _profiles import examples
+from _tiny_llama import tiny_llama
+from _tiny_update import ragged_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_algos_properties import FAST, SLOW, logprob_cases
+from test_algos_properties import logprob_cases
 
 from agentrl.train import algorithms as A
 from agentrl.train.batch import Batch
@@ -134,17 +136,11 @@ def _check_update(case):
     assert bool(last_mask.any()) or all((g == 0).all() for g in ours.values())
 
 
-@settings(FAST, max_examples=15)  # a model update each: ~0.3 s on a quiet core
+@settings(max_examples=examples(15))  # a model update each: ~0.3 s on a quiet core
 @given(case=update_cases())
 def test_update_gradient_equals_verls_loss_on_the_mini_batch(case):
     _check_update(case)
 
-
-@pytest.mark.slow
-@settings(SLOW, max_examples=400)
-@given(case=update_cases())
-def test_update_gradient_equals_verls_loss_on_the_mini_batch_sweep(case):
-    _check_update(case)
 
 
 def test_seq_mean_divides_by_every_row_after_rejection_empties_one():
@@ -188,17 +184,10 @@ LOSS_METRIC_INPUTS = given(
 )
 
 
-@FAST
 @LOSS_METRIC_INPUTS
 def test_step_metrics_are_the_policy_loss_metrics_over_all_tokens(case, name, cuts, emptied):
     _check_loss_metrics(case, name, cuts, emptied)
 
-
-@pytest.mark.slow
-@SLOW
-@LOSS_METRIC_INPUTS
-def test_step_metrics_are_the_policy_loss_metrics_over_all_tokens_sweep(case, name, cuts, emptied):
-    _check_loss_metrics(case, name, cuts, emptied)
 
 
 # ---------------------------------------------------------------------------- epsilon = 0

@@ -66,6 +66,7 @@ def test_optimizer_state_of_other_parameters_fails_clearly(tmp_path):
         load_checkpoint(str(tmp_path / "checkpoints" / "step_000001"), model=frozen, optimizer=frozen_opt)
 
 
+@pytest.mark.distributed
 def test_n_gpus_2_checkpoint_resumes_in_the_single_process_trainer(tmp_path):
     """The real thing: `agentrl train device=cpu trainer.n_gpus=2` (torchrun, gloo, FSDP2) saves step 1;
     the plain trainer (trainer.n_gpus=1) resumes it with the same weights and Adam state and runs step 2."""

@@ -14,6 +14,7 @@ from agentrl.train import distributed
 HERE = Path(__file__).parent
 
 
+@pytest.mark.distributed
 def test_fsdp2_step_matches_single_process(tmp_path):
     result_path = tmp_path / "parity.json"
     torchrun([str(HERE / "_fsdp2_parity_worker.py"), "--device", "cpu", "--out", str(result_path)], cwd=HERE)
@@ -28,6 +29,7 @@ def test_fsdp2_step_matches_single_process(tmp_path):
     assert r["param_max_abs_diff"] < 1e-5  # same weights after the AdamW step (lr 1e-3)
 
 
+@pytest.mark.distributed
 def test_agentrl_train_n_gpus_2_runs_saves_and_resumes_under_torchrun(tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "agentrl.cli", "train", "env=gsm8k", "model=tiny-gpt-oss", "device=cpu",

@@ -8,10 +8,12 @@ import asyncio
 import random
 
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _profiles import examples  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -25,10 +27,7 @@ VOCAB = 300
 
 
 def _llama(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama(seed, vocab=VOCAB, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, positions=512).eval()
 
 
 def _qwen3():
@@ -146,7 +145,7 @@ def _solo(model, engine_seed, seed, prompt, params):
     return asyncio.run(one())
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8))
 @given(seed=st.integers(0, 10_000), max_rows=st.integers(1, 5), temperature=st.sampled_from([0.0, 1.0]))
 def test_random_arrivals_never_mix_rows_or_drop_tokens(llama, seed, max_rows, temperature):
     rng = random.Random(seed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -16,6 +17,8 @@ from agentrl.engines.moe import SlotMoE  # noqa: E402
 from agentrl.engines.slot_attention import KernelAttention, PrefillPlan, TorchAttention  # noqa: E402
 from agentrl.engines.slot_cache import SlotCache  # noqa: E402
 from agentrl.models.tiny import tiny_gpt_oss  # noqa: E402
+
+pytestmark = pytest.mark.kernels  # the Triton kernels' tier; one smoke case stays in the default tier
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -142,18 +145,14 @@ def test_dense_moe_equals_the_per_expert_loop_and_transformers():
     torch.testing.assert_close(looped, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attention", ["exact", "kernel"])
+@pytest.mark.parametrize("attention", ["exact", pytest.param("kernel", marks=pytest.mark.smoke)])
 def test_the_engine_with_gpu_kernels_decodes_like_the_transformers_engine(attention):
-    import transformers
-
     from agentrl.engines.base import SamplingParams
     from agentrl.engines.decode_engine import DecodeEngine
     from agentrl.engines.transformers_engine import TransformersEngine
 
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).to(DEVICE).eval()
+    model = tiny_llama(0, vocab=128, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, positions=256)
+    model = model.to(DEVICE).eval()
     prompts = [list(range(3, 25)), [5, 6], list(range(30, 70))]
     greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
     old = TransformersEngine(model).generate_sync(prompts, greedy)
@@ -167,7 +166,6 @@ def test_the_engine_with_gpu_kernels_decodes_like_the_transformers_engine(attent
 def test_fused_projections_add_the_lora_deltas(name):
     """With ``fused=True`` the q/k/v (and gate/up) copies hold the base weights; the adapter's deltas are added
     to their slices: the same tokens and log-probs as the PEFT model through the transformers engine."""
-    import transformers
 
     pytest.importorskip("peft")
     from agentrl.engines.base import SamplingParams
@@ -177,9 +175,8 @@ def test_fused_projections_add_the_lora_deltas(name):
 
     torch.manual_seed(0)
     if name == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-        model = transformers.LlamaForCausalLM(cfg).to(DEVICE).eval()
+        model = tiny_llama(None, vocab=128, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, positions=256)
+        model = model.to(DEVICE).eval()
     else:
         model = tiny_gpt_oss(num_layers=2, hidden=64, experts=4, top_k=2, vocab=128, seed=1, sliding_window=6,
                              device=DEVICE)

@@ -4,6 +4,7 @@ prefix repetition, and the engine's sampled tokens and log-probs."""
 from __future__ import annotations
 
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -14,12 +15,7 @@ from agentrl.engines.kv_cache import GrowingCache, growing_cache_for  # noqa: E4
 
 @pytest.fixture(scope="module")
 def llama():
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama(0, vocab=97, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, positions=256).eval()
 
 
 @torch.no_grad()

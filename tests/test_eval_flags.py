@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _tiny_run import TINY
 
 from agentrl.train.reporting import _eval_figures
 
@@ -32,7 +33,7 @@ def test_sft_with_eval_after_false_evaluates_before_only(tmp_path):
     from agentrl.cli import main
 
     run = tmp_path / "run"
-    assert main(["sft", "env=retool", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "steps=1", "num_demos=2",
+    assert main(["sft", "env=retool", *TINY, "steps=1", "num_demos=2",
                  "batch_size=2", "eval.num_tasks=2", "eval.after=false", "rollout.max_new_tokens=4", "threads=1",
                  "trainer.tensorboard=false", "trainer.progress=false", "env_kwargs.sandbox_kwargs.workers=1",
                  f"run_dir={run}"]) == 0

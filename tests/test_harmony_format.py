@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import openai_harmony as oh
 import pytest
+from _no_torch import check_imports_without_torch
 
 from agentrl.harmony import HarmonyFormat, Message, ParseErrorKind, ToolSpec
 
@@ -26,15 +25,9 @@ def ids(fmt: HarmonyFormat, text: str) -> list[int]:
 
 
 def test_import_and_use_without_torch_or_transformers():
-    """The core path works with torch and transformers made unimportable."""
+    """The core path works with torch, transformers and tiktoken made unimportable."""
     code = textwrap.dedent(
         """
-        import importlib.abc, sys
-        class Block(importlib.abc.MetaPathFinder):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in ("torch", "transformers", "tiktoken"):
-                    raise ImportError(f"{name} is blocked in this test")
-        sys.meta_path.insert(0, Block())
         import agentrl.harmony as h
         fmt = h.HarmonyFormat()
         prompt = fmt.render_prompt([h.Message("user", "hi")])
@@ -43,7 +36,7 @@ def test_import_and_use_without_torch_or_transformers():
         b = h.TrajectoryBuilder(fmt, prompt)
         """
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    check_imports_without_torch([], code, also_blocked=("tiktoken",))
 
 
 def test_prompt_matches_official_renderer(fmt):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from _profiles import examples
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.harmony import HarmonyFormat, Message, ToolSpec
@@ -33,9 +34,7 @@ PIECES = [
         "🙂",
     ]
 ]
-SETTINGS = settings(
-    max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=examples(300))
 
 token = st.one_of(
     st.integers(0, FMT.vocab_size - 1),

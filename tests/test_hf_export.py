@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 
@@ -51,7 +52,7 @@ def test_an_exported_chat_model_renders_tools_as_training_did_and_ends_on_its_en
     token for token as the training format did, and its eos is the config's end token (issue 36 §2.5)."""
     import json
 
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
 
     from agentrl.harmony import ChatTemplateFormat, Message, ToolSpec
     from agentrl.models.loading import load_smollm2_tokenizer
@@ -63,8 +64,7 @@ def test_an_exported_chat_model_renders_tools_as_training_did_and_ends_on_its_en
         pytest.skip(f"needs the SmolLM2 tokenizer: {exc}")
     fmt = ChatTemplateFormat(tokenizer)
     live = (tokenizer.chat_template, tokenizer.eos_token)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, bos_token_id=1, eos_token_id=2))
+    model = tiny_llama(None, vocab=len(tokenizer), bos_token_id=1, eos_token_id=2)
     out = export_hf(str(tmp_path), model, tokenizer, fmt.exported_chat_template())
     assert (tokenizer.chat_template, tokenizer.eos_token) == live  # the run's own tokenizer is untouched
     saved = AutoTokenizer.from_pretrained(out)

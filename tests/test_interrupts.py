@@ -7,10 +7,11 @@ import signal
 import time
 
 import pytest
+from _tiny_run import TINY
 
 pytest.importorskip("torch")
 
-ARGS = ["env=gsm8k", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "eval.num_tasks=0", "sft.steps=0",
+ARGS = ["env=gsm8k", *TINY, "eval.num_tasks=0", "sft.steps=0",
         "trainer.tensorboard=false", "trainer.progress=false"]
 
 

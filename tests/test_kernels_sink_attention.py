@@ -68,17 +68,19 @@ FP32_TOL = 5e-3 if CUDA else 2e-5
 @pytest.mark.parametrize(
     "b,hq,hkv,n,d,window,sigma",
     [
-        (2, 4, 4, 37, 16, None, 8.0),  # GQA 1, N not a multiple of the block, large |sigma|
+        pytest.param(2, 4, 4, 37, 16, None, 8.0, marks=pytest.mark.smoke),  # GQA 1, N not a multiple of the block, large |sigma|
         (1, 4, 2, 45, 32, 5, 0.1),  # GQA 2, window smaller than N, small |sigma|
         (1, 8, 1, 29, 16, 100, 4.0),  # GQA 8, window larger than N
         (1, 2, 1, 50, 16, 16, -6.0),  # window equal to the block, strongly negative sink
     ],
 )
+@pytest.mark.kernels
 def test_dense_causal_matches_reference(b, hq, hkv, n, d, window, sigma):
     torch.manual_seed(n * 7 + hq)
     _compare(*_dense(b, hq, hkv, n, n, d, sigma, torch.float32), FP32_TOL, causal=True, window=window)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("hkv,window", [(1, None), (2, 6)])
 def test_gqa_head_packed_tiles_match_reference(monkeypatch, pack, hkv, window):
@@ -99,6 +101,7 @@ def test_gqa_head_packed_tiles_match_reference(monkeypatch, pack, hkv, window):
              max_seqlen=max(lens))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("variant", ["tma", "atomic_dq", "atomic_dq_packed_heads", "tma_atomic_dq"])
 @pytest.mark.parametrize("layout", ["dense", "packed", "dense_transposed"])
 def test_kernel_variants_match_reference(monkeypatch, variant, layout):
@@ -131,6 +134,7 @@ def test_kernel_variants_match_reference(monkeypatch, variant, layout):
             _compare(*_dense(1, 8, 2, 23, 23, 16, 4.0, torch.float32), FP32_TOL, causal=True, window=window)
 
 
+@pytest.mark.kernels
 def test_group_not_a_power_of_two_and_bf16_sinks():
     """GQA group of 3 (head packing must fall back to one head per tile); sinks stored in bf16."""
     torch.manual_seed(12)
@@ -144,29 +148,34 @@ def test_group_not_a_power_of_two_and_bf16_sinks():
     assert _rel(out16, ref) < FP32_TOL
 
 
+@pytest.mark.kernels
 def test_non_causal_matches_reference():
     torch.manual_seed(1)
     _compare(*_dense(1, 4, 2, 21, 21, 16, 3.0, torch.float32), FP32_TOL, causal=False)
 
 
+@pytest.mark.kernels
 def test_fp16_within_tolerance():
     torch.manual_seed(2)
     q, k, v, sinks = _dense(1, 4, 2, 40, 40, 32, 5.0, torch.float16)
     _compare(q, k, v, sinks, 5e-3, causal=True, window=9)
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("n_k,window", [(45, None), (45, 7), (3, None)])
 def test_decode_single_query_against_cache(n_k, window):
     torch.manual_seed(n_k)
     _compare(*_dense(2, 8, 1, 1, n_k, 16, 2.0, torch.float32), FP32_TOL, causal=True, window=window)
 
 
+@pytest.mark.kernels
 def test_chunk_of_queries_against_longer_cache():
     torch.manual_seed(3)
     _compare(*_dense(1, 4, 1, 19, 52, 16, 2.0, torch.float32), FP32_TOL, causal=True, window=20)
 
 
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.kernels
+@pytest.mark.parametrize("window", [None, pytest.param(6, marks=pytest.mark.smoke)])
 def test_packed_with_empty_and_single_token_sequences(window):
     torch.manual_seed(4)
     lens = [0, 1, 23, 0, 40, 1, 17]
@@ -179,6 +188,7 @@ def test_packed_with_empty_and_single_token_sequences(window):
     _compare(q, k, v, sinks, FP32_TOL, causal=True, window=window, cu_seqlens=cu, max_seqlen=max(lens))
 
 
+@pytest.mark.kernels
 def test_packed_rows_without_keys_give_zero_output_and_sink_lse():
     """Rows before the first key (more queries than keys, bottom-right aligned) see only the sink."""
     torch.manual_seed(5)
@@ -193,6 +203,7 @@ def test_packed_rows_without_keys_give_zero_output_and_sink_lse():
     assert torch.allclose(lse[:, :4], sinks[:, None].expand(2, 4))
 
 
+@pytest.mark.kernels
 def test_without_sinks_is_plain_attention():
     torch.manual_seed(6)
     q, k, v, _ = _dense(1, 2, 1, 33, 33, 16, 0.0, torch.float32)
@@ -203,6 +214,7 @@ def test_without_sinks_is_plain_attention():
     assert _rel(out, ref) < FP32_TOL
 
 
+@pytest.mark.kernels
 def test_dsink_is_deterministic_and_per_head():
     torch.manual_seed(7)
     q, k, v, sinks = _dense(2, 4, 1, 40, 40, 16, 3.0, torch.float32)

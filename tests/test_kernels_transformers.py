@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 from agentrl.kernels import register_transformers_attention  # noqa: E402
 
+pytestmark = pytest.mark.kernels  # the Triton kernels' tier; one smoke case stays in the default tier
+
 DEV = "cuda" if CUDA else "cpu"
 # On a GPU the kernels' fp32 dots run as TF32, eager's as fp32; on the CPU both are exact fp32.
 TOL = 5e-3 if CUDA else 1e-5
@@ -55,6 +57,7 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.smoke
 def test_logits_and_gradients_match_eager(models):
     eager, ours = models
     ids = torch.randint(0, 128, (2, 11), device=DEV)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_llama import tiny_llama
 
 from agentrl.train.logprobs import IGNORE_INDEX, chunked_logprobs, model_token_logprobs
 
@@ -90,19 +91,7 @@ def test_model_token_logprobs_gpt_oss():
 
 
 def test_model_token_logprobs_llama_with_grad():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(0, vocab=300, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, positions=64).eval()
     ids = torch.randint(0, 300, (2, 10))
     mask = torch.ones_like(ids)
     mask[0, 7:] = 0  # right padding

@@ -4,6 +4,7 @@ batches, and load_model switches CPU GQA models to it."""
 from __future__ import annotations
 
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -12,10 +13,7 @@ from agentrl.models.attention import NAME, use_gqa_sdpa  # noqa: E402
 
 
 def _model(kv_heads: int):
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=kv_heads, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_llama(0, vocab=97, hidden=48, intermediate=64, layers=2, heads=6, kv_heads=kv_heads, positions=128)
     model.set_attn_implementation("sdpa")
     return model
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_run import TINY
 
 import agentrl.envs.registry as registry
 from agentrl.envs import AgentEnv
@@ -27,7 +28,7 @@ class FirstTokenEnv(AgentEnv):
         return float(bool(ids) and ids[0] % 2 == 0), {}
 
 
-ARGS = ["env=first-token-test", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "rollout.batch_size=2", "rollout.n=4",
+ARGS = ["env=first-token-test", *TINY, "rollout.batch_size=2", "rollout.n=4",
         "rollout.max_new_tokens=4", "eval.num_tasks=0", "trainer.total_steps=1", "trainer.progress=false",
         "trainer.tensorboard=false", "trainer.max_wall_s=0", "actor.lr=1e-2", "threads=1"]
 

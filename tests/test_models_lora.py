@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _tiny_update import ragged_batch, tiny_llama
+from _tiny_llama import tiny_llama
+from _tiny_update import ragged_batch
 from _torchrun import torchrun
 
 from agentrl.models import lora
@@ -371,6 +372,7 @@ def test_lora_adapter_attaches_from_a_peft_config_dict_as_a_weight_sync_sends_it
 
 
 # ---------------------------------------------------------------------------- FSDP2, 2 CPU processes
+@pytest.mark.distributed
 def test_lora_fsdp2_on_two_cpu_processes(tmp_path):
     out = tmp_path / "result.json"
     torchrun([str(Path(__file__).parent / "_fsdp2_lora_worker.py"), "--out", str(out), "--run-dir", str(tmp_path / "run")])
@@ -387,12 +389,7 @@ def test_lora_fsdp2_on_two_cpu_processes(tmp_path):
 def test_lora_kl_reference_of_a_base_with_dropout_is_deterministic():
     """A base whose config has dropout: the adapters-off reference runs in eval mode like a separate base copy
     (before, the policy's train mode made the reference random), and the policy is back in train mode after."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, attention_dropout=0.5,
-                                         attn_implementation="eager")).train()
+    model = tiny_llama(0, vocab=V, attention_dropout=0.5, attn_implementation="eager").train()
     base = copy.deepcopy(model).eval()
     lora.apply_lora(model, lora.LoraSpec(rank=4), seed=1)
     _perturb(model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _tiny_run import TINY
 
 from agentrl.cli import main as cli_main
 from agentrl.evaluation.config import EvalConfig
@@ -47,7 +48,7 @@ def test_env_file_imports_a_module_next_to_it(tmp_path, monkeypatch):
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_env.py"
-TINY_TRAIN = ["model=tiny-gpt-oss", "model_kwargs.num_layers=1", "sft.steps=1", "sft.num_demos=2", "sft.batch_size=2",
+TINY_TRAIN = [*TINY, "sft.steps=1", "sft.num_demos=2", "sft.batch_size=2",
               "eval.num_tasks=1", "trainer.total_steps=1", "rollout.max_new_tokens=4", "threads=1",
               "trainer.tensorboard=false", "trainer.progress=false"]
 
@@ -241,7 +242,7 @@ def test_the_example_envs_scripted_teacher_feeds_agentrl_sft(tmp_path, capsys):
     teacher's demonstrations are all correct and kept, and the stage trains on them."""
     pytest.importorskip("torch")
     run = tmp_path / "run"
-    assert cli_main(["sft", f"env={EXAMPLE}:WordCountEnv", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "steps=1",
+    assert cli_main(["sft", f"env={EXAMPLE}:WordCountEnv", *TINY, "steps=1",
                      "num_demos=4", "batch_size=4", "eval.num_tasks=0", "threads=1", "trainer.tensorboard=false",
                      "trainer.progress=false", f"run_dir={run}"]) == 0
     assert "'episodes': 4, 'kept': 4, 'failed': 0" in capsys.readouterr().out

@@ -9,10 +9,9 @@ import re
 import time
 
 import pytest
+from _tiny_run import TINY
 
 from agentrl.progress import ProgressLines
-
-TINY = ["model=tiny-gpt-oss", "model_kwargs.num_layers=1"]
 
 
 class _Terminal(io.StringIO):

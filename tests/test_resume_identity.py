@@ -4,6 +4,7 @@ format, LoRA shape, ...) is refused with one line, exit 2, and the run's config.
 from __future__ import annotations
 
 import pytest
+from _tiny_run import TINY
 from omegaconf import OmegaConf
 
 
@@ -12,7 +13,7 @@ def run(tmp_path):
     from agentrl.train.config import build_config
 
     run_dir = tmp_path / "run"
-    cfg = build_config(["env=retool", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", f"run_dir={run_dir}"])
+    cfg = build_config(["env=retool", *TINY, f"run_dir={run_dir}"])
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     return run_dir

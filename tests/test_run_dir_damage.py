@@ -12,10 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _tiny_run import TINY
 
 torch = pytest.importorskip("torch")
 
-TINY = ["model=tiny-gpt-oss", "model_kwargs.num_layers=1"]
 STEP = "checkpoints/step_000001"
 TRAJ = "trajectories/step_000001.jsonl"
 

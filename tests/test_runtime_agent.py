@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _no_torch import check_imports_without_torch
 from _scripted_engine import ScriptedEngine
 
 import agentrl.envs as envs
@@ -97,13 +98,8 @@ async def test_agent_time_limit():
 
 
 def test_runtime_eval_viewer_import_without_torch():
-    code = (
-        "import sys, agentrl.runtime, agentrl.evaluation, agentrl.evaluation.cli, agentrl.viewer, "
-        "agentrl.engines.openai_engine, agentrl.engines.server; "
-        "assert 'torch' not in sys.modules, 'torch was imported'; print('ok')"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    check_imports_without_torch(["agentrl.runtime", "agentrl.evaluation", "agentrl.evaluation.cli", "agentrl.viewer",
+                                 "agentrl.engines.openai_engine", "agentrl.engines.server"])
 
 
 def test_product_agent_example_runs_against_an_endpoint(endpoint):

@@ -18,6 +18,8 @@ import pytest
 
 from agentrl.envs.sandbox import SyncSandbox
 
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
+
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = 2
 
@@ -96,6 +98,7 @@ def test_fork_bomb(sb):
     assert r.status == "timeout"
 
 
+@pytest.mark.smoke
 def test_fork_bomb_hits_process_limit(sb):
     code = "import os\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            import time; time.sleep(60)\n        n += 1\nexcept OSError as e:\n    print('limited', n, e.errno)"
     r = run(sb, code)
@@ -111,6 +114,7 @@ def test_thread_bomb(sb):
     assert int(r.stdout.split()[1]) < 32
 
 
+@pytest.mark.smoke
 def test_memory_hog_single_allocation(sb):
     r = run(sb, "x = bytearray(4 * 1024**3)")
     assert r.status == "oom", r
@@ -136,6 +140,7 @@ def test_memory_hog_across_processes_hits_the_worker_cap(sb):
             assert peak <= 1024 * 1024**2  # 4 x memory_mb
 
 
+@pytest.mark.smoke
 def test_cpu_loop(sb):
     r = run(sb, "while True:\n    pass", timeout_s=0.5)
     assert r.status == "timeout" and r.exit_code is None
@@ -217,6 +222,7 @@ def test_tcp_to_host_loopback_listener(sb):
     assert accepted == []
 
 
+@pytest.mark.smoke
 def test_tcp_to_public_ip(sb):
     r = run(sb, "import socket\ns = socket.create_connection(('1.1.1.1', 80), timeout=1)")
     assert r.status == "error" and "PermissionError" in r.stderr, r  # seccomp: no AF_INET sockets
@@ -275,6 +281,7 @@ def test_project_checkout_invisible(sb):
     assert r.stdout == "False False\n", r
 
 
+@pytest.mark.smoke
 def test_host_environment_and_secrets_invisible(sb):
     assert os.environ["AGENTRL_TEST_SECRET"]
     code = "import os\nout = repr(dict(os.environ))\nfor p in os.listdir('/proc'):\n    if p.isdigit():\n        for f in ('environ', 'cmdline'):\n            try:\n                out += open(f'/proc/{p}/{f}', 'rb').read().decode('latin1')\n            except OSError:\n                pass\nprint(out)"
@@ -283,6 +290,7 @@ def test_host_environment_and_secrets_invisible(sb):
     assert "hunter2" not in r.stdout and "AGENTRL_TEST_SECRET" not in r.stdout
 
 
+@pytest.mark.smoke
 def test_proc_shows_only_the_sandbox(sb):
     code = "import os\npids = [p for p in os.listdir('/proc') if p.isdigit()]\nprint(len(pids))\nfor p in pids:\n    try:\n        print(open(f'/proc/{p}/cmdline','rb').read().split(b'\\0')[0].decode())\n    except OSError:\n        pass"
     r = run(sb, code)
@@ -318,6 +326,7 @@ def test_signal_everything(sb):
     assert r.status == "ok" and r.stdout == "-9\n", r  # only its own processes were reachable
 
 
+@pytest.mark.smoke
 def test_ptrace_denied(sb):
     code = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nres = libc.ptrace(16, os.getppid(), 0, 0)\nprint(res, ctypes.get_errno())\nres = libc.ptrace(0, 0, 0, 0)\nprint(res, ctypes.get_errno())"
     r = run(sb, code)
@@ -357,6 +366,7 @@ def test_timeout_escape_with_detached_children(sb):
     assert r.status == "ok" and r.stdout == "parent done\n", r
 
 
+@pytest.mark.smoke
 def test_leftover_background_processes_are_killed(sb):
     sid = sb.create_session()
     try:
@@ -402,6 +412,7 @@ def test_infinite_stdin_read(sb):
     assert r.status == "ok" and r.stdout == "20\n", r
 
 
+@pytest.mark.smoke
 def test_forged_result_channel(sb):
     r = run(sb, "import os\nos.write(3, b'\\xff\\xff\\xff\\xffgarbage')\nprint('x')")
     assert r.status == "error", r
@@ -417,6 +428,7 @@ def test_forged_result_channel(sb):
 # ------------------------------------------------------------------ sessions
 
 
+@pytest.mark.smoke
 def test_os_exit_in_session_then_reuse(sb):
     sid = sb.create_session()
     try:
@@ -456,6 +468,7 @@ def test_timeout_in_session_resets_it(sb):
         sb.release_session(sid)
 
 
+@pytest.mark.smoke
 @pytest.mark.skipif(not AS_ROOT, reason="per-session uids need root")
 def test_sessions_cannot_touch_each_other(sb):
     a, b = sb.create_session(), sb.create_session()

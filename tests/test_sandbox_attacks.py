@@ -28,6 +28,8 @@ import pytest
 
 from agentrl.envs.sandbox import SandboxError, SyncSandbox
 
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
+
 AS_ROOT = os.geteuid() == 0
 if shutil.which("bwrap") is None:
     if os.environ.get("CI"):

@@ -31,6 +31,8 @@ from agentrl.envs.sandbox.http_guard import ConnectionLimits, _client_of, loopba
 from agentrl.envs.sandbox.local import uid_processes
 from agentrl.envs.sandbox.server import SandboxServerConfig
 
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
+
 WORKERS = 2
 
 

@@ -12,11 +12,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_sandbox_server import _serve
+from _sandbox_server import serve_sandbox
 
 from agentrl.envs.sandbox.fusion import SandboxFusionBackend
 from agentrl.envs.sandbox.http_guard import client_key
 from agentrl.envs.sandbox.server import SandboxServerConfig
+
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
 
 TOKEN = "attack-token-5e1"
 
@@ -33,7 +35,7 @@ def server() -> Iterator[str]:
         max_cells=50,
         max_response_bytes=64 * 1024,
     )
-    yield from _serve(config, client_key=lambda address: address)  # every address a client of its own
+    yield from serve_sandbox(config, client_key=lambda address: address)  # every address a client of its own
 
 
 def _connect(url: str, source: str) -> socket.socket:
@@ -91,6 +93,7 @@ def test_idle_connections_from_many_addresses_cannot_lock_out_a_newcomer(server)
             s.close()
 
 
+@pytest.mark.smoke
 def test_loopback_addresses_count_as_one_client():
     assert (
         client_key("127.0.0.1")

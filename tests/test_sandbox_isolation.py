@@ -25,6 +25,8 @@ import pytest
 from agentrl.envs.sandbox import SyncSandbox
 from agentrl.envs.sandbox.cgroups import command_name, descendants
 
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
+
 REPO = Path(__file__).resolve().parents[1]
 AS_ROOT = os.geteuid() == 0
 

@@ -8,12 +8,12 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
+from _no_torch import check_imports_without_torch
 
 from agentrl.envs.sandbox import SandboxError, SandboxUnavailable, SyncSandbox, make_backend
 from agentrl.envs.sandbox import isolation as iso
@@ -36,8 +36,8 @@ def sb():
 
 
 def test_import_has_no_torch():
-    code = "import sys, agentrl.envs.sandbox, agentrl.envs.sandbox.local, agentrl.envs.sandbox.server; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    check_imports_without_torch(["agentrl.envs.sandbox", "agentrl.envs.sandbox.local", "agentrl.envs.sandbox.server"],
+                                cwd=str(REPO))
 
 
 def test_stateless_basics(sb):

@@ -31,6 +31,8 @@ from test_sandbox_attacks import MQ_HOG, SOCKET_CYCLE, ZOMBIE_LEADER, code_tasks
 
 from agentrl.envs.sandbox import SandboxError, SyncSandbox
 
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
+
 AS_ROOT = os.geteuid() == 0
 if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)

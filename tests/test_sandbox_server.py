@@ -7,19 +7,15 @@ import asyncio
 import base64
 import os
 import shutil
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import sandbox_fusion as sf
-import uvicorn
+from _sandbox_server import free_port, serve_sandbox
 
-from agentrl.envs.sandbox import make_backend
 from agentrl.envs.sandbox.fusion import SandboxFusionBackend
-from agentrl.envs.sandbox.server import SandboxServerConfig, create_app, main, uvicorn_config
+from agentrl.envs.sandbox.server import SandboxServerConfig, main
 
 if shutil.which("bwrap") is None:
     if os.environ.get("CI"):
@@ -29,48 +25,14 @@ if shutil.which("bwrap") is None:
 TOKEN = "test-token-123"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(settings: SandboxServerConfig, client_key=None) -> Iterator[str]:
-    backend = make_backend("local", workers=2, output_limit_bytes=4096)
-    settings.port = _free_port()
-    settings.log_level = "warning"
-    server = uvicorn.Server(uvicorn_config(create_app(backend, settings), settings, client_key))
-    port = settings.port
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if (
-                httpx.get(f"{url}/v1/ping", headers={"Authorization": f"Bearer {settings.token}"}).status_code
-                == 200
-            ):
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    else:
-        raise RuntimeError("server did not start")
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    yield from _serve(SandboxServerConfig(max_body_bytes=64 * 1024, max_timeout_s=60.0, max_concurrency=8))
+    yield from serve_sandbox(SandboxServerConfig(max_body_bytes=64 * 1024, max_timeout_s=60.0, max_concurrency=8))
 
 
 @pytest.fixture(scope="module")
 def token_url() -> Iterator[str]:
-    yield from _serve(SandboxServerConfig(token=TOKEN))
+    yield from serve_sandbox(SandboxServerConfig(token=TOKEN))
 
 
 def test_ping(url):
@@ -300,7 +262,7 @@ def test_our_client_against_our_server(token_url):
 
 def test_our_client_reports_unreachable_server():
     async def scenario():
-        async with SandboxFusionBackend(f"http://127.0.0.1:{_free_port()}", retries=0) as sb:
+        async with SandboxFusionBackend(f"http://127.0.0.1:{free_port()}", retries=0) as sb:
             r = await sb.run("print(1)")
             assert r.status == "sandbox_error" and "failed" in r.message
 
@@ -325,7 +287,7 @@ def test_verl_sandbox_fusion_client(url):
 
 
 def test_bounded_queue_answers_503_when_full():
-    gen = _serve(SandboxServerConfig(max_concurrency=1, max_queue=1))
+    gen = serve_sandbox(SandboxServerConfig(max_concurrency=1, max_queue=1))
     url = next(gen)
     try:
 

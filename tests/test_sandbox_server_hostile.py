@@ -14,10 +14,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import sandbox_fusion as sf
-from test_sandbox_server import _serve
+from _sandbox_server import serve_sandbox
 
 from agentrl.cli_args import UsageError, field_docs
 from agentrl.envs.sandbox.server import SandboxServerConfig, parse_args
+
+pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
 
 if shutil.which("bwrap") is None:
     pytest.skip("bubblewrap is not installed", allow_module_level=True)
@@ -35,7 +37,7 @@ def server() -> Iterator[str]:
         max_connections_per_client=4,
         max_timeout_s=60.0,
     )
-    yield from _serve(config)
+    yield from serve_sandbox(config)
 
 
 def _port(url: str) -> int:
@@ -216,6 +218,7 @@ def test_forged_traceback_in_a_jupyter_cell_is_not_an_error(server):
     assert cells[1]["error"][0]["ename"] == "ZeroDivisionError"
 
 
+@pytest.mark.smoke
 def test_config_dataclass_drives_the_command_line():
     docs = field_docs(SandboxServerConfig)
     assert set(docs) == {f for f in SandboxServerConfig.__dataclass_fields__}  # a docstring for every field

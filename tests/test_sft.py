@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _tiny_llama import tiny_llama as llama_of_shape
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -46,12 +47,7 @@ async def sandbox():
 
 @pytest.fixture(scope="module")
 def tiny_llama(fmt):
-    config = transformers.LlamaConfig(
-        vocab_size=fmt.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return llama_of_shape(0, vocab=fmt.vocab_size, layers=2, positions=1024, tie_word_embeddings=True)
 
 
 async def _demos(fmt, sandbox, n=6, **kw):

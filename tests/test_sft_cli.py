@@ -9,11 +9,12 @@ import signal
 
 import pytest
 from _cli_process import run_here, start_cli
+from _tiny_run import TINY
 
 from agentrl.cli import main as cli_main
 
 ARGS = [
-    "env=retool", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "steps=3", "num_demos=4", "batch_size=2",
+    "env=retool", *TINY, "steps=3", "num_demos=4", "batch_size=2",
     "sft.save_every=1", "eval.num_tasks=2", "rollout.max_new_tokens=8", "threads=1", "trainer.tensorboard=false",
     "trainer.progress=false", "env_kwargs.sandbox_kwargs.workers=1",
 ]
@@ -88,7 +89,7 @@ def test_kl_reference_is_the_policy_after_sft(tmp_path):
 
     run = tmp_path / "kl"
     cfg = build_config([
-        "env=retool", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "sft.steps=2", "sft.num_demos=2",
+        "env=retool", *TINY, "sft.steps=2", "sft.num_demos=2",
         "sft.batch_size=2", "sft.lr=1e-3", "actor.use_kl_loss=true", "trainer.total_steps=1", "rollout.batch_size=1",
         "rollout.n=2", "rollout.max_new_tokens=4", "eval.num_tasks=0", "threads=1", "trainer.tensorboard=false",
         "trainer.progress=false", "env_kwargs.sandbox_kwargs.workers=1", f"run_dir={run}",

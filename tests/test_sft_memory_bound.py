@@ -5,6 +5,7 @@ gradient are those of one forward over the whole micro-batch."""
 from __future__ import annotations
 
 import pytest
+from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -28,12 +29,8 @@ def _data() -> list[Trajectory]:
 
 
 def _model(seed: int = 0):
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).train()
+    return tiny_llama(seed, vocab=64, hidden=32, intermediate=48, layers=2, heads=4, kv_heads=2, positions=512,
+                      tie_word_embeddings=True).train()
 
 
 def test_activation_tokens_counts_the_shared_prefix_once():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from _torchrun import TRANSPORT_FAILURE, torchrun
 
+pytestmark = pytest.mark.distributed
+
 WORKER = """
 import os, sys
 rank = int(os.environ["RANK"])

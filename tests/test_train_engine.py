@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import torch
+from _tiny_llama import tiny_llama
 
 from agentrl.engines.base import SamplingParams
 from agentrl.engines.transformers_engine import TransformersEngine, _filter_logits
@@ -117,12 +118,7 @@ def test_bad_requests_raise(model):
 
 
 def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(0, vocab=300, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, positions=256).eval()
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from _cli_process import run_here
+from _tiny_run import TINY
 from safetensors.torch import load_file
 
 import agentrl.envs.registry as registry
@@ -25,7 +26,7 @@ def _register():
     registry.register("parity-test", "test_train_trainer:ParityEnv")  # reward varies within a group
 
 
-BASE = ["env=parity-test", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "data.tasks=env",
+BASE = ["env=parity-test", *TINY, "data.tasks=env",
         "rollout.batch_size=2", "rollout.n=4", "rollout.max_new_tokens=4", "rollout.temperature=1.0",
         "eval.num_tasks=0", "trainer.progress=false", "trainer.tensorboard=false", "trainer.max_wall_s=0",
         "threads=1", "actor.lora.rank=4", "actor.lr=1e-2", "trainer.save_every=1"]
@@ -43,7 +44,7 @@ def _fit(tmp_path, name, extra=()):
 
 
 def test_lora_trainer_trains_only_the_adapter_on_policy_and_checkpoints_it_alone(tmp_path):
-    trainer, before, records = _fit(tmp_path, "run", ["trainer.total_steps=1"])
+    trainer, before, records = _fit(tmp_path, "run", ["trainer.total_steps=1", "trainer.export_hf=true"])
     adapter = dict(lora.adapter_parameters(trainer.model))
     assert adapter and all(".lora_" in n for n in adapter)
     trained = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
@@ -134,7 +135,7 @@ def test_lora_config_keys_validation_help_and_learning_rates():
 
 def test_lora_agentrl_sft_trains_and_saves_the_adapter(tmp_path):
     run = tmp_path / "sft"
-    out = run_here("sft", ["env=retool", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "lora.rank=4",
+    out = run_here("sft", ["env=retool", *TINY, "lora.rank=4",
                            "steps=2", "num_demos=2", "batch_size=2", "micro_batch_size=2", "eval.num_tasks=0",
                            "trainer.progress=false", "trainer.tensorboard=false",
                            "threads=1", f"run_dir={run}"])
@@ -147,7 +148,7 @@ def test_lora_agentrl_sft_trains_and_saves_the_adapter(tmp_path):
     assert not lora.has_lora(loaded.model)
 
 
-@pytest.mark.slow
+@pytest.mark.distributed
 def test_lora_agentrl_train_with_fsdp2_on_two_cpu_processes_saves_and_resumes_the_adapter(tmp_path):
     """``trainer.n_gpus=2`` on the CPU (torchrun, gloo): the adapter is injected before sharding, checkpoints
     gather the adapter alone (no model.pt), and the run resumes from them."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tiny_llama import tiny_llama
 
 from agentrl.harmony.trajectory import Trajectory
 from agentrl.train.batch import collate
@@ -12,12 +13,7 @@ from agentrl.train.update import forward_logprobs
 
 
 def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg)
+    return tiny_llama(0, vocab=300, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, positions=256)
 
 
 def _batch():

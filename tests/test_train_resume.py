@@ -8,9 +8,10 @@ import os
 import signal
 
 from _cli_process import run_here, start_cli
+from _tiny_run import QUIET
 
 ARGS = [
-    "env=gsm8k", "model=tiny-gpt-oss", "rollout.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=6",
+    "env=gsm8k", "model=tiny-gpt-oss", *QUIET, "rollout.batch_size=2", "rollout.n=2", "rollout.max_new_tokens=6",
     "rollout.max_turns=1", "eval.num_tasks=0", "trainer.total_steps=4", "trainer.max_wall_s=0",
     "trainer.progress=false", "trainer.tensorboard=false", "actor.freeze=[embeddings,lm_head]", "threads=1",
     "trainer.save_every=1",  # a checkpoint after every step (the CPU default writes one every 10)

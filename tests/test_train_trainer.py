@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from _tiny_run import QUIET, TINY
 
 import agentrl.envs.registry as registry
 from agentrl.envs.env import AgentEnv
@@ -35,7 +36,7 @@ def _register():
     registry.register("parity-test", f"{__name__}:ParityEnv")
 
 
-BASE = ["env=parity-test", "model=tiny-gpt-oss", "data.tasks=env", "rollout.batch_size=2", "rollout.n=4",
+BASE = ["env=parity-test", "model=tiny-gpt-oss", *QUIET, "data.tasks=env", "rollout.batch_size=2", "rollout.n=4",
         "rollout.max_new_tokens=4", "rollout.temperature=1.0", "eval.num_tasks=4", "trainer.progress=false",
         "trainer.max_wall_s=0", "actor.lr=1e-3"]
 
@@ -169,7 +170,7 @@ def test_a_run_bounded_by_steps_is_complete(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- one real `agentrl train` run
-TRAIN_RUN = ["train", "env=retool", "model=tiny-gpt-oss", "model_kwargs.num_layers=1", "rollout.batch_size=2",
+TRAIN_RUN = ["train", "env=retool", *TINY, "rollout.batch_size=2",
              "rollout.n=2", "rollout.max_new_tokens=8", "eval.num_tasks=3", "sft.steps=0", "trainer.total_steps=1",
              "trainer.progress=false", "trainer.tensorboard=false", "threads=1",
              "env_kwargs.sandbox_kwargs.workers=1"]

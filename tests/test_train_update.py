@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
+from _tiny_llama import tiny_llama as _model
 from _tiny_update import ragged_batch as _ragged_batch
-from _tiny_update import tiny_llama as _model
 
 from agentrl.harmony.trajectory import Trajectory
 from agentrl.train.algorithms import rollout_correction

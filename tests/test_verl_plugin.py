@@ -257,7 +257,8 @@ def test_verl_onpolicy_loss_on_4_dp_ranks_gives_the_embedded_update_gradient(mod
     verl's global_batch_info (dp_size=4): the rank-averaged parameter gradient equals the gradient of one
     embedded `update_policy` step on the whole batch (on-policy, same advantages)."""
     import torch
-    from _tiny_update import ragged_batch, tiny_llama
+    from _tiny_llama import tiny_llama
+    from _tiny_update import ragged_batch
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     import agentrl.train.verl_backend.plugin  # noqa: F401

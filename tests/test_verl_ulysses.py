@@ -26,6 +26,7 @@ def test_local_heads_slices_in_verl_head_order():
         local_heads(sinks, 0, 3)
 
 
+@pytest.mark.distributed
 def test_ulysses_sink_attention_equals_full_sequence(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "ulysses.json"
