@@ -106,7 +106,6 @@ class Trainer:
         self.state = RunState(cfg.seed)
         self.checkpoints = Checkpoints(self.run_dir, cfg, self.parallel, self.actor, self.state)
         self.heldout = HeldOutEvaluation(cfg, self.run_dir, self.env_cls, self.actor, self.parallel)
-        self.stopped_by: str | None = None  # the budget that ended the RL stage early, e.g. max_wall_s
         self.started = False
         if rundir.latest_checkpoint(self.run_dir) is None:  # a resumed run starts once its checkpoint is restored
             self._start()
@@ -242,22 +241,26 @@ class Trainer:
                     errorlog.append(self.run_dir, f"step {step}, {what}", text)
 
     # ------------------------------------------------------------------ run
-    def maybe_resume(self) -> None:
-        """Restore the run's latest checkpoint, if any; the metrics log is cut back to its step. A damaged
-        checkpoint or metrics log raises :class:`~agentrl.rundir.RunDirError` before anything in the run
-        directory is written."""
-        ckpt = self.checkpoints.resume()
-        if ckpt is not None and self.parallel.is_main:
+    def maybe_resume(self) -> torch.optim.Optimizer | None:
+        """Restore the run's latest checkpoint, if any; the metrics log is cut back to its step. Returns the SFT
+        optimizer restored from a checkpoint written inside the SFT stage (else None). A damaged checkpoint or
+        metrics log raises :class:`~agentrl.rundir.RunDirError` before anything in the run directory is
+        written."""
+        resumed = self.checkpoints.resume()
+        if resumed is not None and self.parallel.is_main:
             rundir.truncate_metrics(rundir.TrainRun(self.run_dir).metrics, self.state.step)
         if not self.started:
             self._start()
-        if ckpt is not None:
-            self.reporter.print(f"resumed from {ckpt}: step {self.state.step}, data position {self.state.data_position}")
+        if resumed is None:
+            return None
+        self.reporter.print(f"resumed from {resumed.checkpoint}: step {self.state.step}, "
+                            f"data position {self.state.data_position}")
+        return resumed.sft_optimizer
 
     def fit(self) -> dict[str, Any]:
         """Resume if ``RUN_DIR`` has a checkpoint, train to ``trainer.total_steps``, return the summary."""
-        self.maybe_resume()
-        return asyncio.run(run_stages(self))
+        sft_optimizer = self.maybe_resume()
+        return asyncio.run(run_stages(self, sft_optimizer))
 
 
 def run_distributed(cfg: DictConfig, argv: Sequence[str]) -> int:
