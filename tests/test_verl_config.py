@@ -222,6 +222,18 @@ def test_cli_resume_reloads_the_saved_config(tmp_path, capsys):
     assert "trainer.total_training_steps = 6" in out and "actor_rollout_ref.rollout.name = 'agentrl'" in out
 
 
+@pytest.mark.parametrize("word, code, says", [
+    ("--dry-run=true", 2, "--dry-run applies to backend=verl only"),  # read as the bare flag
+    ("--dry-run=1", 2, "--dry-run applies to backend=verl only"),
+    ("--dry-run=maybe", 2, "--dry-run takes true or false, got 'maybe'"),
+])
+def test_dry_run_takes_a_bool_value_like_every_flag(capsys, word, code, says):
+    from agentrl.train.cli import main
+
+    assert main(["env=retool", word]) == code
+    assert says in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model, attention, packed", [
     ("openai/gpt-oss-20b", None, True),  # agentrl_sink: packed rows kept apart
     ("openai/gpt-oss-20b", "eager", False),  # GPT-OSS eager attends across packed rows: padded rows instead
