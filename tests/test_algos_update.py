@@ -1,4 +1,4 @@
-"""run_update at the edges issue 26 found, against verl 0.9.1's loss on the same mini-batch.
+"""run_update at its edges (those listed below), against verl 0.9.1's loss on the same mini-batch.
 
 - Loss denominators after rejection sampling: the step's gradient equals the gradient of verl's policy
   loss (``vanilla``) on the step's rows with verl's trainer's ``global_batch_info``: ``batch_num_tokens``

@@ -1,4 +1,4 @@
-"""A model name that is a local path which does not exist fails at once with one line (issue 27 §7): no trip to
+"""A model name that is a local path which does not exist fails at once with one line: no trip to
 the hub, no traceback, exit 2 from ``agentrl eval``, nothing written."""
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def test_verl_rejects_incompatible_sizes_before_launch(tmp_path):
 
 def test_lora_with_a_vllm_rollout_plans_without_vllm_installed(tmp_path, capsys):
     """The README's GPT-OSS-20B LoRA dry run on a machine without vLLM: verl's vLLM LoRA-rank check needs
-    vLLM, which the nodes have; the plan goes through and says vLLM is missing here (issue 36 §2.6)."""
+    vLLM, which the nodes have; the plan goes through and says vLLM is missing here."""
     import importlib.util
 
     from omegaconf import OmegaConf
