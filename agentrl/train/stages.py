@@ -19,7 +19,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from agentrl import rundir
+from agentrl import rundir, seeds
 from agentrl.cli_args import UsageError
 from agentrl.episodes import EnvPool
 from agentrl.train.free_memory import release_free_memory
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     from agentrl.train.reporting import Reporter
     from agentrl.train.resume import Checkpoints, RunState
     from agentrl.train.sft import SFTStage
-
-_DEMO_OFFSET = 1_000_000_000  # SFT demonstrations use training tasks from this index on (RL starts at 0)
 
 
 class StageContext(Protocol):
@@ -275,8 +273,8 @@ async def _sft_data(trainer: StageContext) -> list[Trajectory]:
         return rundir.load_trajectories(data_path).records
     trajectories, info = await prepare_data(
         cfg.sft, env_cls=trainer.env_cls, make_env=trainer.make_env,
-        task=lambda i: trainer.train_task(_DEMO_OFFSET + i)[1], vocab_size=trainer.format.vocab_size,
-        seed=cfg.seed + 31_337, stop_token_ids=list(trainer.format.stop_token_ids),
+        task=lambda i: trainer.train_task(seeds.DEMO_TASKS + i)[1], vocab_size=trainer.format.vocab_size,
+        seed=seeds.sft_data_seed(cfg.seed), stop_token_ids=list(trainer.format.stop_token_ids),
         progress_interval_s=cfg.trainer.progress_interval_s,
     )
     state.sft_info = {"data": info}

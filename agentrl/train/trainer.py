@@ -19,7 +19,6 @@ The parts, one job each: :mod:`~agentrl.train.actor` (model, reference, optimize
 from __future__ import annotations
 
 import asyncio
-import difflib
 import json
 import os
 import random
@@ -31,8 +30,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl import errorlog, rundir
+from agentrl import errorlog, rundir, seeds
 from agentrl.engines.base import SamplingParams
+from agentrl.envs.registry import env_class
 from agentrl.envs.task_source import TaskSource
 from agentrl.episodes import EnvPool, EpisodeResult
 from agentrl.evaluation.policies import env_kwargs_of
@@ -56,19 +56,6 @@ __all__ = ["Trainer", "TrainingFailed", "default_run_dir", "run_distributed"]
 def default_run_dir(cfg: DictConfig) -> str:
     kind = "-sft" if cfg.trainer.total_steps == 0 and cfg.sft.steps else ""
     return os.path.join("runs", f"{cfg.env}{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def env_class(name: str) -> type:
-    """The registered env class ``name``; ValueError with close matches otherwise."""
-    import agentrl.envs.registry as registry
-
-    try:
-        return registry.env_class(name)
-    except KeyError:
-        names = sorted(registry.registered())
-        close = difflib.get_close_matches(name, names, n=2)
-        hint = f" Did you mean {' or '.join(close)}?" if close else ""
-        raise ValueError(f"unknown env {name!r}.{hint} Registered envs: {', '.join(names)}") from None
 
 
 class Trainer:
@@ -95,7 +82,7 @@ class Trainer:
         self.env_cls = env_class(cfg.env)
         generator_kwargs = self.env_cls.generator_kwargs(OmegaConf.to_container(cfg.env_kwargs, resolve=True))
         self.tasks = TaskSource(self.env_cls, cfg.data.tasks, seed=cfg.seed, level=cfg.data.level,
-                                eval_seed=cfg.seed + cfg.eval.seed_offset, num_held_out=cfg.eval.num_tasks,
+                                eval_seed=seeds.held_out_seed(cfg.seed, cfg.eval.seed_offset), num_held_out=cfg.eval.num_tasks,
                                 generator_kwargs=generator_kwargs)
         self.actor = build_actor(cfg, self.parallel)
         if cfg.actor.lora.rank:
@@ -163,10 +150,10 @@ class Trainer:
         t_step = time.perf_counter()
         start, count = par.shard_range(state.data_position, cfg.rollout.batch_size)
         tasks = [self.train_task(start + i) for i in range(count)]
-        self.engine.reseed(cfg.seed * 1_000_003 + (state.step + 1) * par.world_size + par.rank)
+        self.engine.reseed(seeds.engine_seed(cfg.seed, state.step + 1, par.world_size, par.rank))
         with par.gathered(self.model):
             result = await rollout(pool, self.engine, self.sampling(cfg.rollout.temperature), tasks,
-                                   n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + start * cfg.rollout.n,
+                                   n=cfg.rollout.n, seed=seeds.rollout_seed(cfg.seed, start, cfg.rollout.n),
                                    progress_interval_s=cfg.trainer.progress_interval_s)
         for e in result.episodes:
             e.trajectory.policy_version = state.step  # sampled with the weights of `step` updates
