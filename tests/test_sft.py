@@ -18,7 +18,7 @@ from agentrl.harmony import ChatTemplateFormat, Message, Trajectory  # noqa: E40
 from agentrl.rundir import RunDirError  # noqa: E402
 from agentrl.train.batch import collate  # noqa: E402
 from agentrl.train.sft import SFTStage, sft_loss  # noqa: E402
-from agentrl.train.sft_data import keep_trajectory, load_trajectories  # noqa: E402
+from agentrl.train.sft_data import keep_trajectory, load_sft_data  # noqa: E402
 from agentrl.train.teachers import generate_demonstrations, scripted_teacher  # noqa: E402
 
 
@@ -181,17 +181,17 @@ def test_filters_and_trajectory_files(tmp_path):
     eval_dir.mkdir()
     lines = [_traj(1.0, 1.0).to_json(), _traj(0.0, 0.0).to_json(), "{torn line", _traj(1.0, 1.0).to_json()]
     (eval_dir / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
-    kept, counts = load_trajectories(str(eval_dir), correct_only=True)
+    kept, counts = load_sft_data(str(eval_dir), correct_only=True)
     assert len(kept) == 2 and counts == {"read": 3, "kept": 2, "unreadable": 1, "not_correct": 1}
     run = tmp_path / "run" / "trajectories"
     run.mkdir(parents=True)
     (run / "step_000001.jsonl").write_text(_traj(1.0, 1.0).to_json() + "\n")
     (run / "eval_step_000000.jsonl").write_text(_traj(1.0, 1.0).to_json() + "\n")  # held-out episodes: not data
-    kept, counts = load_trajectories(f"{tmp_path / 'run'},{eval_dir / 'trajectories.jsonl'}", min_reward=0.5)
+    kept, counts = load_sft_data(f"{tmp_path / 'run'},{eval_dir / 'trajectories.jsonl'}", min_reward=0.5)
     assert counts["read"] == 4 and len(kept) == 3
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        load_trajectories(str(eval_dir), vocab_size=4)
+        load_sft_data(str(eval_dir), vocab_size=4)
     with pytest.raises(RunDirError, match="does not exist"):
-        load_trajectories(str(tmp_path / "missing.jsonl"))
+        load_sft_data(str(tmp_path / "missing.jsonl"))
     with pytest.raises(RunDirError, match="neither trajectories.jsonl"):
-        load_trajectories(str(tmp_path))
+        load_sft_data(str(tmp_path))

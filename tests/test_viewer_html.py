@@ -12,7 +12,7 @@ import pytest
 
 import agentrl.envs as envs
 from agentrl.harmony import HarmonyFormat, Message, Trajectory
-from agentrl.viewer.html import load_trajectories, main, write_html
+from agentrl.viewer.html import load_view_items, main, write_html
 
 CHROMIUM = os.environ.get("AGENTRL_CHROMIUM", "/usr/bin/chromium")
 FMT = HarmonyFormat()
@@ -84,7 +84,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_load_and_cli(run_dir, capsys):
-    items, problems = load_trajectories(run_dir)
+    items, problems = load_view_items(run_dir)
     assert [t.task["id"] for _, t in items] == ["r1", "r2", "g1"]
     assert len(problems) == 1 and problems[0]["source"] == "trajectories.jsonl:4"
     assert main([str(run_dir), f"out={run_dir / 'view.html'}"]) == 0
@@ -103,7 +103,7 @@ def test_load_and_cli(run_dir, capsys):
 def test_viewer_in_headless_chromium(run_dir, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    items, problems = load_trajectories(run_dir / "trajectories.jsonl")
+    items, problems = load_view_items(run_dir / "trajectories.jsonl")
     html = write_html(items, tmp_path / "view.html", fmt=FMT, problems=problems)
     shot = tmp_path / "viewer.png"
     external: list[str] = []

@@ -247,7 +247,7 @@ class ActorConfig:
 
 
 @dataclass
-class EvalConfig:
+class HeldOutConfig:
     """Held-out evaluation (``agentrl.evaluation``'s runner and metrics) on a fixed task set, disjoint from the
     training stream."""
 
@@ -374,7 +374,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: HeldOutConfig = field(default_factory=HeldOutConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     backend: str = key("embedded", "embedded (this process) or verl (Ray, FSDP, vLLM/SGLang)", choices=BACKENDS)

@@ -31,7 +31,7 @@ from agentrl.cli_args import CommandSpec, UsageError, run
 from agentrl.harmony.trajectory import Trajectory
 
 
-def load_trajectories(path: str | Path) -> tuple[list[tuple[str, Trajectory]], list[dict[str, Any]]]:
+def load_view_items(path: str | Path) -> tuple[list[tuple[str, Trajectory]], list[dict[str, Any]]]:
     """Read trajectories from a JSONL file or a run directory (every trajectory file of an ``agentrl eval`` or
     ``agentrl train`` run, :func:`agentrl.rundir.trajectory_files`), any schema version.
 
@@ -220,7 +220,7 @@ def _view(cfg: Any) -> int:
     src = Path(cfg.src)
     if cfg.limit is not None and cfg.limit < 1:
         raise UsageError(f"limit must be >= 1, got {cfg.limit}; e.g. limit=20")
-    items, problems = load_trajectories(src)  # a RunDirError is a usage error: one line, exit 2
+    items, problems = load_view_items(src)  # a RunDirError is a usage error: one line, exit 2
     if not items:
         first = f": {problems[0]['source']}: {problems[0]['error'][:160]}" if problems else ""
         files = ", ".join(str(f) for f in rundir.trajectory_files(src))
