@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _fixtures import local_sandbox
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -13,7 +14,6 @@ transformers = pytest.importorskip("transformers")
 from agentrl.envs import TeacherError  # noqa: E402
 from agentrl.envs.builtin.gsm8k import GSM8KEnv  # noqa: E402
 from agentrl.envs.builtin.retool import ReToolEnv, ReToolScriptedTeacher  # noqa: E402
-from agentrl.envs.sandbox import SandboxError, make_backend  # noqa: E402
 from agentrl.harmony import ChatTemplateFormat, Message, Trajectory  # noqa: E402
 from agentrl.rundir import RunDirError  # noqa: E402
 from agentrl.train.batch import collate  # noqa: E402
@@ -35,13 +35,8 @@ def fmt():
 
 @pytest.fixture
 async def sandbox():
-    try:
-        sb = make_backend("local", workers=2)
-        await sb.run("1", timeout_s=10)
-    except SandboxError as e:
-        pytest.skip(f"local sandbox unavailable: {e}")
-    yield sb
-    await sb.aclose()
+    async with local_sandbox(workers=2) as sb:
+        yield sb
 
 
 @pytest.fixture(scope="module")

@@ -27,36 +27,15 @@ async def _episodes() -> list[Trajectory]:
         await env.areset(
             options={"task": {"id": "r1", "prompt": "What is 6 * 7? <b>bold</b>", "answer": "42"}}
         )
-        await env.astep(
-            FMT.render_completion(
-                [
-                    Message("assistant", "Compute it.", channel="analysis"),
-                    Message(
-                        "assistant",
-                        "print(6 * 7)",
-                        channel="analysis",
-                        recipient="python",
-                        content_type="code",
-                    ),
-                ]
-            )
-        )
+        await env.astep(FMT.render_completion([
+            Message("assistant", "Compute it.", channel="analysis"),
+            Message("assistant", "print(6 * 7)", channel="analysis", recipient="python", content_type="code"),
+        ]))
         await env.astep(FMT.render_completion([Message("assistant", "It is \\boxed{42}.", channel="final")]))
         out.append(env.trajectory)
         await env.areset(options={"task": {"id": "r2", "prompt": "What is 2 + 2?", "answer": "4"}})
-        await env.astep(
-            FMT.render_completion(
-                [
-                    Message(
-                        "assistant",
-                        "{}",
-                        channel="commentary",
-                        recipient="functions.ghost",
-                        content_type="json",
-                    )
-                ]
-            )
-        )
+        await env.astep(FMT.render_completion(
+            [Message("assistant", "{}", channel="commentary", recipient="functions.ghost", content_type="json")]))
         await env.astep(FMT.render_completion([Message("assistant", "\\boxed{5}", channel="final")]))
         traj = env.trajectory
         traj.rollout_logprobs = [(-0.5 if m else 0.0) for m in traj.response_mask]
