@@ -98,8 +98,8 @@ def env_class(name: str) -> type:
         return _load_reference(name)
     from agentrl.cli_args import suggest  # here: importing the env SDK reads no config library
 
-    raise UnknownEnv(f"no env named {name!r}.{suggest(name, sorted(_registry), n=2, cutoff=0.6)} "
-                     f"Registered envs: {', '.join(sorted(_registry))}")
+    raise UnknownEnv(f"no env named {name!r}; registered envs: {', '.join(sorted(_registry))}."
+                     f"{suggest(name, sorted(_registry), n=2, cutoff=0.6)}")
 
 
 def _load_reference(reference: str) -> type:
