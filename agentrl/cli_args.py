@@ -27,7 +27,7 @@ import difflib
 import math
 import sys
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,10 +74,12 @@ def plain_text(doc: str) -> str:
     return re.sub(r"``([^`]+)``", r"\1", text)
 
 
-def suggest(word: str, options: Sequence[str], *, fallback: str = "", cutoff: float = 0.5) -> str:
-    """``" Did you mean: a, b?"`` with the close matches of ``word`` in ``options``, else ``fallback``."""
-    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=3, cutoff=cutoff)
-    return f" Did you mean: {', '.join(close)}?" if close else fallback
+def suggest(word: str, options: Iterable[Any], *, fallback: str = "", cutoff: float = 0.5, n: int = 3,
+            show: Callable[[str], str] = str) -> str:
+    """``" Did you mean: a, b?"`` with the (at most ``n``) close matches of ``word`` in ``options``, each written
+    by ``show``, else ``fallback``: the one way every command and error message suggests a name."""
+    close = difflib.get_close_matches(str(word), [str(o) for o in options], n=n, cutoff=cutoff)
+    return f" Did you mean: {', '.join(show(c) for c in close)}?" if close else fallback
 
 
 def is_help(argv: Sequence[str]) -> bool:
@@ -334,8 +336,8 @@ def value_of(spec: CommandSpec, argv: Sequence[str], name: str) -> str | None:
 def _bare_error(spec: CommandSpec, word: str) -> UsageError:
     if word.startswith("-"):
         return UsageError(f"unknown option {word!r}; arguments are key=value.{spec.help_hint()}")
-    close = difflib.get_close_matches(word.replace("-", "_"), spec.keys(), n=1, cutoff=0.6)
-    hint = f" Did you mean {close[0]}=...?" if close else f" e.g. {spec.usage.split(' ', 2)[-1]}"
+    hint = suggest(word.replace("-", "_"), spec.keys(), n=1, cutoff=0.6, show=lambda k: f"{k}=...",
+                   fallback=f" e.g. {spec.usage.split(' ', 2)[-1]}")
     return UsageError(f"expected key=value, got {word!r}.{hint}")
 
 

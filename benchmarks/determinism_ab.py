@@ -1,5 +1,5 @@
 """A/B of ``deterministic=true`` (torch's deterministic algorithms on the CPU, :func:`agentrl.train.repro.deterministic_cpu`)
-on the main job's update: SmolLM2-135M-Instruct, fp32, one ``update_policy`` (one optimizer step, SGD at lr 0 so
+on the main job's update: SmolLM2-135M-Instruct, fp32, one ``run_update`` (one optimizer step, SGD at lr 0 so
 that every repetition sees the same weights) on a fixed random batch of ROWS rows (200 prompt tokens, 60-140
 response tokens), micro-batches of 8, at torch's default thread count. The two settings alternate, REPS times
 each, so that a changing load on a shared machine hits both alike; wall and process CPU seconds are printed
@@ -19,7 +19,7 @@ from agentrl.harmony.trajectory import Trajectory
 from agentrl.models.loading import load_model
 from agentrl.train.batch import collate
 from agentrl.train.config import build_config
-from agentrl.train.update import update_policy
+from agentrl.train.update import run_update
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
         for deterministic in (False, True):
             torch.use_deterministic_algorithms(deterministic)
             t0, c0 = time.perf_counter(), time.process_time()
-            update_policy(model=model, optimizer=optimizer, batch=batch, cfg=cfg, temperature=1.0)
+            run_update(model=model, optimizer=optimizer, batch=batch, cfg=cfg, temperature=1.0)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             load = " ".join(open("/proc/loadavg").read().split()[:3])
             print(f"rep={rep} deterministic={deterministic} wall_s={wall:.2f} cpu_s={cpu:.2f} load={load}", flush=True)

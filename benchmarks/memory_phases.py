@@ -9,7 +9,7 @@ script measures any checkout) with the trainer's phases wrapped:
 - ``evaluation``: ``Trainer.evaluate`` (its rollouts included);
 - ``sft data`` / ``sft``: ``agentrl.train.sft.prepare_data`` / ``Trainer.cold_start`` or ``stages.sft_stage``
   (the SFT steps);
-- ``rollout`` / ``update``: the RL step's rollout and ``update_policy`` or ``run_update``;
+- ``rollout`` / ``update``: the RL step's rollout and ``run_update``;
 - ``checkpoint``: ``Trainer.save`` or ``Checkpoints.save``; ``other``: everything else (imports, engine and env
   setup, summaries).
 

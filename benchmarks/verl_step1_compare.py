@@ -2,7 +2,7 @@
 
 Inputs: the verl run directory (its ``config.yaml``, verl's step-1 metrics in ``metrics.jsonl`` and the
 step-1 episodes the agent loop saved in ``trajectories/step_000001-*.jsonl``) and the initial model
-directory verl started from. The embedded trainer's update (:func:`agentrl.train.update.update_policy`)
+directory verl started from. The embedded trainer's update (:func:`agentrl.train.update.run_update`)
 runs once on exactly those episodes (same token ids, masks, rollout log-probs, rewards, GRPO groups =
 verl's prompt uids) from the same initial weights, with the run's own config (loss, aggregation,
 entropy coefficient, clipping, learning rate), and its step-1 figures are compared with verl's:
@@ -71,7 +71,7 @@ def embedded_step(run_dir: str, model_dir: str, device: str, dtype: str, attn: s
     from agentrl.models.loading import load_model
     from agentrl.train.batch import collate
     from agentrl.train.config import build_config
-    from agentrl.train.update import update_policy
+    from agentrl.train.update import run_update
 
     cfg = build_config([], base=OmegaConf.load(os.path.join(run_dir, "config.yaml")))
     trajs, groups = step_episodes(run_dir)
@@ -82,8 +82,8 @@ def embedded_step(run_dir: str, model_dir: str, device: str, dtype: str, attn: s
     batch = collate(trajs, groups, int(pad if pad is not None else 0)).to(model.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.actor.lr, betas=tuple(cfg.actor.betas),
                                   weight_decay=cfg.actor.weight_decay)
-    metrics = update_policy(model=model, optimizer=optimizer, batch=batch, cfg=cfg,
-                            temperature=cfg.rollout.temperature, generator=torch.Generator().manual_seed(cfg.seed))
+    metrics = run_update(model=model, optimizer=optimizer, batch=batch, cfg=cfg,
+                         temperature=cfg.rollout.temperature, generator=torch.Generator().manual_seed(cfg.seed)).metrics
     metrics["episodes"] = len(trajs)
     metrics["groups"] = len(set(groups))
     metrics["model_tokens"] = int(batch.response_mask.sum())

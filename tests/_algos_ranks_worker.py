@@ -6,7 +6,7 @@
    ``compute_advantages`` on the concatenated batch, for every estimator (the whitened REINFORCE++ ones
    are the point). Every rank checks its own rows and the verdicts are gathered, so the ranks stay in step.
 2. Policy updates on random :func:`scenario` batches (every loss aggregation mode, several mini-batches and
-   epochs, unequal row counts, rows without a model token): each rank runs ``update_policy`` on its rows (an
+   epochs, unequal row counts, rows without a model token): each rank runs ``run_update`` on its rows (an
    unsharded tiny model, plain SGD whose gradients are averaged over the ranks before clipping, as FSDP's
    reduction does) and rank 0 saves the weights after the update, the rank-averaged metrics and each rank's
    forward count, for the test to compare with the single-process update on all the rows.
@@ -33,7 +33,7 @@ from agentrl.train import distributed  # noqa: E402
 from agentrl.train.algorithms import LOSS_AGG_MODES, compute_advantages  # noqa: E402
 from agentrl.train.batch import Batch, collate  # noqa: E402
 from agentrl.train.config import build_config  # noqa: E402
-from agentrl.train.update import batch_advantages, update_policy  # noqa: E402
+from agentrl.train.update import batch_advantages, run_update  # noqa: E402
 
 ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo", "rloo", "opo")
 #: random update scenarios per world size; each loss aggregation mode comes up in several of them
@@ -174,9 +174,9 @@ def scenario_update(model: torch.nn.Module, trajectories: list[tuple[Trajectory,
     returns its metrics."""
     first = trajectories[0][1]
     batch = collate([t for t, _ in trajectories], [grp - first for _, grp in trajectories])
-    return update_policy(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), batch=batch,
-                         cfg=scenario_config(overrides), temperature=1.0,
-                         generator=torch.Generator().manual_seed(5))
+    return run_update(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), batch=batch,
+                      cfg=scenario_config(overrides), temperature=1.0,
+                      generator=torch.Generator().manual_seed(5)).metrics
 
 
 def _averaging_clip(original):

@@ -60,6 +60,23 @@ def start_cli(command: str, args: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
 
 
+def kill_at(command: str, args: list[str], prefix: str) -> None:
+    """Start ``agentrl COMMAND ARGS...`` (:func:`start_cli`) and SIGKILL its process group as soon as it prints a
+    line starting with ``prefix`` (a step line, printed once that step's checkpoint is complete); asserts it
+    died of that kill."""
+    import signal
+
+    proc = start_cli(command, args)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(prefix):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "".join(seen)
+
+
 def run_here(command: str, args: list[str]) -> str:
     """``agentrl COMMAND ARGS...`` through ``agentrl.cli.main`` in this process; asserts it returned 0 and
     returns what it printed. torch's thread count (``threads=`` sets it) is restored afterwards."""

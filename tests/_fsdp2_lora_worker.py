@@ -2,7 +2,7 @@
 
 Every rank builds the same tiny GPT-OSS and applies the same LoRA adapter (seeded), then:
 
-- reference: a full unsharded copy runs the single-process update (``update_policy``) over both ranks' rows;
+- reference: a full unsharded copy runs the single-process update (``run_update``) over both ranks' rows;
 - FSDP2: the model sharded by ``distributed.shard`` runs the same update on this rank's rows only;
 - checkpoint: :class:`FSDP2Parallel` gathers the adapter (and the adapter's optimizer state), rank 0 writes it
   with ``save_checkpoint``; a fresh sharded model and a fresh single-process model both load it back.
@@ -28,7 +28,7 @@ from agentrl.train import distributed
 from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
 from agentrl.train.config import build_config
 from agentrl.train.parallel import FSDP2Parallel
-from agentrl.train.update import batched_logprobs, update_policy
+from agentrl.train.update import batched_logprobs, run_update
 
 SPEC = lora.LoraSpec(rank=4, alpha=8)
 
@@ -71,11 +71,11 @@ def main() -> None:
     everyone.rollout_log_probs = batched_logprobs(reference, everyone, micro_batch_size=64, chunk_size=1024,
                                                   temperature=1.0)
     mine = everyone.select(torch.arange(rank * 6, rank * 6 + 6))
-    ref_metrics = update_policy(model=reference, optimizer=optimizer_for(reference), batch=everyone, cfg=cfg,
-                                temperature=1.0)
+    ref_metrics = run_update(model=reference, optimizer=optimizer_for(reference), batch=everyone, cfg=cfg,
+                             temperature=1.0).metrics
     optimizer = optimizer_for(model)
-    fsdp_metrics = distributed.average_metrics(update_policy(model=model, optimizer=optimizer, batch=mine, cfg=cfg,
-                                                             temperature=1.0))
+    fsdp_metrics = distributed.average_metrics(run_update(model=model, optimizer=optimizer, batch=mine, cfg=cfg,
+                                                          temperature=1.0).metrics)
     ref_params = dict(reference.named_parameters())
     diff = max(float((full(p) - ref_params[n]).abs().max()) for n, p in lora.adapter_parameters(model))
     base_unchanged = all(torch.equal(full(p), base_before[n]) for n, p in model.named_parameters()

@@ -3,7 +3,7 @@
 Every rank samples its own episodes from the same tiny GPT-OSS (rollout on each rank, parameters
 gathered by ``distributed.unsharded``), all episodes are gathered, and then:
 
-- reference: every rank runs the single-process update (``update_policy``) on a full unsharded copy of
+- reference: every rank runs the single-process update (``run_update``) on a full unsharded copy of
   the initial model over *all* episodes;
 - FSDP2: the sharded model runs the same update on *its own* episodes only.
 
@@ -32,7 +32,7 @@ from agentrl.models.tiny import tiny_gpt_oss
 from agentrl.train import distributed
 from agentrl.train.batch import collate
 from agentrl.train.config import TrainConfig
-from agentrl.train.update import update_policy
+from agentrl.train.update import run_update
 
 
 def sample_episodes(model, *, tasks: int, n: int, prompt_len: int, new_tokens: int, vocab: int, seed: int):
@@ -91,7 +91,7 @@ def main() -> None:
     def update(m, episodes):
         opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=cfg.actor.lr)
         batch = collate([t for t, _ in episodes], [g for _, g in episodes], 0).to(device)
-        return update_policy(model=m, optimizer=opt, batch=batch, cfg=cfg, temperature=1.0)
+        return run_update(model=m, optimizer=opt, batch=batch, cfg=cfg, temperature=1.0).metrics
 
     # step 1, parity: rollout on each rank (different prompts and lengths), the same episodes for both updates
     with distributed.unsharded(model):

@@ -76,3 +76,20 @@ def scripted_verl_agent_loop(engine: ScriptedEngine, *, response_length: int):
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}})
     return AgentrlAgentLoop(DictConfigWrap(config), ServerManager(), harmony_hf_tokenizer(), None, None,
                             DictConfigWrap(OmegaConf.create({})))
+
+
+class TrainerEngine(ScriptedEngine):
+    """The scripted engine with the two things the trainer asks of its local engine: ``stats`` and ``reseed``
+    (a scripted policy has no random state to reseed)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stats = {"generate_s": 0.0, "generated_tokens": 0}
+
+    def reseed(self, seed: int) -> None:
+        pass
+
+    async def generate(self, prompts, sampling):
+        out = await super().generate(prompts, sampling)
+        self.stats["generated_tokens"] += sum(len(c.token_ids) for c in out)
+        return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -74,36 +75,32 @@ def test_rollout_correction_tis_icepop_and_rs():
     old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
     roll = torch.log(torch.tensor([[0.1, 0.5, 0.45], [0.5, 0.5, 0.5]]))  # ratios 5, 1, 1.11
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    w, new_mask, m = A.rollout_correction(
-        old_log_prob=old,
-        rollout_log_prob=roll,
-        response_mask=mask,
-        rollout_is="token",
-        rollout_is_threshold=2.0,
-    )
+    correct = functools.partial(A.rollout_correction, old_log_prob=old, rollout_log_prob=roll, response_mask=mask)
+    w, new_mask, m = correct(rollout_is="token", rollout_is_threshold=2.0)
     torch.testing.assert_close(w, torch.tensor([[2.0, 1.0, 0.5 / 0.45], [1.0, 1.0, 0.0]]))
     assert torch.equal(new_mask, mask)
     assert m["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)
     assert m["rollout_corr/logprob_abs_diff_max"] == pytest.approx(math.log(5))
-    w, _, _ = A.rollout_correction(
-        old_log_prob=old,
-        rollout_log_prob=roll,
-        response_mask=mask,
-        rollout_is="token",
-        rollout_is_threshold="0.5_2.0",
-    )
+    w, _, _ = correct(rollout_is="token", rollout_is_threshold="0.5_2.0")
     assert w[0, 0].item() == 0.0 and w[0, 2].item() == pytest.approx(0.5 / 0.45)
-    _, new_mask, m = A.rollout_correction(
-        old_log_prob=old,
-        rollout_log_prob=roll,
-        response_mask=mask,
-        rollout_rs="token_k3",
-        rollout_rs_threshold=0.5,
-    )
+    _, new_mask, m = correct(rollout_rs="token_k3", rollout_rs_threshold=0.5)
     assert new_mask.tolist() == [[0, 1, 1], [1, 1, 0]]
     assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 5)
     w, new_mask, m = A.rollout_correction(old_log_prob=old, rollout_log_prob=roll, response_mask=mask)
     assert w is None and torch.equal(new_mask, mask) and "rollout_corr/k3_kl" in m
+
+
+def _loss(name, old_log_prob):
+    """Policy loss ``name`` of one row of one zero log-prob against ``old_log_prob``."""
+    return A.policy_loss(name, old_log_prob=old_log_prob, log_prob=torch.zeros(1, 1), advantages=torch.zeros(1, 1),
+                         response_mask=torch.ones(1, 1))
+
+
+def _correction(mask=None, **options):
+    """Rollout correction on one row of two zero log-probs (``mask``: all ones by default) with ``options``."""
+    mask = torch.ones(1, 2) if mask is None else mask
+    return A.rollout_correction(old_log_prob=torch.zeros(1, 2), rollout_log_prob=torch.zeros(1, 2),
+                                response_mask=mask, **options)
 
 
 @pytest.mark.parametrize(
@@ -133,74 +130,15 @@ def test_rollout_correction_tis_icepop_and_rs():
             ),
             "values=",
         ),
-        (
-            lambda: A.policy_loss(
-                "ppo2",
-                old_log_prob=torch.zeros(1, 1),
-                log_prob=torch.zeros(1, 1),
-                advantages=torch.zeros(1, 1),
-                response_mask=torch.ones(1, 1),
-            ),
-            "choose one of",
-        ),
-        (
-            lambda: A.policy_loss(
-                "vanilla",
-                old_log_prob=torch.zeros(1, 2),
-                log_prob=torch.zeros(1, 1),
-                advantages=torch.zeros(1, 1),
-                response_mask=torch.ones(1, 1),
-            ),
-            "share one",
-        ),
+        (lambda: _loss("ppo2", torch.zeros(1, 1)), "choose one of"),
+        (lambda: _loss("vanilla", torch.zeros(1, 2)), "share one"),
         (lambda: A.agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "mean"), "token-mean"),
         (lambda: A.kl_penalty(torch.zeros(1), torch.zeros(1), "k4"), "low_var_kl"),
-        (
-            lambda: A.rollout_correction(
-                old_log_prob=torch.zeros(1, 2),
-                rollout_log_prob=torch.zeros(1, 2),
-                response_mask=torch.zeros(1, 2),
-            ),
-            "no model tokens",
-        ),
-        (
-            lambda: A.rollout_correction(
-                old_log_prob=torch.zeros(1, 2),
-                rollout_log_prob=torch.zeros(1, 2),
-                response_mask=torch.ones(1, 2),
-                rollout_is="tok",
-            ),
-            "'token', 'sequence'",
-        ),
-        (
-            lambda: A.rollout_correction(
-                old_log_prob=torch.zeros(1, 2),
-                rollout_log_prob=torch.zeros(1, 2),
-                response_mask=torch.ones(1, 2),
-                rollout_is="token",
-                rollout_is_threshold="2_1",
-            ),
-            "lo <= hi",
-        ),
-        (
-            lambda: A.rollout_correction(
-                old_log_prob=torch.zeros(1, 2),
-                rollout_log_prob=torch.zeros(1, 2),
-                response_mask=torch.ones(1, 2),
-                rollout_rs="token_k9",
-                rollout_rs_threshold=1,
-            ),
-            "unknown rollout_rs option",
-        ),
-        (
-            lambda: A.rollout_correction(
-                old_log_prob=torch.zeros(1, 2),
-                rollout_log_prob=torch.zeros(1, 2),
-                response_mask=torch.ones(1, 2),
-                rollout_rs="token_k2",
-            ),
-            "is required",
-        ),
+        (lambda: _correction(torch.zeros(1, 2)), "no model tokens"),
+        (lambda: _correction(rollout_is="tok"), "'token', 'sequence'"),
+        (lambda: _correction(rollout_is="token", rollout_is_threshold="2_1"), "lo <= hi"),
+        (lambda: _correction(rollout_rs="token_k9", rollout_rs_threshold=1), "unknown rollout_rs option"),
+        (lambda: _correction(rollout_rs="token_k2"), "is required"),
         (
             lambda: A.agg_loss(torch.ones(1, 2), torch.ones(1, 2), "seq-mean-token-sum-norm", loss_scale_factor=0),
             "loss_scale_factor must be > 0",

@@ -1,4 +1,4 @@
-"""Property tests for the edges issue 26 found, against verl 0.9.1's functions on random inputs.
+"""Property tests for the numerical edges listed below, against verl 0.9.1's functions on random inputs.
 
 - fp16 / bf16 inputs: every advantage estimator, aggregation mode, KL estimator, policy loss and
   rollout-correction mode computes in fp32. Asserted: the result (and the gradient) is bit for bit the

@@ -1,4 +1,4 @@
-"""update_policy at the edges issue 26 found, against verl 0.9.1's loss on the same mini-batch.
+"""run_update at its edges (those listed below), against verl 0.9.1's loss on the same mini-batch.
 
 - Loss denominators after rejection sampling: the step's gradient equals the gradient of verl's policy
   loss (``vanilla``) on the step's rows with verl's trainer's ``global_batch_info``: ``batch_num_tokens``
@@ -26,7 +26,7 @@ from test_algos_properties import logprob_cases
 from agentrl.train import algorithms as A
 from agentrl.train.batch import Batch
 from agentrl.train.config import build_config
-from agentrl.train.update import _LossMetrics, _plan_steps, batched_logprobs, forward_logprobs, update_policy
+from agentrl.train.update import _LossMetrics, _plan_steps, batched_logprobs, forward_logprobs, run_update
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed")
 rch = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper", reason="verl is not installed")
@@ -112,8 +112,8 @@ def _verl_step_gradient(batch: Batch, rows: torch.Tensor, cfg) -> tuple[dict[str
 def _check_update(case):
     cfg = _config(case)
     batch = _batch_with_gaps(case)
-    m = update_policy(model=MODEL, optimizer=torch.optim.SGD(MODEL.parameters(), lr=0.0), batch=batch, cfg=cfg,
-                      temperature=1.0, generator=torch.Generator().manual_seed(case["seed"]))
+    m = run_update(model=MODEL, optimizer=torch.optim.SGD(MODEL.parameters(), lr=0.0), batch=batch, cfg=cfg,
+                   temperature=1.0, generator=torch.Generator().manual_seed(case["seed"])).metrics
     ours = {k: torch.zeros_like(p) if p.grad is None else p.grad.clone() for k, p in MODEL.named_parameters()}
     steps = _plan_steps(batch, cfg.actor, torch.Generator().manual_seed(case["seed"]))
     theirs, last_mask = _verl_step_gradient(batch, steps[-1], cfg)  # the gradient left is the last step's
@@ -198,8 +198,8 @@ def test_epsilon_zero_with_a_constant_group_takes_the_step():
     grads = {}
     for eps in (0.0, 1e-6):
         cfg = build_config(["env=retool", "actor.grad_clip=1e9", f"algorithm.epsilon={eps}"])
-        m = update_policy(model=MODEL, optimizer=torch.optim.SGD(MODEL.parameters(), lr=0.0), batch=batch, cfg=cfg,
-                          temperature=1.0)
+        m = run_update(model=MODEL, optimizer=torch.optim.SGD(MODEL.parameters(), lr=0.0), batch=batch, cfg=cfg,
+                       temperature=1.0).metrics
         assert m["actor/optimizer_steps"] == 1.0 and m["actor/nonfinite_grad_steps_skipped"] == 0.0
         grads[eps] = {k: p.grad.clone() for k, p in MODEL.named_parameters()}
     for k in grads[0.0]:

@@ -118,7 +118,7 @@ def test_values_and_groups(results):
     assert "serve model" in _one_line_error(procs[4], "group without a command")
     assert procs[5].returncode == 0 and "serve model" in procs[5].stdout and "serve sandbox" in procs[5].stdout
     assert procs[6].returncode == 0 and all(name in procs[6].stdout for name in MATRIX)
-    assert "Did you mean limit=...?" in _one_line_error(procs[7], "bare word")
+    assert "Did you mean: limit=...?" in _one_line_error(procs[7], "bare word")
 
 
 def test_failed_eval_start_writes_nothing(results):

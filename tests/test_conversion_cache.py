@@ -1,4 +1,4 @@
-"""The GGUF conversion cache (issue 27 §9): the first load converts and caches, later loads read the cache and
+"""The GGUF conversion cache: the first load converts and caches, later loads read the cache and
 give the same weights and tokenizer; damaged or unwritable caches fall back cleanly."""
 
 from __future__ import annotations

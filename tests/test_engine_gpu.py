@@ -9,6 +9,7 @@ import asyncio
 import random
 
 import pytest
+from _fixtures import greedy_tokens
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -17,7 +18,6 @@ if not torch.cuda.is_available():
 
 from agentrl.engines.base import SamplingParams  # noqa: E402
 from agentrl.engines.decode_engine import DecodeEngine  # noqa: E402
-from agentrl.engines.transformers_engine import TransformersEngine  # noqa: E402
 from agentrl.models.routing import record_routing  # noqa: E402
 from agentrl.models.tiny import tiny_gpt_oss  # noqa: E402
 
@@ -84,12 +84,8 @@ def test_logprobs_equal_a_teacher_forced_forward(name, dtype):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_tokens_equal_the_transformers_engine_in_float32(name):
-    model = MODELS[name](torch.float32)
-    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
-    prompts = _prompts(6, seed=2)
-    old = TransformersEngine(model).generate_sync(prompts, greedy)
-    new = DecodeEngine(model).generate_sync(prompts, greedy)
-    assert [c.token_ids for c in new] == [c.token_ids for c in old]
+    new, old = greedy_tokens(MODELS[name](torch.float32), _prompts(6, seed=2))
+    assert new == old
 
 
 def test_graphs_replay_what_eager_steps_compute():

@@ -6,6 +6,7 @@ are in ``tests/test_engine_gpu.py``."""
 from __future__ import annotations
 
 import pytest
+from _fixtures import randomize_adapters
 from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
@@ -25,13 +26,8 @@ VOCAB = 300
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [12, 13], [20, 21, 22, 23], list(range(40, 80))]
 
 
-def _randomize(model, seed: int, scale: float = 0.1) -> None:
-    """Random non-zero adapters (PEFT initialises B to zero, which would hide a missing delta)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+def _randomize(model, seed: int) -> None:
+    randomize_adapters(model, seed, scale=0.1)
 
 
 def _lora_gpt_oss(seed: int = 5):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from _fixtures import greedy_tokens, randomize_adapters
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -18,7 +19,6 @@ if not torch.cuda.is_available():
 
 from agentrl.engines.base import SamplingParams  # noqa: E402
 from agentrl.engines.decode_engine import DecodeEngine  # noqa: E402
-from agentrl.engines.transformers_engine import TransformersEngine  # noqa: E402
 from agentrl.models.lora import LoraSpec, adapter_state_dict, apply_lora  # noqa: E402
 from agentrl.models.routing import replay_routing  # noqa: E402
 from agentrl.models.tiny import tiny_gpt_oss  # noqa: E402
@@ -27,12 +27,8 @@ pytestmark = pytest.mark.gpu
 VOCAB = 512
 
 
-def _randomize(model, seed: int, scale: float = 0.05) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+def _randomize(model, seed: int) -> None:
+    randomize_adapters(model, seed, scale=0.05)
 
 
 def _llama(dtype, seed: int = 5):
@@ -128,12 +124,8 @@ def test_an_adapter_update_is_seen_without_recapture():
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_greedy_tokens_equal_the_transformers_engine_in_float32(name):
-    model = MODELS[name](torch.float32)
-    greedy = SamplingParams(max_new_tokens=24, temperature=0.0)
-    prompts = _prompts(6, seed=2)
-    old = TransformersEngine(model).generate_sync(prompts, greedy)
-    new = DecodeEngine(model).generate_sync(prompts, greedy)
-    assert [c.token_ids for c in new] == [c.token_ids for c in old]
+    new, old = greedy_tokens(MODELS[name](torch.float32), _prompts(6, seed=2))
+    assert new == old
 
 
 def test_auto_picks_the_decode_engine_for_lora_models():

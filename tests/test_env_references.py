@@ -1,5 +1,5 @@
 """Envs named by reference (``env=module:Class``, ``env=path/file.py:Class``) without packaging, and env
-constructor arguments checked by name and type before anything is loaded (issue 27 §7, §9)."""
+constructor arguments checked by name and type before anything is loaded."""
 
 from __future__ import annotations
 

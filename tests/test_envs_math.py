@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from _fixtures import local_sandbox
 from gymnasium.utils.env_checker import check_env
 
 from agentrl.envs.builtin.gsm8k import GSM8KEnv
 from agentrl.envs.builtin.retool import ReToolEnv, make_problem
 from agentrl.envs.rewards import extract_boxed, math_equal, numeric_equal
-from agentrl.envs.sandbox import SandboxError, make_backend
 from agentrl.harmony import default_format
 from agentrl.harmony.types import Message
 
@@ -82,13 +82,8 @@ def test_retool_loads_aime_and_math500():
 
 @pytest.fixture
 async def sandbox():
-    try:
-        sb = make_backend("local", workers=1)
-        await sb.run("1", timeout_s=10)
-    except SandboxError as e:
-        pytest.skip(f"local sandbox unavailable: {e}")
-    yield sb
-    await sb.aclose()
+    async with local_sandbox(workers=1) as sb:
+        yield sb
 
 
 async def test_retool_episode_with_real_sandbox(fmt, sandbox):

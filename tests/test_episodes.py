@@ -10,7 +10,7 @@ import json
 import re
 
 import pytest
-from _scripted_engine import ScriptedEngine, scripted_verl_agent_loop
+from _scripted_engine import ScriptedEngine, TrainerEngine, scripted_verl_agent_loop
 from _tiny_run import TINY
 
 import agentrl.envs.registry as registry
@@ -101,23 +101,6 @@ def _core(traj: Trajectory) -> dict:
     return data
 
 
-class _TrainerEngine(ScriptedEngine):
-    """The scripted engine with the two things the trainer asks of its local engine: ``stats`` and ``reseed``
-    (a scripted policy has no random state to reseed)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stats = {"generate_s": 0.0, "generated_tokens": 0}
-
-    def reseed(self, seed: int) -> None:
-        pass
-
-    async def generate(self, prompts, sampling):
-        out = await super().generate(prompts, sampling)
-        self.stats["generated_tokens"] += sum(len(c.token_ids) for c in out)
-        return out
-
-
 def _trainer_trajectories(tmp_path) -> tuple[list[dict], list[Trajectory]]:
     """The held-out evaluation of a real Trainer (tiny GPT-OSS loaded, its engine swapped for the script)."""
     from agentrl.train.config import build_config
@@ -129,7 +112,7 @@ def _trainer_trajectories(tmp_path) -> tuple[list[dict], list[Trajectory]]:
         f"run_dir={tmp_path / 'train'}",
     ])
     trainer = Trainer(cfg)
-    trainer.actor.engine = _TrainerEngine(trainer.format, script)
+    trainer.actor.engine = TrainerEngine(trainer.format, script)
 
     async def go():
         pool = EnvPool(trainer.make_env, 4)

@@ -1,5 +1,4 @@
-"""``eval.before`` / ``eval.after`` are respected, and summary.json records each held-out evaluation once
-(issue 27 §8)."""
+"""``eval.before`` / ``eval.after`` are respected, and summary.json records each held-out evaluation once."""
 
 from __future__ import annotations
 

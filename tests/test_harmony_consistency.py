@@ -159,18 +159,11 @@ def rollout(fmt: HarmonyFormat, msgs: list[Message], opts: dict, policy: str, ch
 @pytest.mark.parametrize("seed", range(N_CONVERSATIONS))
 def test_keep_policy_matches_official_renderers(fmt, seed):
     msgs, opts = conversation(seed)
-    b = rollout(
-        fmt,
-        msgs,
-        opts,
-        "keep",
-        lambda i, ctx: _assert_same(fmt, ctx, official(fmt, msgs[:i], opts, drop=False, training=False)),
-    )
-    (segs) = b.finish(reward=1.0)
+    b = rollout(fmt, msgs, opts, "keep",
+                lambda i, ctx: _assert_same(fmt, ctx, official(fmt, msgs[:i], opts, drop=False, training=False)))
+    segs = b.finish(reward=1.0)
     last = segs[-1]
-    _assert_same(
-        fmt, last.prompt_ids + last.response_ids, official(fmt, msgs, opts, drop=False, training=True)
-    )
+    _assert_same(fmt, last.prompt_ids + last.response_ids, official(fmt, msgs, opts, drop=False, training=True))
     n_user_turns = sum(m.role == "user" for m in msgs)
     assert len(segs) == n_user_turns  # a new segment only after each <|return|>
     _check_masks(fmt, segs, msgs)
@@ -179,13 +172,8 @@ def test_keep_policy_matches_official_renderers(fmt, seed):
 @pytest.mark.parametrize("seed", range(N_CONVERSATIONS))
 def test_drop_policy_matches_official_completion_renderer(fmt, seed):
     msgs, opts = conversation(seed)
-    b = rollout(
-        fmt,
-        msgs,
-        opts,
-        "drop",
-        lambda i, ctx: _assert_same(fmt, ctx, official(fmt, msgs[:i], opts, drop=True, training=False)),
-    )
+    b = rollout(fmt, msgs, opts, "drop",
+                lambda i, ctx: _assert_same(fmt, ctx, official(fmt, msgs[:i], opts, drop=True, training=False)))
     segs = b.finish()
     _check_masks(fmt, segs, msgs)
     # Our own whole-conversation rendering equals the official training rendering under the same policy.

@@ -14,13 +14,8 @@ LOOKUP = ToolSpec("lookup", "Look up", {"type": "object", "properties": {"q": {"
 def test_deltas_rebuild_each_message_and_state_is_live():
     msgs = [
         Message("assistant", "日本語 🙂 café, naïve — ok", channel="analysis"),
-        Message(
-            "assistant",
-            json.dumps({"q": "ß🙂"}),
-            channel="commentary",
-            recipient="functions.lookup",
-            content_type="json",
-        ),
+        Message("assistant", json.dumps({"q": "ß🙂"}), channel="commentary", recipient="functions.lookup",
+                content_type="json"),
     ]
     ids = FMT.render_completion(msgs)
     sp = FMT.streaming_parser(tools=[LOOKUP])

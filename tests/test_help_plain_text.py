@@ -1,4 +1,4 @@
-"""``--help`` shows plain text, not the docstrings' reST/Sphinx markup (issue 27 §9)."""
+"""``--help`` shows plain text, not the docstrings' reST/Sphinx markup."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """At the end of a run its last checkpoint's model is also written in the HF format (``save_pretrained``), which
-``transformers`` (so vLLM and TRL) loads as it is (issue 27 §9)."""
+``transformers`` (so vLLM and TRL) loads as it is."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_the_last_checkpoint_is_also_a_save_pretrained_directory(tmp_path):
 
 
 def test_a_lora_run_exports_its_adapter_merged_into_the_base(tmp_path, capsys):
-    """LoRA runs export too (issue 36 §2.7): the HF folder is the base with the adapter folded in, the same
+    """LoRA runs export too: the HF folder is the base with the adapter folded in, the same
     weights ``model=RUN_DIR`` loads, and the console says so."""
     from transformers import AutoModelForCausalLM
 
@@ -49,7 +49,7 @@ def test_a_lora_run_exports_its_adapter_merged_into_the_base(tmp_path, capsys):
 def test_an_exported_chat_model_renders_tools_as_training_did_and_ends_on_its_end_token(tmp_path):
     """A chat-template checkpoint (SmolLM2's tokenizer, whose GGUF names <|im_start|> as eos and whose template
     ignores ``tools=``): in plain transformers the exported tokenizer renders ``tools=`` and tool-call history
-    token for token as the training format did, and its eos is the config's end token (issue 36 §2.5)."""
+    token for token as the training format did, and its eos is the config's end token."""
     import json
 
     from transformers import AutoTokenizer

@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from _scripted_engine import ScriptedEngine, scripted_verl_agent_loop
+from _scripted_engine import ScriptedEngine, TrainerEngine, scripted_verl_agent_loop
 
 import agentrl.envs.registry as registry
 from agentrl.engines.base import SamplingParams
@@ -356,22 +356,6 @@ def lookup_script(prompt: str, sampling) -> list[Message]:
     return [Message("assistant", "\\boxed{7}", channel="final")]
 
 
-class _TrainerEngine(ScriptedEngine):
-    """The scripted engine with what the trainer asks of its engine: ``stats`` and ``reseed``."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.stats = {"generate_s": 0.0, "generated_tokens": 0}
-
-    def reseed(self, seed: int) -> None:
-        pass
-
-    async def generate(self, prompts, sampling):
-        out = await super().generate(prompts, sampling)
-        self.stats["generated_tokens"] += sum(len(c.token_ids) for c in out)
-        return out
-
-
 def test_training_leaves_infrastructure_failures_out_and_the_summary_says_so(tmp_path):
     from agentrl.train.config import build_config
     from agentrl.train.reporting import headline
@@ -386,7 +370,7 @@ def test_training_leaves_infrastructure_failures_out_and_the_summary_says_so(tmp
         "sft.steps=0", "eval.before=false", f"run_dir={run}",
     ])
     trainer = Trainer(cfg)
-    trainer.actor.engine = _TrainerEngine(trainer.format, lookup_script)
+    trainer.actor.engine = TrainerEngine(trainer.format, lookup_script)
     summary = trainer.fit()
     down_eval = sum("down" in task["prompt"] for _, task in trainer.heldout.items)
     step = [Trajectory.from_json(x) for x in (run / "trajectories" / "step_000001.jsonl").read_text().splitlines()]

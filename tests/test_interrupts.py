@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM stop a training run with one line that says how to resume it (issue 27 §9)."""
+"""Ctrl-C and SIGTERM stop a training run with one line that says how to resume it."""
 
 from __future__ import annotations
 

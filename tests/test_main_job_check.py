@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+from _fixtures import BENCH, load_benchmark
 
 
 def _check():
-    spec = importlib.util.spec_from_file_location("main_job_check", BENCH / "main_job_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("main_job_check")
 
 
 def _summary(**overrides):

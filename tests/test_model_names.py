@@ -1,4 +1,4 @@
-"""A model name that is a local path which does not exist fails at once with one line (issue 27 §7): no trip to
+"""A model name that is a local path which does not exist fails at once with one line: no trip to
 the hub, no traceback, exit 2 from ``agentrl eval``, nothing written."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def cwd(tmp_path, monkeypatch):
         ("~/no-such-model-xyz", r"no such directory"),
         ("weights.gguf", r"model='weights.gguf' is a file"),
         ("empty", r"model directory 'empty' has no config.json"),
-        ("smollm2-13m", r"unknown model 'smollm2-13m'. Did you mean 'smollm2-135m'"),
+        ("smollm2-13m", r"unknown model 'smollm2-13m'. Did you mean: smollm2-135m"),
     ],
 )
 def test_names_that_cannot_load_are_refused_with_one_line(cwd, name, message):

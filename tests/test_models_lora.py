@@ -24,7 +24,7 @@ from agentrl.models.tiny import tiny_gpt_oss
 from agentrl.train.checkpoint import load_checkpoint, save_checkpoint
 from agentrl.train.config import build_config
 from agentrl.train.logprobs import backbone_token_logprobs
-from agentrl.train.update import batched_logprobs, update_policy
+from agentrl.train.update import batched_logprobs, run_update
 
 V = 100  # ragged_batch draws ids below 100
 
@@ -91,8 +91,8 @@ def test_lora_only_adapter_parameters_train():
     assert any("mlp.experts" in n for n in trainable) and any("self_attn.q_proj" in n for n in trainable)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for step in range(2):  # B starts at zero: the first step moves B only, the second A too
-        m = update_policy(model=model, optimizer=optimizer, batch=_batch(model, seed=step), cfg=_cfg(),
-                          temperature=1.0)
+        m = run_update(model=model, optimizer=optimizer, batch=_batch(model, seed=step), cfg=_cfg(),
+                       temperature=1.0).metrics
         assert m["actor/optimizer_steps"] == 1.0 and m["actor/grad_norm"] > 0
     after = {n.replace(".base_layer", ""): p for n, p in model.named_parameters() if "lora_" not in n}
     assert after.keys() == before.keys()  # the base weights sit under ``base_layer`` now, bit for bit unchanged
@@ -113,15 +113,15 @@ def test_lora_reference_with_adapters_off_is_the_base_model_exactly():
     # the KL loss against the policy itself (LoRA: its base model) equals the KL against a frozen base copy
     cfg = _cfg("actor.use_kl_loss=true", "actor.kl_loss_coef=0.5")
     with_self = copy.deepcopy(model)
-    m_self = update_policy(model=with_self, optimizer=torch.optim.SGD(list(with_self.parameters()), lr=0.0),
-                           batch=batch, cfg=cfg, temperature=1.0, ref_model=with_self)
-    m_copy = update_policy(model=model, optimizer=torch.optim.SGD(list(model.parameters()), lr=0.0), batch=batch,
-                           cfg=cfg, temperature=1.0, ref_model=base)
+    m_self = run_update(model=with_self, optimizer=torch.optim.SGD(list(with_self.parameters()), lr=0.0),
+                        batch=batch, cfg=cfg, temperature=1.0, ref_model=with_self).metrics
+    m_copy = run_update(model=model, optimizer=torch.optim.SGD(list(model.parameters()), lr=0.0), batch=batch,
+                        cfg=cfg, temperature=1.0, ref_model=base).metrics
     assert m_self["actor/kl_loss"] > 0 and m_self["actor/kl_loss"] == m_copy["actor/kl_loss"]
     assert m_self["actor/grad_norm"] == m_copy["actor/grad_norm"] > 0  # the adapter trains again after the pass
     with pytest.raises(ValueError, match="carries no LoRA adapter"):
-        update_policy(model=base, optimizer=torch.optim.SGD(base.parameters(), lr=0.0), batch=batch, cfg=cfg,
-                      temperature=1.0, ref_model=base)
+        run_update(model=base, optimizer=torch.optim.SGD(base.parameters(), lr=0.0), batch=batch, cfg=cfg,
+                   temperature=1.0, ref_model=base)
 
 
 def test_lora_on_policy_ratio_is_exactly_one():
@@ -129,8 +129,8 @@ def test_lora_on_policy_ratio_is_exactly_one():
     batch = _batch(model)
     batch.rollout_log_probs = batch.rollout_log_probs + 0.01  # an engine gap: the ratio must not see it
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    m = update_policy(model=model, optimizer=optimizer, batch=batch, cfg=_cfg("actor.micro_batch_size=2"),
-                      temperature=1.0)
+    m = run_update(model=model, optimizer=optimizer, batch=batch, cfg=_cfg("actor.micro_batch_size=2"),
+                   temperature=1.0).metrics
     assert m["actor/on_policy"] == 1.0 and m["actor/optimizer_steps"] == 1.0
     assert m["actor/ppo_ratio_max"] == 1.0 and m["actor/ppo_ratio_min"] == 1.0
     assert m["actor/pg_clipfrac"] == 0.0 and m["actor/ppo_kl"] == 0.0 and m["actor/grad_norm"] > 0
@@ -253,8 +253,8 @@ def test_lora_routing_replay_survives_gradient_checkpointing_in_the_update():
         if checkpointing:
             trained.gradient_checkpointing_enable()
         params = [p for p in trained.parameters() if p.requires_grad]
-        update_policy(model=trained, optimizer=torch.optim.SGD(params, lr=0.0), batch=batch,
-                      cfg=_cfg("actor.micro_batch_size=3"), temperature=1.0, routing=routing)
+        run_update(model=trained, optimizer=torch.optim.SGD(params, lr=0.0), batch=batch,
+                   cfg=_cfg("actor.micro_batch_size=3"), temperature=1.0, routing=routing)
         grads.append({n: p.grad for n, p in lora.adapter_parameters(trained)})
     assert any(float(g.abs().max()) > 0 for g in grads[0].values())
     for name, g in grads[0].items():
@@ -285,8 +285,8 @@ def test_lora_sink_attention_matches_eager():
 # ---------------------------------------------------------------------------- checkpoints
 def _train_steps(model, optimizer, steps: range):
     for step in steps:
-        update_policy(model=model, optimizer=optimizer, batch=_batch(model, seed=step), cfg=_cfg(),
-                      temperature=1.0, generator=torch.Generator().manual_seed(step))
+        run_update(model=model, optimizer=optimizer, batch=_batch(model, seed=step), cfg=_cfg(),
+                   temperature=1.0, generator=torch.Generator().manual_seed(step))
 
 
 def _lora_and_optimizer(seed: int):
@@ -399,9 +399,9 @@ def test_lora_kl_reference_of_a_base_with_dropout_is_deterministic():
     for ref in ("self", "self", "copy"):
         policy = copy.deepcopy(model).train()
         torch.manual_seed(7)  # the same dropout draws in the policy's forward each time
-        results.append(update_policy(model=policy, optimizer=torch.optim.SGD(list(policy.parameters()), lr=0.0),
-                                     batch=batch, cfg=cfg, temperature=1.0,
-                                     ref_model=policy if ref == "self" else base))
+        results.append(run_update(model=policy, optimizer=torch.optim.SGD(list(policy.parameters()), lr=0.0),
+                                  batch=batch, cfg=cfg, temperature=1.0,
+                                  ref_model=policy if ref == "self" else base).metrics)
         assert all(m.training for m in policy.modules())
     assert results[0]["actor/kl_loss"] > 0
     assert results[0]["actor/kl_loss"] == results[1]["actor/kl_loss"] == results[2]["actor/kl_loss"]

@@ -1,4 +1,4 @@
-"""The new-user trial's defects (issue 36, part 2), each pinned as a one-line error or the expected behaviour."""
+"""The new-user trial's defects, each pinned as a one-line error or the expected behaviour."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def smollm2_format():
 @pytest.mark.parametrize("before", ["Let me count them.", ""])
 def test_served_tool_calls_are_in_tool_calls_only_streamed_or_not(smollm2_format, before):
     """OpenAI's contract in both modes: a chat template's ``<tool_call>`` markup is never in ``content``; the
-    stream's deltas add up to the non-streamed message (issue 36 §2.4)."""
+    stream's deltas add up to the non-streamed message."""
     import json
 
     from agentrl.engines.base import Completion

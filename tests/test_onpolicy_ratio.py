@@ -58,17 +58,8 @@ def ratio_stats(
 ):
     """Train forward on the padded batch; old log-probs from a separate no-grad pass with micro-batch 1
     (each row unpadded). Returns policy-loss metrics without and with the fix, and the max |log ratio|."""
-    model, ids, mask, lengths = _setup(
-        device,
-        dtype,
-        batch=batch,
-        seqlen=seqlen,
-        vocab=vocab,
-        layers=layers,
-        experts=experts,
-        top_k=top_k,
-        logit_scale=logit_scale,
-    )
+    model, ids, mask, lengths = _setup(device, dtype, batch=batch, seqlen=seqlen, vocab=vocab, layers=layers,
+                                       experts=experts, top_k=top_k, logit_scale=logit_scale)
     log_prob, _ = model_token_logprobs(model, ids, mask, response_start=prompt)
     old = torch.zeros_like(log_prob)
     with torch.no_grad():

@@ -29,13 +29,8 @@ def weather_policy(prompt: str, sampling: SamplingParams) -> list[Message]:
         return [Message("assistant", f"Weather report: {result}", channel="final")]
     return [
         Message("assistant", "I should call the tool.", channel="analysis"),
-        Message(
-            "assistant",
-            '{"city": "Paris"}',
-            channel="commentary",
-            recipient="functions.get_weather",
-            content_type="json",
-        ),
+        Message("assistant", '{"city": "Paris"}', channel="commentary", recipient="functions.get_weather",
+                content_type="json"),
     ]
 
 

@@ -1,5 +1,5 @@
 """When stdout is not a terminal (a log file), long phases print a plain progress line at a fixed interval:
-evaluations (``agentrl eval`` and the trainer's held-out ones), rollouts and SFT data generation (issue 27 §3)."""
+evaluations (``agentrl eval`` and the trainer's held-out ones), rollouts and SFT data generation."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``resume=RUN`` continues a run as it was: an override of a key that makes the run what it is (env, model,
-format, LoRA shape, ...) is refused with one line, exit 2, and the run's config.yaml is not rewritten (issue 27 §4)."""
+format, LoRA shape, ...) is refused with one line, exit 2, and the run's config.yaml is not rewritten."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A reward function that raises (issue 27 §5): ``env.step`` still returns, the episode is scored 0 and kept,
+"""A reward function that raises: ``env.step`` still returns, the episode is scored 0 and kept,
 the error is recorded on the trajectory and counted (trainer metrics, eval metrics and table), and a warning
 shows it on the console; the trainer does not train on it."""
 

@@ -1,6 +1,6 @@
 """Every file a command reads from a run directory, damaged in a copy of a real run (truncated, empty, not
 JSON/YAML, the wrong schema, another model's): the command exits 2 with one line naming the file and what to
-do, no traceback, and leaves every file of the run as it was (issue 27 §2)."""
+do, no traceback, and leaves every file of the run as it was."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_a_damaged_run_file_is_one_line_exit_2_and_nothing_changes(case, run, tm
 
 def test_sft_whose_filters_keep_nothing_says_which_before_the_model_loads(run, tmp_path, monkeypatch, capsys):
     """The tiny model's episodes are all wrong: sft.correct_only=true (the default) keeps none, and says so
-    before any model loads; no run directory is left behind (issue 27 §8)."""
+    before any model loads; no run directory is left behind."""
     import agentrl.train.actor as actor
     from agentrl.cli import main
 
@@ -138,7 +138,7 @@ def test_sft_whose_filters_keep_nothing_says_which_before_the_model_loads(run, t
 ])
 def test_a_run_with_a_damaged_config_as_model_is_one_line_and_leaves_nothing(command, run, tmp_path, monkeypatch, capsys):
     """``model=RUN_DIR`` whose config.yaml is damaged: eval, serve and train exit 2 with one line naming the
-    file, before any model loads, and write no output directory (issue 36 §2.1)."""
+    file, before any model loads, and write no output directory."""
     from agentrl.cli import main
 
     copy = tmp_path / "run"
@@ -158,7 +158,7 @@ def test_a_run_with_a_damaged_config_as_model_is_one_line_and_leaves_nothing(com
 ])
 def test_a_truncated_model_pt_is_one_whole_sentence(command, run, tmp_path, monkeypatch, capsys):
     """A cut ``model.pt``: our line names the file and the fix (not torch's message, not cut mid-sentence),
-    and eval writes no output directory (issue 36 §2.12)."""
+    and eval writes no output directory."""
     from agentrl.cli import main
 
     copy = tmp_path / "run"

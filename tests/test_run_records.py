@@ -81,8 +81,8 @@ def _torn(path: Path, lines: list[str]) -> None:
 def test_every_trajectory_reader_skips_a_torn_last_line(tmp_path):
     from agentrl.evaluation.config import EvalConfig
     from agentrl.evaluation.store import ResultStore
-    from agentrl.train.sft_data import infer_env, load_trajectories
-    from agentrl.viewer.html import load_trajectories as view_load
+    from agentrl.train.sft_data import infer_env, load_sft_data
+    from agentrl.viewer.html import load_view_items as view_load
 
     line = _episode().to_json()
     run = tmp_path / "train"
@@ -92,7 +92,7 @@ def test_every_trajectory_reader_skips_a_torn_last_line(tmp_path):
     _torn(eval_dir / "trajectories.jsonl", [line])
     assert [len(view_load(p)[0]) for p in (run, eval_dir)] == [2, 1]  # the viewer
     assert all(not view_load(p)[1] for p in (run, eval_dir))  # skipped silently, not a problem
-    kept, counts = load_trajectories(f"{run},{eval_dir}")  # SFT data
+    kept, counts = load_sft_data(f"{run},{eval_dir}")  # SFT data
     assert len(kept) == 3 and counts == {"read": 3, "kept": 3, "unreadable": 0} and infer_env(str(run)) == "gsm8k"
     store = ResultStore(eval_dir, EvalConfig(env="gsm8k", model="http://x/v1"))  # agentrl eval resuming
     assert len(store.load()) == 1 and store.unreadable == 0

@@ -1,4 +1,4 @@
-"""Admission to the local sandbox pool (issue 30, scope 2; issue 35, HIGH 2): a session request beyond the pool's
+"""Admission to the local sandbox pool: a session request beyond the pool's
 capacity waits its turn (first come, first served) and fails only after ``session_wait_s``; a released session
 keeps its slot until its kernel is closed; a cancelled request takes no slot; a cancelled run finishes in the
 background without harming its worker; and waiting for a worker never counts as a python call's run time, so
@@ -144,7 +144,7 @@ async def test_long_legal_calls_queued_on_one_worker_never_wipe_another_episodes
 
 
 async def test_a_request_waits_while_no_worker_is_in_rotation_and_gets_the_replacement(pool):
-    """The run of issue 30: a worker left rotation while it held a session, and no uid block was free for its
+    """A run that once failed: a worker left rotation while it held a session, and no uid block was free for its
     replacement yet, so new sessions were refused at once ("pool is full: 1 live sessions"). They now wait until a
     replacement worker can start."""
     sid = await pool.create_session()

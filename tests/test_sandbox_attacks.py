@@ -1,4 +1,4 @@
-"""Attacks on the local sandbox pool (issue 25), one section per class of what the pool promises:
+"""Attacks on the local sandbox pool, one section per class of what the pool promises:
 
 1. no process outlives its run: nothing of a run's uid exists afterwards, in any state, counted per thread;
    session code runs under a CPU limit; only a session's own kernel answers on its result channel;

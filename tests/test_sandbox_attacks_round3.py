@@ -1,4 +1,4 @@
-"""Attacks on the local sandbox pool, round 3 (issue 35): what the code controls is never parsed as the pool's
+"""Attacks on the local sandbox pool, round 3: what the code controls is never parsed as the pool's
 own data, and one session can never end its worker or another session's state.
 
 1. process names: the code names its processes (``prctl(PR_SET_NAME)``, ``/proc/self/comm``) like the fields

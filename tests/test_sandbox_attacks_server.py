@@ -1,4 +1,4 @@
-"""Attacks on ``agentrl serve sandbox`` and on our client of it (issue 25, classes 5 and 6): connection floods
+"""Attacks on ``agentrl serve sandbox`` and on our client of it: connection floods
 from many addresses, oversized and trickled headers, answers blown up by many cells, text that no encoder
 accepts, printed text posing as the sandbox's verdict, and a session longer than the server's time limit."""
 

@@ -1,4 +1,4 @@
-"""The front door, guarded (issue 30): the retool env end to end with the real local sandbox at the held-out
+"""The front door, guarded: the retool env end to end with the real local sandbox at the held-out
 evaluation's concurrency, as ``agentrl train env=retool`` runs it, loses no episode to the sandbox.
 
 128 held-out tasks go through :func:`agentrl.episodes.collect` over 128 envs sharing one default local pool

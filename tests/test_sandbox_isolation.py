@@ -1,4 +1,4 @@
-"""Isolation BETWEEN executions of the local sandbox pool (issue 13): nothing one run or session writes may be
+"""Isolation BETWEEN executions of the local sandbox pool: nothing one run or session writes may be
 seen by any later run or session, on the same worker or another; resource accounting covers everything a run
 can hold; health checks see what users see.
 

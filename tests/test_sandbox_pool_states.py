@@ -1,4 +1,4 @@
-"""Availability of the local sandbox pool under random sequences of hostile runs and sessions (issue 25, class 2).
+"""Availability of the local sandbox pool under random sequences of hostile runs and sessions.
 
 A hypothesis state machine drives one pool with stateless runs and session calls drawn from a set of attacks
 (processes left behind, unix-socket garbage, memory parked in tmpfs, queues hoarded, forged channels, timeouts),

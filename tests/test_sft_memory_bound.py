@@ -1,4 +1,4 @@
-"""SFT memory does not grow with the trajectories' lengths (issue 27 §1): a micro-batch is run in forwards of at
+"""SFT memory does not grow with the trajectories' lengths: a micro-batch is run in forwards of at
 most ``max_forward_tokens`` tokens, a longer trajectory alone with activation checkpointing, and the loss and
 gradient are those of one forward over the whole micro-batch."""
 

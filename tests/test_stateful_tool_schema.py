@@ -1,5 +1,5 @@
 """StatefulTool derives its JSON schema, description and name from a typed ``run`` method, as ``@tool`` does from
-a function (issue 27 §9), and keeps per-episode state where a sync ``@tool``'s module-level state does not."""
+a function, and keeps per-episode state where a sync ``@tool``'s module-level state does not."""
 
 from __future__ import annotations
 

@@ -110,7 +110,7 @@ def test_cli_unknown_env_and_model_suggest(tmp_path, capsys):
     assert main(["env=retol", f"run_dir={tmp_path / 'a'}", "trainer.tensorboard=false"]) == 2
     assert "Did you mean: retool?" in capsys.readouterr().err
     assert main(["env=retool", "model=smollm2-135", f"run_dir={tmp_path / 'b'}", "trainer.tensorboard=false"]) == 2
-    assert "Did you mean 'smollm2-135m'" in capsys.readouterr().err
+    assert "Did you mean: smollm2-135m" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # a failed start writes nothing
 
 

@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 
-from _cli_process import run_here, start_cli
+from _cli_process import kill_at, run_here
 from _tiny_run import QUIET
 
 ARGS = [
@@ -32,15 +30,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     run_here("train", [*ARGS, f"run_dir={ref}"])  # the uninterrupted run (no process boundary to test)
 
-    proc = start_cli("train", [*ARGS, f"run_dir={killed}"])
-    seen = []
-    for line in proc.stdout:  # the step line is printed after that step's checkpoint is complete
-        seen.append(line)
-        if line.startswith("step 2/4"):
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-    proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "".join(seen)
+    kill_at("train", [*ARGS, f"run_dir={killed}"], "step 2/4")  # a step line follows its checkpoint
     assert _state(killed)["step"] in (2, 3)  # at most the step in flight is lost
 
     out = run_here("train", ["--resume", str(killed)])  # == resume=DIR

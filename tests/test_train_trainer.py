@@ -207,13 +207,13 @@ def test_agentrl_eval_on_the_run_reproduces_eval_after(retool_run, tmp_path):
 
 def test_viewer_shows_the_gap_heat_map_of_real_training_output(retool_run, tmp_path):
     from agentrl.cli import main
-    from agentrl.viewer.html import build_payload, load_trajectories
+    from agentrl.viewer.html import build_payload, load_view_items
 
     assert main(["view", str(retool_run), f"out={tmp_path / 'view.html'}"]) == 0  # `agentrl view runs/<run>`
     page = (tmp_path / "view.html").read_text()
     assert page.count('"has_gap":true') == 4 and page.count('"has_gap":false') == 6  # trained vs held-out
 
-    items, problems = load_trajectories(retool_run)
+    items, problems = load_view_items(retool_run)
     assert not problems
     trained = [(s, t) for s, t in items if s.startswith("trajectories/step_")]
     assert len(trained) == 4 and all(t.train_logprobs is not None and t.policy_version == 0 for _, t in trained)

@@ -1,4 +1,4 @@
-"""update_policy on a tiny model: what actually runs decides the on-policy fix, rejection sampling in the
+"""run_update on a tiny model: what actually runs decides the on-policy fix, rejection sampling in the
 on-policy path gives the separate pass's gradient (and verl's), metrics over the whole batch, extreme gaps
 complete, and a batch without learning signal leaves the weights (and Adam state) untouched."""
 
@@ -15,7 +15,7 @@ from agentrl.harmony.trajectory import Trajectory
 from agentrl.train.algorithms import rollout_correction
 from agentrl.train.batch import collate
 from agentrl.train.config import build_config
-from agentrl.train.update import batched_logprobs, forward_logprobs, update_policy
+from agentrl.train.update import batched_logprobs, forward_logprobs, run_update
 
 
 def _batch(rewards, groups=None):
@@ -33,7 +33,7 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _frozen_optimizer(model):
-    """SGD at lr 0: the gradients stay readable after update_policy and the weights do not move."""
+    """SGD at lr 0: the gradients stay readable after run_update and the weights do not move."""
     return torch.optim.SGD(model.parameters(), lr=0.0)
 
 
@@ -42,11 +42,11 @@ def test_zero_signal_skips_the_optimizer_step():
     cfg = build_config(["env=retool"])
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    m = update_policy(model=model, optimizer=opt, batch=_batch([1.0, 0.0]), cfg=cfg, temperature=1.0)
+    m = run_update(model=model, optimizer=opt, batch=_batch([1.0, 0.0]), cfg=cfg, temperature=1.0).metrics
     assert m["actor/grad_norm"] > 0 and m["actor/zero_grad_steps_skipped"] == 0.0
     assert m["actor/optimizer_steps"] == 1.0
     after_real_step = {k: v.detach().clone() for k, v in model.named_parameters()}
-    m = update_policy(model=model, optimizer=opt, batch=_batch([1.0, 1.0]), cfg=cfg, temperature=1.0)
+    m = run_update(model=model, optimizer=opt, batch=_batch([1.0, 1.0]), cfg=cfg, temperature=1.0).metrics
     assert m["actor/grad_norm"] == 0.0 and m["actor/zero_grad_steps_skipped"] == 1.0
     assert m["actor/optimizer_steps"] == 0.0  # a skipped step is not a step taken
     for k, v in model.named_parameters():  # Adam's momentum would have moved them
@@ -72,8 +72,8 @@ def _one_usable_row_batch():
 ])
 def test_on_policy_is_decided_by_the_steps_that_run(extra, on_policy, steps):
     model = _model()
-    m = update_policy(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                      batch=_one_usable_row_batch(), cfg=_cfg(*extra), temperature=1.0)
+    m = run_update(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                   batch=_one_usable_row_batch(), cfg=_cfg(*extra), temperature=1.0).metrics
     assert m["actor/on_policy"] == float(on_policy)
     assert m["actor/optimizer_steps"] == float(steps)
     assert ("timing_s/old_log_prob" in m) == (not on_policy)  # the separate pass ran only off-policy
@@ -85,9 +85,9 @@ def test_on_policy_is_decided_by_the_steps_that_run(extra, on_policy, steps):
 def test_chunking_into_several_steps_is_off_policy():
     batch = _ragged_batch(3)
     model = _model()
-    m = update_policy(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), batch=batch,
-                      cfg=_cfg("actor.num_mini_batches=2", "actor.micro_batch_size=1"), temperature=1.0,
-                      generator=torch.Generator().manual_seed(0))
+    m = run_update(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), batch=batch,
+                   cfg=_cfg("actor.num_mini_batches=2", "actor.micro_batch_size=1"), temperature=1.0,
+                   generator=torch.Generator().manual_seed(0)).metrics
     assert m["actor/on_policy"] == 0.0 and m["actor/optimizer_steps"] == 2.0  # chunks of 2 and 1 rows
 
 
@@ -125,11 +125,11 @@ def test_rejection_on_policy_gradient_equals_the_separate_pass(mode, rs):
     model = _model()
     cfg = _cfg(*rs, f"actor.loss_agg_mode={mode}", "actor.micro_batch_size=2", "actor.share_prompt_prefix=false")
     batch = _with_gaps(model, _ragged_batch(7), cfg)
-    m_on = update_policy(model=model, optimizer=_frozen_optimizer(model), batch=batch, cfg=cfg, temperature=1.0)
+    m_on = run_update(model=model, optimizer=_frozen_optimizer(model), batch=batch, cfg=cfg, temperature=1.0).metrics
     g_on = _grads(model)
     off_cfg = _cfg(*rs, f"actor.loss_agg_mode={mode}", "actor.micro_batch_size=2",
                    "actor.share_prompt_prefix=false", "actor.onpolicy_fix=false")
-    m_off = update_policy(model=model, optimizer=_frozen_optimizer(model), batch=batch, cfg=off_cfg, temperature=1.0)
+    m_off = run_update(model=model, optimizer=_frozen_optimizer(model), batch=batch, cfg=off_cfg, temperature=1.0).metrics
     g_off = _grads(model)
     assert m_on["actor/on_policy"] == 1.0 and m_off["actor/on_policy"] == 0.0
     assert 0 < m_on["rollout_corr/rollout_rs_masked_fraction"] < 1  # the rejection really rejects
@@ -152,7 +152,7 @@ def test_rejection_gradient_equals_verls_loss_on_the_post_rejection_mask():
     model = _model()
     cfg = _cfg(*SEQ_REJECTION, "actor.micro_batch_size=2", "actor.share_prompt_prefix=false")
     batch = _with_gaps(model, _ragged_batch(7), cfg)
-    update_policy(model=model, optimizer=_frozen_optimizer(model), batch=batch, cfg=cfg, temperature=1.0)
+    run_update(model=model, optimizer=_frozen_optimizer(model), batch=batch, cfg=cfg, temperature=1.0)
     ours = _grads(model)
 
     from agentrl.train.algorithms import compute_advantages
@@ -179,7 +179,7 @@ def test_rollout_metrics_are_over_the_whole_batch_not_averaged_over_micro_batche
     model = _model()
     cfg = _cfg(*SEQ_REJECTION, "actor.micro_batch_size=1")
     batch = _with_gaps(model, _ragged_batch(6), cfg)
-    m = update_policy(model=model, optimizer=_frozen_optimizer(model), batch=batch, cfg=cfg, temperature=1.0)
+    m = run_update(model=model, optimizer=_frozen_optimizer(model), batch=batch, cfg=cfg, temperature=1.0).metrics
     lp = batched_logprobs(model, batch, micro_batch_size=64, chunk_size=1024, temperature=1.0)
     rc = cfg.algorithm.rollout_correction
     _, _, whole = rollout_correction(old_log_prob=lp, rollout_log_prob=batch.rollout_log_probs,
@@ -214,8 +214,8 @@ def test_a_step_with_one_extreme_token_completes(extra):
     roll[0, 0] = lp[0, 0] - 1e4  # one token 10^4 nats off
     batch.rollout_log_probs = roll
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    m = update_policy(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), batch=batch,
-                      cfg=_cfg("actor.micro_batch_size=2", *extra), temperature=1.0)
+    m = run_update(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), batch=batch,
+                   cfg=_cfg("actor.micro_batch_size=2", *extra), temperature=1.0).metrics
     assert math.isfinite(m["actor/grad_norm"]) and m["actor/optimizer_steps"] >= 1
     assert m["rollout_corr/logprob_abs_diff_max"] == pytest.approx(1e4, rel=1e-3)
     assert math.isinf(m["rollout_corr/k3_kl"])  # saturates like verl's

@@ -123,7 +123,7 @@ def test_verl_rejects_incompatible_sizes_before_launch(tmp_path):
 
 def test_lora_with_a_vllm_rollout_plans_without_vllm_installed(tmp_path, capsys):
     """The README's GPT-OSS-20B LoRA dry run on a machine without vLLM: verl's vLLM LoRA-rank check needs
-    vLLM, which the nodes have; the plan goes through and says vLLM is missing here (issue 36 §2.6)."""
+    vLLM, which the nodes have; the plan goes through and says vLLM is missing here."""
     import importlib.util
 
     from omegaconf import OmegaConf
@@ -220,6 +220,18 @@ def test_cli_resume_reloads_the_saved_config(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"resume: from {run / 'checkpoints' / 'global_step_4'}" in out
     assert "trainer.total_training_steps = 6" in out and "actor_rollout_ref.rollout.name = 'agentrl'" in out
+
+
+@pytest.mark.parametrize("word, code, says", [
+    ("--dry-run=true", 2, "--dry-run applies to backend=verl only"),  # read as the bare flag
+    ("--dry-run=1", 2, "--dry-run applies to backend=verl only"),
+    ("--dry-run=maybe", 2, "--dry-run takes true or false, got 'maybe'"),
+])
+def test_dry_run_takes_a_bool_value_like_every_flag(capsys, word, code, says):
+    from agentrl.train.cli import main
+
+    assert main(["env=retool", word]) == code
+    assert says in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model, attention, packed", [

@@ -255,7 +255,7 @@ def test_stale_old_log_prob_is_detected_inside_verls_update_loop():
 def test_verl_onpolicy_loss_on_4_dp_ranks_gives_the_embedded_update_gradient(mode):
     """A tiny model's batch split over 4 data-parallel ranks, each running verl's agentrl_onpolicy loss with
     verl's global_batch_info (dp_size=4): the rank-averaged parameter gradient equals the gradient of one
-    embedded `update_policy` step on the whole batch (on-policy, same advantages)."""
+    embedded `run_update` step on the whole batch (on-policy, same advantages)."""
     import torch
     from _tiny_llama import tiny_llama
     from _tiny_update import ragged_batch
@@ -264,13 +264,13 @@ def test_verl_onpolicy_loss_on_4_dp_ranks_gives_the_embedded_update_gradient(mod
     import agentrl.train.verl_backend.plugin  # noqa: F401
     from agentrl.train.algorithms import compute_advantages
     from agentrl.train.config import build_config
-    from agentrl.train.update import forward_logprobs, update_policy
+    from agentrl.train.update import forward_logprobs, run_update
 
     batch = ragged_batch(8)
     model = tiny_llama()
     cfg = build_config(["env=retool", "actor.grad_clip=1e9", f"actor.loss_agg_mode={mode}", "actor.micro_batch_size=3"])
-    m = update_policy(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), batch=batch, cfg=cfg,
-                      temperature=1.0)
+    m = run_update(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), batch=batch, cfg=cfg,
+                   temperature=1.0).metrics
     assert m["actor/on_policy"] == 1.0
     embedded = {k: p.grad.clone() for k, p in model.named_parameters()}
 

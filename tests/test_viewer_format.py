@@ -1,5 +1,5 @@
-"""``agentrl view`` decodes tokens with the format of the model that wrote the run, not always Harmony's
-(issue 27 §6): a SmolLM2 eval run shows SmolLM2's text without any network access."""
+"""``agentrl view`` decodes tokens with the format of the model that wrote the run, not always Harmony's:
+a SmolLM2 eval run shows SmolLM2's text without any network access."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 
 import agentrl.envs as envs
 from agentrl.harmony import HarmonyFormat, Message, Trajectory
-from agentrl.viewer.html import load_trajectories, main, write_html
+from agentrl.viewer.html import load_view_items, main, write_html
 
 CHROMIUM = os.environ.get("AGENTRL_CHROMIUM", "/usr/bin/chromium")
 FMT = HarmonyFormat()
@@ -27,36 +27,15 @@ async def _episodes() -> list[Trajectory]:
         await env.areset(
             options={"task": {"id": "r1", "prompt": "What is 6 * 7? <b>bold</b>", "answer": "42"}}
         )
-        await env.astep(
-            FMT.render_completion(
-                [
-                    Message("assistant", "Compute it.", channel="analysis"),
-                    Message(
-                        "assistant",
-                        "print(6 * 7)",
-                        channel="analysis",
-                        recipient="python",
-                        content_type="code",
-                    ),
-                ]
-            )
-        )
+        await env.astep(FMT.render_completion([
+            Message("assistant", "Compute it.", channel="analysis"),
+            Message("assistant", "print(6 * 7)", channel="analysis", recipient="python", content_type="code"),
+        ]))
         await env.astep(FMT.render_completion([Message("assistant", "It is \\boxed{42}.", channel="final")]))
         out.append(env.trajectory)
         await env.areset(options={"task": {"id": "r2", "prompt": "What is 2 + 2?", "answer": "4"}})
-        await env.astep(
-            FMT.render_completion(
-                [
-                    Message(
-                        "assistant",
-                        "{}",
-                        channel="commentary",
-                        recipient="functions.ghost",
-                        content_type="json",
-                    )
-                ]
-            )
-        )
+        await env.astep(FMT.render_completion(
+            [Message("assistant", "{}", channel="commentary", recipient="functions.ghost", content_type="json")]))
         await env.astep(FMT.render_completion([Message("assistant", "\\boxed{5}", channel="final")]))
         traj = env.trajectory
         traj.rollout_logprobs = [(-0.5 if m else 0.0) for m in traj.response_mask]
@@ -84,7 +63,7 @@ def run_dir(tmp_path_factory):
 
 
 def test_load_and_cli(run_dir, capsys):
-    items, problems = load_trajectories(run_dir)
+    items, problems = load_view_items(run_dir)
     assert [t.task["id"] for _, t in items] == ["r1", "r2", "g1"]
     assert len(problems) == 1 and problems[0]["source"] == "trajectories.jsonl:4"
     assert main([str(run_dir), f"out={run_dir / 'view.html'}"]) == 0
@@ -103,7 +82,7 @@ def test_load_and_cli(run_dir, capsys):
 def test_viewer_in_headless_chromium(run_dir, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    items, problems = load_trajectories(run_dir / "trajectories.jsonl")
+    items, problems = load_view_items(run_dir / "trajectories.jsonl")
     html = write_html(items, tmp_path / "view.html", fmt=FMT, problems=problems)
     shot = tmp_path / "viewer.png"
     external: list[str] = []

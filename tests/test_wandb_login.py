@@ -1,4 +1,4 @@
-"""``trainer.wandb=true`` without a W&B login is one line and exit 2 before any model loads (issue 27 §7).
+"""``trainer.wandb=true`` without a W&B login is one line and exit 2 before any model loads.
 W&B itself is never contacted: the check reads the environment and ~/.netrc only."""
 
 from __future__ import annotations

@@ -133,7 +133,6 @@ class DecodeEngine:
     """See the module docstring.
 
     - ``model``: a supported transformers causal LM on its device (:func:`agentrl.engines.decoder.unsupported_reason`).
-    - ``pad_token_id``: unused (no padding); kept for the engines' common constructor.
     - ``max_batch_size``: most sequences decoding at once.
     - ``seed``: the engine seed of the sampling keys (:meth:`reseed` changes it).
     - ``record_routing``: return each completion's MoE routing (``[L, n, k]`` int64 over the ``n`` tokens
@@ -146,7 +145,7 @@ class DecodeEngine:
       ``prefill_tokens`` (tokens per prefill forward).
     """
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0, max_batch_size: int = 64, seed: int = 0,
+    def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 64, seed: int = 0,
                  record_routing: bool = False, share_prefix: bool = True, deterministic: bool = False,
                  chunk_steps: int | None = None, cuda_graphs: bool | None = None, attention: str | None = None,
                  fused: bool | None = None, max_slots: int | None = None, min_length: int | None = None,

@@ -48,7 +48,8 @@ def _on_cuda(model: Any) -> bool:
 
 def make_engine(model: Any, *, kind: str = "auto", pad_token_id: int = 0, max_batch_size: int = 64, seed: int = 0,
                 record_routing: bool = False, share_prefix: bool = True, deterministic: bool = False) -> Any:
-    """A rollout engine for ``model`` (a transformers causal LM on its device). ``deterministic``
+    """A rollout engine for ``model`` (a transformers causal LM on its device). ``pad_token_id``: the
+    transformers engine's left padding (the decode engine pads nothing). ``deterministic``
     (decode engine only): reproducible batch formation (see :mod:`agentrl.engines.decode_engine`);
     ValueError when ``kind`` resolves to the transformers engine, which has no such mode."""
     chosen = choose_kind(model, kind)
@@ -59,7 +60,7 @@ def make_engine(model: Any, *, kind: str = "auto", pad_token_id: int = 0, max_ba
     if chosen == "decode":
         from agentrl.engines.decode_engine import DecodeEngine
 
-        return DecodeEngine(model, pad_token_id=pad_token_id, max_batch_size=max_batch_size, seed=seed,
+        return DecodeEngine(model, max_batch_size=max_batch_size, seed=seed,
                             record_routing=record_routing, share_prefix=share_prefix, deterministic=deterministic)
     from agentrl.engines.transformers_engine import TransformersEngine
 

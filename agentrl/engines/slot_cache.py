@@ -43,10 +43,6 @@ class SlotCache:
         """The scratch position of every slot (``L - 1``)."""
         return self.length - 1
 
-    def bytes_per_slot_position(self) -> int:
-        per = 2 * self.layers * self.kv_heads * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
-        return per + 2 * self.moe_layers * self.top_k
-
     def _shape(self, slots: int, length: int) -> tuple[int, ...]:
         if self.layout == "token":
             return (self.layers, 2, slots, length, self.kv_heads, self.head_dim)

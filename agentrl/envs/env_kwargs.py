@@ -9,7 +9,6 @@ signatures (the class's own ``__init__`` and, through ``**kwargs``, its bases' u
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import re
 import typing
@@ -71,8 +70,9 @@ def check_env_kwargs(cls: type, kwargs: Mapping[str, Any], *, prefix: str = "env
     params = env_parameters(cls)
     for key, value in kwargs.items():
         if key not in params:
-            close = difflib.get_close_matches(key, list(params), n=2)
-            hint = f" Did you mean: {', '.join(prefix + c for c in close)}?" if close else ""
+            from agentrl.cli_args import suggest  # here: importing the env SDK reads no config library
+
+            hint = suggest(key, params, n=2, cutoff=0.6, show=lambda c: prefix + c)
             raise EnvKwargsError(
                 f"{prefix}{key}: {cls.__name__} takes no argument {key!r}.{hint} It takes: {', '.join(sorted(params))}"
             )

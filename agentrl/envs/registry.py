@@ -70,13 +70,21 @@ def is_reference(name: str) -> bool:
     return ":" in name
 
 
+class UnknownEnv(KeyError, ValueError):
+    """No env is registered under the name, and it is no reference; a KeyError (a failed lookup) and a ValueError
+    (a bad argument) both. Its ``str`` is the message itself."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def env_class(name: str) -> type:
     """The env class registered as ``name`` (imported on demand), or the one ``name`` refers to:
     ``"package.module:Class"`` (an importable module; the current directory is searched as well, so a module
     next to where the command runs needs no packaging) or ``"path/to/file.py:Class"``.
 
     Raises:
-        KeyError: ``name`` is neither registered nor a reference.
+        UnknownEnv: ``name`` is neither registered nor a reference (the message suggests close names).
         ValueError: a reference whose module or file cannot be imported, or that names no env class there
             (the message says which and what to do).
     """
@@ -88,7 +96,10 @@ def env_class(name: str) -> type:
         return getattr(import_module(module), attr)
     if is_reference(name):
         return _load_reference(name)
-    raise KeyError(f"no env named {name!r}; registered envs: {', '.join(sorted(_registry))}")
+    from agentrl.cli_args import suggest  # here: importing the env SDK reads no config library
+
+    raise UnknownEnv(f"no env named {name!r}; registered envs: {', '.join(sorted(_registry))}."
+                     f"{suggest(name, sorted(_registry), n=2, cutoff=0.6)}")
 
 
 def _load_reference(reference: str) -> type:

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from agentrl.seeds import HELD_OUT_OFFSET
+
 #: the generated sources (anything else names a dataset or a task file)
 TASK_SOURCES = ("env", "arithmetic")
 
@@ -61,7 +63,7 @@ class TaskSource:
     ``generator_kwargs`` go to the env's ``generate_task`` (e.g. ``{"tier": "tool"}`` for retool)."""
 
     def __init__(
-        self, env_cls: type, source: str, *, seed: int, level: int = 1, eval_seed: int = 1_000_000, num_held_out: int = 0,
+        self, env_cls: type, source: str, *, seed: int, level: int = 1, eval_seed: int = HELD_OUT_OFFSET, num_held_out: int = 0,
         generator_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.env_cls, self.source, self.seed, self.level, self.eval_seed = env_cls, source, seed, level, eval_seed

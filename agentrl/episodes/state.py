@@ -70,7 +70,3 @@ class EpisodeState:
         """Tokens left under the env's ``max_total_tokens`` (prompt + response)."""
         traj = self.trajectory
         return self.env.limits.max_total_tokens - len(traj.prompt_ids) - len(traj.response_ids)
-
-    @property
-    def elapsed_s(self) -> float:
-        return time.perf_counter() - self.started

@@ -136,9 +136,10 @@ def summarize_items(config: EvalConfig, items: list[tuple[str, dict[str, Any]]],
 class Evaluation:
     """One ``agentrl eval`` invocation. ``await run()`` returns the metrics dict (also in ``metrics.json``).
 
-    ``on_progress(done, total, failed)`` is called after each episode. ``runner``: the episode runner to use
-    (default: the one ``config.api`` and ``config.model`` give, :func:`~agentrl.evaluation.policies.open_runner`);
-    the trainer passes its own engine's, so its held-out evaluations are this one.
+    ``on_progress(done, total, failed)`` is called after each episode. The episodes run with the runner that
+    ``config.api`` and ``config.model`` give (:func:`~agentrl.evaluation.policies.open_runner`), in
+    ``config.processes`` processes. (The trainer's held-out evaluations run the same jobs, :func:`eval_jobs` and
+    :func:`run_jobs`, with its own engine's runner: :mod:`agentrl.train.heldout`.)
     """
 
     def __init__(
@@ -146,12 +147,10 @@ class Evaluation:
         config: EvalConfig,
         *,
         on_progress: Callable[[int, int, int], Any] | None = None,
-        runner: EpisodeRunner | None = None,
         _child: bool = False,
     ):
         self.config = config
         self.on_progress = on_progress
-        self.runner = runner
         self.window = (0.0, 0.0)  # monotonic start/end of the episodes this process ran
         # the parent opens the directory in run(), once the tasks loaded: a failed start writes nothing
         self.store: ResultStore = ResultStore(config.out_dir(), config, write_config=False) if _child else None  # type: ignore[assignment]
@@ -164,7 +163,7 @@ class Evaluation:
         todo = eval_jobs(cfg, items, done)
         t0 = time.perf_counter()
         try:
-            if cfg.processes > 1 and len(todo) > 1 and self.runner is None:
+            if cfg.processes > 1 and len(todo) > 1:
                 ran = await self._run_processes(todo)
             else:
                 ran = await self._run_all(todo)
@@ -188,12 +187,12 @@ class Evaluation:
         return metrics
 
     async def _run_all(self, todo: list[EpisodeJob]) -> JobCounts:
-        """Run ``todo`` (:func:`run_jobs`) with this evaluation's runner, opening the default one (and its
-        engine, sandbox, HTTP client) for the duration when none was given."""
+        """Run ``todo`` (:func:`run_jobs`) with the runner :func:`open_runner` gives (and its engine, sandbox,
+        HTTP client), open for the duration."""
         if not todo:
             return JobCounts()
         async with contextlib.AsyncExitStack() as stack:
-            runner = self.runner or await open_runner(self.config, stack)
+            runner = await open_runner(self.config, stack)
             self.window = (time.monotonic(), 0.0)
             result = await run_jobs(runner, todo, self.store, concurrency=self.config.concurrency,
                                     on_progress=self.on_progress)

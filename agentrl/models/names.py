@@ -9,9 +9,9 @@ directory ``org``) are left for the hub, so a typo in a local path never costs a
 
 from __future__ import annotations
 
-import difflib
 import os
 
+from agentrl.cli_args import suggest
 from agentrl.rundir import ADAPTER_DIR, check_weights_file, is_run_dir, latest_checkpoint, read_config_yaml
 
 BUILTIN_MODELS = ("smollm2-135m", "tiny-gpt-oss", "gpt-oss-20b-random")
@@ -56,8 +56,7 @@ def check_model_name(name: str, *, depth: int = 0) -> None:
     if looks_like_path(name):
         raise ValueError(f"model={name!r}: no such directory ({os.path.abspath(path)}); give {_KINDS}")
     if "/" not in name:
-        close = difflib.get_close_matches(name, BUILTIN_MODELS, n=2)
-        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        hint = suggest(name, BUILTIN_MODELS, n=2, cutoff=0.6)
         raise ValueError(
             f"unknown model {name!r}.{hint} Use a built-in ({', '.join(BUILTIN_MODELS)}), "
             "a local directory with config.json, or a hub id like 'org/name'."

@@ -168,10 +168,6 @@ class Agent(AsyncClosing):
             yield Done(job.result())
             return
 
-    def run_sync(self, request: str, **kwargs: Any) -> AgentResult:
-        """Blocking :meth:`run` for scripts (not inside a running event loop)."""
-        return asyncio.run(self.run(request, **kwargs))
-
     # ------------------------------------------------------------------ internals
     async def _guarded(
         self,

@@ -48,6 +48,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from agentrl import seeds
 from agentrl.episodes import EnvPool, EpisodeResult
 from agentrl.train.rollout import RolloutResult, rollout
 
@@ -124,10 +125,10 @@ class AsyncRollouts:
             start = state.data_position + (step - state.step - 1) * cfg.rollout.batch_size
             tasks = [trainer.train_task(start + i) for i in range(cfg.rollout.batch_size)]
             if self.bound == 0:  # as the synchronous trainer: one batch in flight, its engine reseeded per step
-                self.engine.reseed(cfg.seed * 1_000_003 + step)
+                self.engine.reseed(seeds.engine_seed(cfg.seed, step, 1, 0))  # one rank: async needs one GPU
             self.pending[step] = asyncio.ensure_future(rollout(
                 self.pool, self.engine, trainer.sampling(cfg.rollout.temperature), tasks, n=cfg.rollout.n,
-                seed=cfg.seed * 1_000_003 + start * cfg.rollout.n,
+                seed=seeds.rollout_seed(cfg.seed, start, cfg.rollout.n),
                 progress_interval_s=cfg.trainer.progress_interval_s if self.bound == 0 else 0.0))
             self.launched[step] = state.step
 

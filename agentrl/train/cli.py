@@ -81,14 +81,33 @@ def check_run_dir(cfg) -> None:
         )
 
 
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def _dry_run(argv: list[str]) -> tuple[bool, list[str]]:
+    """``--dry-run`` (also ``--dry-run=true|false|1|0``, like every bool flag) out of ``argv``: whether it is on,
+    and the other words. UsageError for another value."""
+    on, rest = False, []
+    for word in argv:
+        flag, eq, value = word.partition("=")
+        if flag.replace("_", "-") != "--dry-run":
+            rest.append(word)
+        elif not eq:
+            on = True
+        elif value.lower() in _BOOLS:
+            on = _BOOLS[value.lower()]
+        else:
+            raise UsageError(f"--dry-run takes true or false, got {value!r}")
+    return on, rest
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if is_help(argv):
         print(help_text())
         return 0
-    dry_run = "--dry-run" in argv
-    argv = [a for a in argv if a != "--dry-run"]
     try:
+        dry_run, argv = _dry_run(argv)
         cfg = load_run_config(argv)
         check_run_dir(cfg)
     except UsageError as exc:

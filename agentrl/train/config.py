@@ -42,6 +42,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from agentrl.cli_args import CommandSpec, UsageError, declarations, key, normalise, parse, schema_keys
 from agentrl.cli_args import help_text as spec_help_text
 from agentrl.engines.factory import KINDS as ENGINE_KINDS
+from agentrl.seeds import HELD_OUT_OFFSET
 from agentrl.train.algorithms import ADVANTAGE_ESTIMATORS, KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from agentrl.train.algorithms.rollout_correction import parse_is_threshold, parse_rs_thresholds, rs_options
 from agentrl.train.freeze import GROUPS as FREEZE_PATTERNS
@@ -249,7 +250,7 @@ class ActorConfig:
 
 
 @dataclass
-class EvalConfig:
+class HeldOutConfig:
     """Held-out evaluation (``agentrl.evaluation``'s runner and metrics) on a fixed task set, disjoint from the
     training stream."""
 
@@ -258,7 +259,7 @@ class EvalConfig:
     every: int = key(0, "RL steps between evaluations (0: only before and after)", min=0)
     before: bool = key(True, "evaluate before training")
     after: bool = key(True, "evaluate after the last step")
-    seed_offset: int = key(1_000_000, "the held-out tasks' seed is seed + this")
+    seed_offset: int = key(HELD_OUT_OFFSET, "the held-out tasks' seed is seed + this")
 
 
 @dataclass
@@ -376,7 +377,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
+    eval: HeldOutConfig = field(default_factory=HeldOutConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     backend: str = key("embedded", "embedded (this process) or verl (Ray, FSDP, vLLM/SGLang)", choices=BACKENDS)

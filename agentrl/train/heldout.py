@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl import errorlog, rundir
+from agentrl import errorlog, rundir, seeds
 from agentrl.evaluation import EvalConfig
 from agentrl.evaluation.config import load_tasks
 from agentrl.evaluation.metrics import headline
@@ -56,7 +56,7 @@ def held_out_config(cfg: DictConfig, run_dir: str) -> EvalConfig:
     return EvalConfig(
         env=cfg.env, model=run_dir, n=1, limit=max(int(cfg.eval.num_tasks), 1), split="test",
         tasks=str(cfg.data.tasks),
-        task_seed=int(cfg.seed + cfg.eval.seed_offset), level=int(cfg.data.level),
+        task_seed=int(seeds.held_out_seed(cfg.seed, cfg.eval.seed_offset)), level=int(cfg.data.level),
         format_reward=float(cfg.data.format_reward), api="completions", format=str(cfg.format),
         concurrency=pool_size(cfg), temperature=float(cfg.eval.temperature), top_p=float(r.top_p), top_k=int(r.top_k),
         max_new_tokens=int(r.max_new_tokens), seed=int(cfg.seed), env_kwargs=env_settings(cfg),

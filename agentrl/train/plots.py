@@ -10,10 +10,10 @@ run logged; runs without any of them are skipped in that panel. Uses matplotlib'
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from agentrl.cli_args import CommandSpec, UsageError, run
+from agentrl.cli_args import CommandSpec, UsageError, key, run
 from agentrl.rundir import read_metrics
 
 #: panel file stem -> (title, candidate metric keys in order of preference)
@@ -41,10 +41,10 @@ BEFORE_SFT: dict[str, tuple[str, ...]] = {
 
 
 def _series(records: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[str, list[int], list[float]] | None:
-    for key in keys:
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    for name in keys:
+        points = [(r["step"], r[name]) for r in records if r.get(name) is not None]
         if points:
-            return key, [p[0] for p in points], [float(p[1]) for p in points]
+            return name, [p[0] for p in points], [float(p[1]) for p in points]
     return None
 
 
@@ -99,12 +99,11 @@ def plot_runs(run_dirs: list[str], out_dir: str, *, dpi: int = 80) -> list[str]:
 
 @dataclass
 class PlotConfig:
-    """``runs``: run directories holding ``metrics.jsonl`` (bare words); ``out``: the output directory
-    (default: the first run's ``plots/``); ``dpi``: resolution of the panels."""
+    """Settings of ``agentrl plot``."""
 
-    runs: list[str] = field(default_factory=list)
-    out: str | None = None
-    dpi: int = 80
+    runs: list[str] = key([], "run directories holding metrics.jsonl (bare words)")
+    out: str | None = key(None, "the output directory (default: the first run's plots/)")
+    dpi: int = key(80, "resolution of the panels", min=10)
 
 
 SPEC = CommandSpec(
@@ -120,8 +119,6 @@ def _plot(cfg: Any) -> int:
     runs = list(cfg.runs)
     if not runs:
         raise UsageError("no run directory given; e.g. agentrl plot runs/retool-20261130-133143")
-    if cfg.dpi < 10:
-        raise UsageError(f"dpi must be >= 10, got {cfg.dpi}; e.g. dpi=80")
     paths = plot_runs(runs, cfg.out or os.path.join(runs[0], "plots"), dpi=cfg.dpi)  # RunDirError: one line
     for path in paths:
         print(path)

@@ -3,7 +3,7 @@ resume, and :class:`Checkpoints`, which saves and restores it with the model and
 
 A checkpoint written inside the SFT stage (``sft_<k>``) holds the SFT optimizer's state; one written after it
 (``step_<n>``, step 0 included) holds RL's. Resuming from an SFT-stage checkpoint therefore restores a fresh SFT
-optimizer (:attr:`Checkpoints.sft_optimizer`, which the SFT stage then continues with), and the RL optimizer
+optimizer (returned by :meth:`Checkpoints.resume`; the SFT stage then continues with it), and the RL optimizer
 starts fresh when the stage ends, exactly as in an uninterrupted run. After the SFT stage, the KL reference is
 the SFT'd policy, kept in ``RUN_DIR/sft/reference.pt`` for resumed runs; except in a LoRA run, whose reference
 stays the base model with the adapters disabled (nothing to keep: no second copy of the weights).
@@ -27,7 +27,8 @@ class RunState:
     mini-batch shuffling RNG; ``eval_history``: label (``before``, ``after_sft``, ``step_N``) -> the held-out
     evaluation's headline figures; ``sft_done``, ``sft_step`` (SFT steps done), ``sft_info`` (where its data came
     from, its last loss); ``infra``: the RL steps' episodes that a tool's backend ended (``errors``: left out after
-    their runs again; ``retries``: runs again)."""
+    their runs again; ``retries``: runs again); ``stopped_by``: the budget that ended this process's RL stage early
+(``max_wall_s``) or None (not saved: a resumed run starts without one)."""
 
     seed: int
     step: int = 0
@@ -37,6 +38,7 @@ class RunState:
     sft_info: dict[str, Any] = field(default_factory=dict)
     eval_history: dict[str, dict[str, Any]] = field(default_factory=dict)
     infra: dict[str, int] = field(default_factory=lambda: {"errors": 0, "retries": 0})
+    stopped_by: str | None = None
     update_generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
@@ -64,12 +66,20 @@ class RunState:
         self.infra = {"errors": 0, "retries": 0, **{k: int(v) for k, v in state.get("infra", {}).items()}}
 
 
+@dataclass
+class Resumed:
+    """What :meth:`Checkpoints.resume` restored: the ``checkpoint`` directory and, for a checkpoint written inside
+    the SFT stage, the ``sft_optimizer`` holding its state (None after the stage: RL's optimizer was restored)."""
+
+    checkpoint: str
+    sft_optimizer: torch.optim.Optimizer | None
+
+
 class Checkpoints:
     """Saves and restores a run's checkpoints (model, the optimizer of its stage, RNGs, :class:`RunState`)."""
 
     def __init__(self, run_dir: str, cfg: Any, parallel: Any, actor: Any, state: RunState) -> None:
         self.run_dir, self.cfg, self.parallel, self.actor, self.state = run_dir, cfg, parallel, actor, state
-        self.sft_optimizer: torch.optim.Optimizer | None = None  # restored from an SFT-stage checkpoint
         self.reference = os.path.join(run_dir, rundir.SFT_DIR, "reference.pt")
 
     def save(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -85,21 +95,23 @@ class Checkpoints:
             )
         self.parallel.barrier()
 
-    def resume(self) -> str | None:
+    def resume(self) -> Resumed | None:
         """Restore the run's latest checkpoint, if any (model, optimizer, RNGs, :class:`RunState`, the KL
-        reference after SFT); returns its directory. Raises RunDirError for a damaged ``state.json``."""
+        reference after SFT); returns what it restored (None without a checkpoint). Raises RunDirError for a
+        damaged ``state.json``."""
         ckpt = rundir.latest_checkpoint(self.run_dir)
         if ckpt is None:
             return None
+        sft_optimizer = None
         if not rundir.read_checkpoint_state(ckpt).get("sft_done", True):  # its optimizer state is SFT's
-            self.sft_optimizer = self.actor.sft_optimizer()
-        state = self.parallel.load_checkpoint(ckpt, self.actor.model, self.sft_optimizer or self.actor.optimizer)
+            sft_optimizer = self.actor.sft_optimizer()
+        state = self.parallel.load_checkpoint(ckpt, self.actor.model, sft_optimizer or self.actor.optimizer)
         self.state.restore(state)
         ref = self.actor.ref_model
         if ref is not None and ref is not self.actor.model and self.state.sft_done and os.path.exists(self.reference):
             state = load_file(self.reference, map_location=self.actor.model.device)
             load_state_into(ref, state, self.reference)
-        return ckpt
+        return Resumed(ckpt, sft_optimizer)
 
     def keep_reference(self) -> None:
         """After the SFT stage: the KL reference becomes the SFT'd policy (saved for resumed runs). A LoRA run's

@@ -11,7 +11,7 @@ Used by ``agentrl sft`` (:mod:`agentrl.train.sft_cli`) and by the trainer's cold
 
 - trajectories JSONL written by ``agentrl eval`` (``OUT/trajectories.jsonl``) or by the trainer
   (``RUN_DIR/trajectories/*.jsonl``), filtered with ``sft.min_reward`` / ``sft.correct_only``
-  (:func:`load_trajectories`);
+  (:func:`load_sft_data`);
 - demonstrations of a teacher run through the env (:mod:`agentrl.train.teachers`).
 """
 
@@ -28,7 +28,7 @@ from agentrl.harmony.trajectory import Trajectory
 from agentrl.train.activation_checkpointing import activation_checkpointing
 from agentrl.train.batch import Batch, collate
 from agentrl.train.prefix_sharing import supports_prefix_sharing
-from agentrl.train.sft_data import load_trajectories
+from agentrl.train.sft_data import load_sft_data
 from agentrl.train.teachers import generate_demonstrations
 from agentrl.train.update import forward_logprobs
 
@@ -224,7 +224,7 @@ async def prepare_data(
     came from and how many were kept. Empty when ``sft.teacher=auto`` and the env has no scripted teacher.
     ``progress_interval_s``: see :func:`~agentrl.train.teachers.generate_demonstrations`."""
     if sft.data:
-        trajs, counts = load_trajectories(
+        trajs, counts = load_sft_data(
             str(sft.data), min_reward=sft.min_reward, correct_only=bool(sft.correct_only), vocab_size=vocab_size
         )
         return trajs, {"source": str(sft.data), **counts}

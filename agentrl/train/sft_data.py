@@ -19,7 +19,7 @@ def check_data(paths: str | Sequence[str], *, min_reward: float | None = None, c
     JSONL file, an ``agentrl eval`` directory or an ``agentrl train`` run: its training episodes) and the
     filters keep at least one; the message names what each filter dropped. Reads the files (no model)."""
     files = [str(f) for path in data_paths(paths) for f in rundir.trajectory_files(path, "train")]
-    kept, counts = load_trajectories(paths, min_reward=min_reward, correct_only=correct_only)
+    kept, counts = load_sft_data(paths, min_reward=min_reward, correct_only=correct_only)
     if kept:
         return
     dropped = [f"{counts[k]} {what}" for k, what in (
@@ -49,7 +49,7 @@ def keep_trajectory(traj: Trajectory, *, min_reward: float | None = None, correc
     return rejection(traj, min_reward=min_reward, correct_only=correct_only) is None
 
 
-def load_trajectories(
+def load_sft_data(
     paths: str | Sequence[str], *, min_reward: float | None = None, correct_only: bool = False,
     vocab_size: int | None = None,
 ) -> tuple[list[Trajectory], dict[str, int]]:

@@ -17,14 +17,60 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from agentrl import rundir
+from agentrl import rundir, seeds
 from agentrl.cli_args import UsageError
 from agentrl.episodes import EnvPool
 from agentrl.train.free_memory import release_free_memory
 
-_DEMO_OFFSET = 1_000_000_000  # SFT demonstrations use training tasks from this index on (RL starts at 0)
+if TYPE_CHECKING:
+    import torch
+    from omegaconf import DictConfig
+
+    from agentrl.episodes import EpisodeResult
+    from agentrl.harmony.trajectory import Trajectory
+    from agentrl.train.actor import Actor
+    from agentrl.train.heldout import HeldOutEvaluation
+    from agentrl.train.parallel import SingleProcess
+    from agentrl.train.reporting import Reporter
+    from agentrl.train.resume import Checkpoints, RunState
+    from agentrl.train.sft import SFTStage
+
+
+class StageContext(Protocol):
+    """What the stages read and call of a run (:class:`~agentrl.train.trainer.Trainer` is one): its config,
+    state, parts, task stream and the two steps it knows how to take."""
+
+    cfg: DictConfig
+    state: RunState
+    run_dir: str
+    t_created: float  # time.perf_counter() when the run was created (``trainer.max_wall_s`` counts from it)
+    env_cls: type
+    actor: Actor
+    parallel: SingleProcess
+    reporter: Reporter
+    checkpoints: Checkpoints
+    heldout: HeldOutEvaluation
+
+    @property
+    def format(self) -> Any:
+        """The run's chat format."""
+
+    def make_env(self) -> Any:
+        """An env of the run."""
+
+    def train_task(self, index: int) -> tuple[str, dict[str, Any]]:
+        """Training task ``index``: its id and its task."""
+
+    async def evaluate(self, pool: EnvPool | None = None, label: str | None = None) -> dict[str, float]:
+        """A held-out evaluation of the current weights; its ``eval/*`` metrics."""
+
+    async def train_step(self, pool: EnvPool) -> tuple[dict[str, float], list[EpisodeResult]]:
+        """One RL step; its metrics and all ranks' episodes."""
+
+    async def stop_rollouts(self) -> None:
+        """Cancel asynchronous rollouts still in flight (none under synchronous rollouts)."""
 
 
 class TrainingFailed(RuntimeError):
@@ -38,7 +84,7 @@ class FailureBudget:
     def __init__(self, limit: int) -> None:
         self.limit, self.streak, self.first = limit, 0, ""
 
-    def record(self, step: int, episodes: list[Any]) -> None:
+    def record(self, step: int, episodes: list[EpisodeResult]) -> None:
         """Account for step ``step``'s episodes (all ranks')."""
         if any(e.usable for e in episodes) or not episodes:
             self.streak, self.first = 0, ""
@@ -59,7 +105,7 @@ class EmptySFTData(UsageError):
     exit status 2), found before the evaluation that precedes training."""
 
 
-def _empty_data_message(sft: Any, info: dict[str, Any]) -> str:
+def _empty_data_message(sft: DictConfig, info: dict[str, Any]) -> str:
     """One line: how many episodes the teacher (or ``sft.data``) gave, why none is kept, what to change."""
     total = info.get("episodes", info.get("read", 0))
     failed = int(info.get("failed") or 0)
@@ -71,15 +117,17 @@ def _empty_data_message(sft: Any, info: dict[str, Any]) -> str:
             "or give sft.data=PATH")
 
 
-async def run_stages(trainer: Any) -> dict[str, Any]:
-    """The whole run from where ``trainer.state`` stands; returns the summary."""
+async def run_stages(trainer: StageContext, sft_optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """The whole run from where ``trainer.state`` stands; returns the summary. ``sft_optimizer``: the one
+    restored from an SFT-stage checkpoint (:meth:`~agentrl.train.resume.Checkpoints.resume`), which the SFT
+    stage continues with."""
     from agentrl.train.heldout import pool_size
 
     pool = EnvPool(trainer.make_env, pool_size(trainer.cfg))
     t_start = time.perf_counter()
     try:
         if trainer.state.step == 0 and not trainer.state.sft_done:
-            await before_rl(trainer, pool)
+            await before_rl(trainer, pool, sft_optimizer)
         await rl_stage(trainer, pool)
         _export_hf(trainer)
     finally:
@@ -88,11 +136,11 @@ async def run_stages(trainer: Any) -> dict[str, Any]:
         trainer.reporter.close()
     return trainer.reporter.summary(
         trainer.state, wall_s=time.perf_counter() - t_start, t_created=trainer.t_created,
-        load_s=trainer.actor.load_s, stopped_by=trainer.stopped_by,
+        load_s=trainer.actor.load_s, stopped_by=trainer.state.stopped_by,
     )
 
 
-def _export_hf(trainer: Any) -> None:
+def _export_hf(trainer: StageContext) -> None:
     """``trainer.export_hf``: the last checkpoint's model also in the HF format (one process; rank 0 of a
     parallel run holds no full module, so it keeps ``model.pt`` only). A LoRA run exports its adapter merged
     into the base, loaded anew on the CPU (the trained model is left as it is); its ``adapter/`` stays PEFT's."""
@@ -117,8 +165,9 @@ def _export_hf(trainer: Any) -> None:
         trainer.reporter.print(f"HF format (save_pretrained{how}): {out}")
 
 
-async def before_rl(trainer: Any, pool: EnvPool) -> None:
-    """Step 0: evaluation before anything, the SFT stage with its evaluation, a checkpoint."""
+async def before_rl(trainer: StageContext, pool: EnvPool, sft_optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Step 0: evaluation before anything, the SFT stage (continuing with ``sft_optimizer`` when given) with its
+    evaluation, a checkpoint."""
     cfg, state = trainer.cfg, trainer.state
     evaluating = bool(cfg.eval.num_tasks)
     record: dict[str, float] = {}
@@ -127,7 +176,7 @@ async def before_rl(trainer: Any, pool: EnvPool) -> None:
     data_s = time.perf_counter() - t0
     if evaluating and cfg.eval.before and "before" not in state.eval_history:
         record = await trainer.evaluate(pool, "before")
-    sft_metrics = await sft_stage(trainer, trajectories, data_s)
+    sft_metrics = await sft_stage(trainer, trajectories, data_s, sft_optimizer)
     if sft_metrics:
         record = {f"eval_before/{k[len('eval/'):]}": v for k, v in record.items()}
         record.update(sft_metrics)
@@ -142,7 +191,7 @@ async def before_rl(trainer: Any, pool: EnvPool) -> None:
         trainer.reporter.sink.log(0, record)
 
 
-async def rl_stage(trainer: Any, pool: EnvPool) -> None:
+async def rl_stage(trainer: StageContext, pool: EnvPool) -> None:
     """RL steps to ``trainer.total_steps`` with evaluations and checkpoints (module docstring)."""
     cfg, state, reporter = trainer.cfg, trainer.state, trainer.reporter
     budget = FailureBudget(cfg.trainer.max_failed_steps)
@@ -165,7 +214,7 @@ async def rl_stage(trainer: Any, pool: EnvPool) -> None:
                 progress.update(bar, completed=state.step)
             budget.record(state.step, episodes)
             if out_of_time:
-                trainer.stopped_by = "max_wall_s"
+                state.stopped_by = "max_wall_s"
                 reporter.print(
                     f"trainer.max_wall_s={cfg.trainer.max_wall_s:g} reached: stopping after step {state.step} "
                     "(trainer.max_wall_s=0 removes the limit)"
@@ -173,7 +222,7 @@ async def rl_stage(trainer: Any, pool: EnvPool) -> None:
                 break
 
 
-def _out_of_time(trainer: Any, slowest_step: float) -> bool:
+def _out_of_time(trainer: StageContext, slowest_step: float) -> bool:
     """True if another step plus the final evaluation would overrun ``trainer.max_wall_s``."""
     cfg = trainer.cfg
     if not cfg.trainer.max_wall_s:
@@ -182,9 +231,10 @@ def _out_of_time(trainer: Any, slowest_step: float) -> bool:
     return time.perf_counter() - trainer.t_created + slowest_step + eval_s > cfg.trainer.max_wall_s
 
 
-async def sft_stage(trainer: Any, trajectories: list[Any], data_s: float) -> dict[str, float]:
+async def sft_stage(trainer: StageContext, trajectories: list[Trajectory], data_s: float,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
     """The SFT stage (``sft.*``) on ``trajectories`` (:func:`_sft_data`, made in ``data_s`` seconds):
-    ``sft.steps`` optimizer steps with a fresh AdamW (or the one restored from an SFT-stage checkpoint),
+    ``sft.steps`` optimizer steps with a fresh AdamW (or ``optimizer``, restored from an SFT-stage checkpoint),
     checkpointed every ``sft.save_every`` steps. Resumes at ``state.sft_step``. Returns ``sft/*`` summary
     metrics ({} when there is no SFT stage)."""
     from agentrl.train.sft import SFTStage
@@ -195,8 +245,7 @@ async def sft_stage(trainer: Any, trajectories: list[Any], data_s: float) -> dic
         return {}
     t0 = time.perf_counter() - data_s
     actor = trainer.actor
-    optimizer = trainer.checkpoints.sft_optimizer or actor.sft_optimizer()
-    trainer.checkpoints.sft_optimizer = None
+    optimizer = optimizer or actor.sft_optimizer()
     stage = SFTStage(
         actor.model, optimizer, trajectories, batch_size=sft.batch_size, micro_batch_size=sft.micro_batch_size,
         pad_token_id=actor.pad_token_id, seed=cfg.seed, grad_clip=sft.grad_clip,
@@ -217,7 +266,7 @@ async def sft_stage(trainer: Any, trajectories: list[Any], data_s: float) -> dic
     }
 
 
-async def _sft_data(trainer: Any) -> list[Any]:
+async def _sft_data(trainer: StageContext) -> list[Trajectory]:
     """The SFT data: the saved ``sft/data.jsonl`` when resumed inside the stage, else :func:`prepare_data`
     (saved there). Raises :class:`EmptySFTData` when the filters leave nothing."""
     from agentrl.train.sft import prepare_data
@@ -228,8 +277,8 @@ async def _sft_data(trainer: Any) -> list[Any]:
         return rundir.load_trajectories(data_path).records
     trajectories, info = await prepare_data(
         cfg.sft, env_cls=trainer.env_cls, make_env=trainer.make_env,
-        task=lambda i: trainer.train_task(_DEMO_OFFSET + i)[1], vocab_size=trainer.format.vocab_size,
-        seed=cfg.seed + 31_337, stop_token_ids=list(trainer.format.stop_token_ids),
+        task=lambda i: trainer.train_task(seeds.DEMO_TASKS + i)[1], vocab_size=trainer.format.vocab_size,
+        seed=seeds.sft_data_seed(cfg.seed), stop_token_ids=list(trainer.format.stop_token_ids),
         progress_interval_s=cfg.trainer.progress_interval_s,
     )
     state.sft_info = {"data": info}
@@ -243,7 +292,7 @@ async def _sft_data(trainer: Any) -> list[Any]:
     return trajectories
 
 
-def _sft_steps(trainer: Any, stage: Any, optimizer: Any) -> list[float]:
+def _sft_steps(trainer: StageContext, stage: SFTStage, optimizer: torch.optim.Optimizer) -> list[float]:
     """Run the SFT steps from ``state.sft_step`` to ``sft.steps``; returns their losses."""
     from agentrl.train.metrics import MetricsSink
 

@@ -21,7 +21,6 @@ The parts, one job each: :mod:`~agentrl.train.actor` (model, reference, optimize
 from __future__ import annotations
 
 import asyncio
-import difflib
 import json
 import os
 import random
@@ -33,8 +32,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from agentrl import errorlog, rundir
+from agentrl import errorlog, rundir, seeds
 from agentrl.engines.base import SamplingParams
+from agentrl.envs.registry import env_class
 from agentrl.envs.task_source import TaskSource
 from agentrl.episodes import EnvPool, EpisodeResult
 from agentrl.evaluation.policies import env_kwargs_of
@@ -61,19 +61,6 @@ def default_run_dir(cfg: DictConfig) -> str:
     return os.path.join("runs", f"{cfg.env}{kind}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def env_class(name: str) -> type:
-    """The registered env class ``name``; ValueError with close matches otherwise."""
-    import agentrl.envs.registry as registry
-
-    try:
-        return registry.env_class(name)
-    except KeyError:
-        names = sorted(registry.registered())
-        close = difflib.get_close_matches(name, names, n=2)
-        hint = f" Did you mean {' or '.join(close)}?" if close else ""
-        raise ValueError(f"unknown env {name!r}.{hint} Registered envs: {', '.join(names)}") from None
-
-
 class Trainer:
     """One run: its config, env class and task stream, :class:`~agentrl.train.actor.Actor`, state, checkpoints,
     held-out evaluation and reporting. See the module docstring."""
@@ -98,7 +85,7 @@ class Trainer:
         self.env_cls = env_class(cfg.env)
         generator_kwargs = self.env_cls.generator_kwargs(OmegaConf.to_container(cfg.env_kwargs, resolve=True))
         self.tasks = TaskSource(self.env_cls, cfg.data.tasks, seed=cfg.seed, level=cfg.data.level,
-                                eval_seed=cfg.seed + cfg.eval.seed_offset, num_held_out=cfg.eval.num_tasks,
+                                eval_seed=seeds.held_out_seed(cfg.seed, cfg.eval.seed_offset), num_held_out=cfg.eval.num_tasks,
                                 generator_kwargs=generator_kwargs)
         self.actor = build_actor(cfg, self.parallel)
         if cfg.actor.lora.rank:
@@ -111,7 +98,6 @@ class Trainer:
         self.heldout = HeldOutEvaluation(cfg, self.run_dir, self.env_cls, self.actor, self.parallel)
         #: asynchronous rollouts (``rollout.max_staleness > 0``), built at the first step
         self.rollouts: AsyncRollouts | None = None
-        self.stopped_by: str | None = None  # the budget that ended the RL stage early, e.g. max_wall_s
         self.started = False
         if rundir.latest_checkpoint(self.run_dir) is None:  # a resumed run starts once its checkpoint is restored
             self._start()
@@ -174,10 +160,10 @@ class Trainer:
         else:
             start, count = par.shard_range(state.data_position, cfg.rollout.batch_size)
             tasks = [self.train_task(start + i) for i in range(count)]
-            self.engine.reseed(cfg.seed * 1_000_003 + (state.step + 1) * par.world_size + par.rank)
+            self.engine.reseed(seeds.engine_seed(cfg.seed, state.step + 1, par.world_size, par.rank))
             with par.gathered(self.model):
                 result = await rollout(pool, self.engine, self.sampling(cfg.rollout.temperature), tasks,
-                                       n=cfg.rollout.n, seed=cfg.seed * 1_000_003 + start * cfg.rollout.n,
+                                       n=cfg.rollout.n, seed=seeds.rollout_seed(cfg.seed, start, cfg.rollout.n),
                                        progress_interval_s=cfg.trainer.progress_interval_s)
             for e in result.episodes:
                 e.trajectory.policy_version = state.step  # sampled with the weights of `step` updates
@@ -265,22 +251,26 @@ class Trainer:
             await self.rollouts.aclose()
 
     # ------------------------------------------------------------------ run
-    def maybe_resume(self) -> None:
-        """Restore the run's latest checkpoint, if any; the metrics log is cut back to its step. A damaged
-        checkpoint or metrics log raises :class:`~agentrl.rundir.RunDirError` before anything in the run
-        directory is written."""
-        ckpt = self.checkpoints.resume()
-        if ckpt is not None and self.parallel.is_main:
+    def maybe_resume(self) -> torch.optim.Optimizer | None:
+        """Restore the run's latest checkpoint, if any; the metrics log is cut back to its step. Returns the SFT
+        optimizer restored from a checkpoint written inside the SFT stage (else None). A damaged checkpoint or
+        metrics log raises :class:`~agentrl.rundir.RunDirError` before anything in the run directory is
+        written."""
+        resumed = self.checkpoints.resume()
+        if resumed is not None and self.parallel.is_main:
             rundir.truncate_metrics(rundir.TrainRun(self.run_dir).metrics, self.state.step)
         if not self.started:
             self._start()
-        if ckpt is not None:
-            self.reporter.print(f"resumed from {ckpt}: step {self.state.step}, data position {self.state.data_position}")
+        if resumed is None:
+            return None
+        self.reporter.print(f"resumed from {resumed.checkpoint}: step {self.state.step}, "
+                            f"data position {self.state.data_position}")
+        return resumed.sft_optimizer
 
     def fit(self) -> dict[str, Any]:
         """Resume if ``RUN_DIR`` has a checkpoint, train to ``trainer.total_steps``, return the summary."""
-        self.maybe_resume()
-        return asyncio.run(run_stages(self))
+        sft_optimizer = self.maybe_resume()
+        return asyncio.run(run_stages(self, sft_optimizer))
 
 
 def run_distributed(cfg: DictConfig, argv: Sequence[str]) -> int:

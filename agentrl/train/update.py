@@ -278,7 +278,7 @@ def _plan_steps(batch: Batch, cfg_actor: Any, generator: torch.Generator | None)
 
 @dataclass
 class Update:
-    """What one policy update did: ``metrics`` (see :func:`update_policy`) and ``old_log_prob``, the ``[B, R]``
+    """What one policy update did: ``metrics`` (see :func:`run_update`) and ``old_log_prob``, the ``[B, R]``
     fp32 log-probs of the sampled tokens under the weights that sampled them (the old-policy log-probs the
     PPO ratio was taken against; 0 on env and padding tokens), or None when no optimizer step was planned."""
 
@@ -316,15 +316,6 @@ class _Run:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
-def update_policy(**arguments: Any) -> dict[str, float]:
-    """Run the planned optimizer steps (see the module docstring) on ``batch`` (already on the model's device)
-    and return their metrics: verl's names plus ``actor/optimizer_steps`` (steps taken),
-    ``actor/zero_grad_steps_skipped`` and ``actor/nonfinite_grad_steps_skipped`` (steps whose gradient was all
-    zero or not finite: no update). ``arguments`` are :func:`run_update`'s, which also returns the old-policy
-    log-probs."""
-    return run_update(**arguments).metrics
-
-
 def run_update(
     *,
     model: Any,
@@ -336,9 +327,11 @@ def run_update(
     generator: torch.Generator | None = None,
     routing: list[torch.Tensor] | None = None,
 ) -> Update:
-    """One policy update (:func:`update_policy`) in small steps: advantages, the step plan and the on-policy
-    decision, the separate old-policy and reference passes when needed, each planned optimizer step, the
-    metrics. ``cfg`` is the full train config. ``ref_model``: the KL reference (with ``actor.use_kl_loss``): a
+    """One policy update in small steps: advantages, the step plan and the on-policy decision, the separate
+    old-policy and reference passes when needed, each planned optimizer step (see the module docstring) on
+    ``batch`` (already on the model's device), the metrics: verl's names plus ``actor/optimizer_steps`` (steps
+    taken), ``actor/zero_grad_steps_skipped`` and ``actor/nonfinite_grad_steps_skipped`` (steps whose gradient
+    was all zero or not finite: no update). ``cfg`` is the full train config. ``ref_model``: the KL reference (with ``actor.use_kl_loss``): a
     frozen model, or ``model`` itself when it carries a LoRA adapter (its base model: adapters disabled for the
     reference pass). ``routing``: per-row rollout MoE routing to replay in every policy forward (routing
     replay), or None."""
@@ -423,15 +416,22 @@ def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
     rows_before = distributed.global_sum((pre.sum(-1) > 0).sum()).clamp(min=1)
     agg = {"dp_size": distributed.world_size(), "batch_num_tokens": tokens_before, "global_batch_size": rows_before,
            "loss_scale_factor": run.loss_scale_factor}
-    after = {"tokens": torch.zeros((), dtype=torch.float64, device=mask.device)}
+    tokens_after = torch.zeros((), dtype=torch.float64, device=mask.device)
     partial = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0}
     for mb, padding in _rank_micro_batches(step_rows, run.actor.micro_batch_size):
-        _micro_batch(run, mb, agg, after, partial, padding=padding)
+        done = _micro_batch(run, mb, agg, padding=padding)
+        if done is None:
+            continue
+        tokens_after += done.tokens
+        if done.kl_loss is not None:
+            partial["kl_loss"] += done.kl_loss
+        partial["pg_loss"] += done.pg_loss
+        partial["entropy"] += done.entropy
     # token-mean: re-normalise from the tokens before rejection to the tokens after it (the seq-mean modes
     # keep every row of the mini-batch, token-sum has no denominator)
     factor = 1.0
     if run.actor.loss_agg_mode == "token-mean":
-        later = float(distributed.global_sum(after["tokens"]))
+        later = float(distributed.global_sum(tokens_after))
         factor = float(tokens_before) / later if later > 0 else 1.0
     if factor != 1.0:
         for p in run.params:
@@ -453,21 +453,32 @@ def _optimizer_step(run: _Run, step_rows: torch.Tensor) -> None:
     run.collected["actor/grad_norm"].append(distributed.full_value(grad_norm))
 
 
-def _micro_batch(run: _Run, mb: torch.Tensor, agg: dict[str, Any], after: dict[str, torch.Tensor],
-                 partial: dict[str, float], *, padding: bool = False) -> None:
-    """Forward, loss and backward of one micro-batch of a step (adds to ``after`` and ``partial``); a
-    ``padding`` one (torchrun: FSDP's collectives in step) has an all-zero loss mask and records nothing.
+@dataclass
+class _MicroBatchLoss:
+    """What one micro-batch's backward added to its step: ``tokens`` (its loss tokens after rollout correction)
+    and the ``.item()`` of its policy loss, entropy and (with a reference) KL loss."""
+
+    tokens: torch.Tensor
+    pg_loss: float
+    entropy: float
+    kl_loss: float | None
+
+
+def _micro_batch(run: _Run, mb: torch.Tensor, agg: dict[str, Any], *, padding: bool = False) -> _MicroBatchLoss | None:
+    """Forward, loss and backward of one micro-batch of a step (None when it has no loss token and runs alone);
+    a ``padding`` one (torchrun: FSDP's collectives in step) has an all-zero loss mask and records nothing.
     Routing replay stays on through the backward: gradient checkpointing re-runs the routers there."""
     mask = run.batch.response_mask
     if not mask[mb.to(mask.device)].any() and not distributed.is_distributed():  # ranks keep FSDP collectives in step
-        return
+        return None
     sub = run.batch.select(mb)
     with replayed(run.model, sub, _rows(run.routing, mb)):
-        _micro_batch_loss(run, mb, sub, agg, after, partial, padding)
+        return _micro_batch_loss(run, mb, sub, agg, padding)
 
 
-def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, Any], after: dict[str, torch.Tensor],
-                      partial: dict[str, float], padding: bool) -> None:
+def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, Any], padding: bool) -> _MicroBatchLoss:
+    """:func:`_micro_batch`'s loss and backward; it records into ``run`` what the whole update reports (the
+    on-policy old log-probs, trained tokens, the policy loss's metrics)."""
     actor, mask = run.actor, run.batch.response_mask
     rows = mb.to(mask.device)
     sub_mask = torch.zeros_like(mask[rows]) if padding else mask[rows]
@@ -490,20 +501,19 @@ def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, An
         clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c, **agg,
     )
     sub_tokens = sub_mask.sum()
-    after["tokens"] += sub_tokens
     loss = pg_loss
     entropy_loss = agg_loss(entropy, sub_mask, mode, **agg)
     if actor.entropy_coeff:
         loss = loss - actor.entropy_coeff * entropy_loss
+    kl_value = None
     if run.ref_log_prob is not None:
         kl_loss = agg_loss(kl_penalty(log_prob, run.ref_log_prob[rows], actor.kl_loss_type), sub_mask, mode, **agg)
         loss = loss + actor.kl_loss_coef * kl_loss
-        partial["kl_loss"] += kl_loss.item()
+        kl_value = kl_loss.item()
     loss.backward()
     run.trained_tokens += 0 if padding else int(sub.attention_mask.sum())
-    partial["pg_loss"] += pg_loss.item()
-    partial["entropy"] += entropy_loss.item()
     run.loss_metrics.add(pg_metrics, float(sub_tokens))
+    return _MicroBatchLoss(sub_tokens, pg_loss.item(), entropy_loss.item(), kl_value)
 
 
 def _metrics(run: _Run, n_steps: int) -> dict[str, float]:

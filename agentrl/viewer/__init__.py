@@ -3,6 +3,6 @@
 Imports neither torch nor transformers.
 """
 
-from agentrl.viewer.html import build_payload, load_trajectories, write_html
+from agentrl.viewer.html import build_payload, load_view_items, write_html
 
-__all__ = ["build_payload", "load_trajectories", "write_html"]
+__all__ = ["build_payload", "load_view_items", "write_html"]

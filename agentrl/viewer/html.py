@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from agentrl import rundir
-from agentrl.cli_args import CommandSpec, UsageError, run
+from agentrl.cli_args import CommandSpec, UsageError, key, run
 from agentrl.harmony.trajectory import Trajectory
 
 
-def load_trajectories(path: str | Path) -> tuple[list[tuple[str, Trajectory]], list[dict[str, Any]]]:
+def load_view_items(path: str | Path) -> tuple[list[tuple[str, Trajectory]], list[dict[str, Any]]]:
     """Read trajectories from a JSONL file or a run directory (every trajectory file of an ``agentrl eval`` or
     ``agentrl train`` run, :func:`agentrl.rundir.trajectory_files`), any schema version.
 
@@ -193,16 +193,14 @@ def run_model(src: Path, items: Sequence[tuple[str, Trajectory]]) -> tuple[str |
 
 @dataclass
 class ViewConfig:
-    """``src``: a trajectory JSONL file or a run directory. ``out``: the HTML file (default: next to the
-    input). ``format``: token texts from ``auto`` (the format of the model that wrote the run), ``harmony``,
-    ``none`` (raw ids) or an HF tokenizer path.
-    ``limit``: keep the first N trajectories (the page holds every token of each)."""
+    """Settings of ``agentrl view``."""
 
-    src: str
-    out: str | None = None
-    format: str = "auto"
-    title: str | None = None
-    limit: int | None = None
+    src: str = key(doc="a trajectory JSONL file or a run directory")
+    out: str | None = key(None, "the HTML file (default: next to the input, named trajectories.html)")
+    format: str = key("auto", "token texts from auto (the format of the model that wrote the run), harmony, none "
+                      "(raw ids) or an HF tokenizer path")
+    title: str | None = key(None, "the page's title (default: agentrl: SRC)")
+    limit: int | None = key(None, "keep the first N trajectories (the page holds every token of each)", min=1)
 
 
 SPEC = CommandSpec(
@@ -218,9 +216,7 @@ SPEC = CommandSpec(
 
 def _view(cfg: Any) -> int:
     src = Path(cfg.src)
-    if cfg.limit is not None and cfg.limit < 1:
-        raise UsageError(f"limit must be >= 1, got {cfg.limit}; e.g. limit=20")
-    items, problems = load_trajectories(src)  # a RunDirError is a usage error: one line, exit 2
+    items, problems = load_view_items(src)  # a RunDirError is a usage error: one line, exit 2
     if not items:
         first = f": {problems[0]['source']}: {problems[0]['error'][:160]}" if problems else ""
         files = ", ".join(str(f) for f in rundir.trajectory_files(src))

@@ -135,6 +135,21 @@ class SandboxBackend(Protocol):
 
 
 @dataclass(frozen=True)
+class ExecutionLimits:
+    """The limits of one execution that both the local pool and ``agentrl serve sandbox`` take, declared once:
+    ``memory_mb`` (MiB), ``max_processes`` (processes and threads), ``output_limit_bytes`` (bytes kept per
+    stream). :data:`LIMITS` holds their defaults."""
+
+    memory_mb: int = 1024
+    max_processes: int = 64
+    output_limit_bytes: int = 64 * 1024
+
+
+#: the default limits of one execution (the pool's and the server's)
+LIMITS = ExecutionLimits()
+
+
+@dataclass(frozen=True)
 class SandboxMessages:
     """The notes a backend writes into :attr:`ExecResult.message`, which reach the model's observation.
 

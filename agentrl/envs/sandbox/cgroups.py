@@ -115,14 +115,6 @@ class MemoryCgroup:
         """Move ``pid`` into ``child`` (its later children are born inside)."""
         (self.path / child / "cgroup.procs").write_text(str(pid))
 
-    def held_bytes(self) -> int:
-        """Memory charged to the whole cgroup now (usage, page cache included), bytes."""
-        name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
-        try:
-            return int((self.path / name).read_text())
-        except (OSError, ValueError):
-            return 0
-
     def remove_quietly(self) -> None:
         """Delete the cgroup tree if it is empty; never waits."""
         with contextlib.suppress(OSError):

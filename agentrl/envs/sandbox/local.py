@@ -40,7 +40,14 @@ from typing import Any
 
 from agentrl.envs.sandbox import isolation as iso
 from agentrl.envs.sandbox import uid_blocks
-from agentrl.envs.sandbox.base import STATUSES, ExecResult, SandboxError, SandboxMessages, SandboxUnavailable
+from agentrl.envs.sandbox.base import (
+    LIMITS,
+    STATUSES,
+    ExecResult,
+    SandboxError,
+    SandboxMessages,
+    SandboxUnavailable,
+)
 from agentrl.envs.sandbox.worker_handle import (
     _UIDS_PER_WORKER,
     BlockBusy,
@@ -162,8 +169,8 @@ class LocalSandbox:
         *,
         isolation: str = "bubblewrap",
         python: str = "/usr/bin/python3",
-        memory_mb: int = 1024,
-        max_processes: int = 64,
+        memory_mb: int = LIMITS.memory_mb,
+        max_processes: int = LIMITS.max_processes,
         max_file_mb: int = 64,
         max_open_files: int = 256,
         tmpfs_mb: int = 256,
@@ -171,7 +178,7 @@ class LocalSandbox:
         worker_memory_mb: int | None = None,
         reserved_mb: int | None = None,
         memory_cgroup: str = "auto",
-        output_limit_bytes: int = 64 * 1024,
+        output_limit_bytes: int = LIMITS.output_limit_bytes,
         seccomp: bool = True,
         uid_base: int | None = None,
         ro_binds: tuple[str, ...] = (),

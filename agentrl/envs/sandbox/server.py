@@ -39,9 +39,10 @@ from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from agentrl.cli_args import CommandSpec, parse, run, to_object
+from agentrl.cli_args import CommandSpec, key, parse, run, to_object
 from agentrl.envs.sandbox import fusion_api as api
 from agentrl.envs.sandbox.base import (
+    LIMITS,
     SandboxBackend,
     SandboxError,
     SandboxMessages,
@@ -53,65 +54,58 @@ from agentrl.envs.sandbox.http_guard import ConnectionLimits, guarded_protocol
 log = logging.getLogger(__name__)
 TOKEN_ENV = "AGENTRL_SANDBOX_TOKEN"
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 @dataclass
 class SandboxServerConfig:
     """Settings of ``agentrl serve sandbox``: the pool's limits, the HTTP layer's limits and access control."""
 
-    host: str = "127.0.0.1"
-    """Address to bind; ``0.0.0.0`` serves a cluster (then set a token)."""
-    port: int = 8080
-    """TCP port."""
-    workers: int | None = None
-    """Sandboxes in the pool (parallel executions); default three per CPU (``local.WORKERS_PER_CORE``)."""
-    memory_mb: int = 1024
-    """Memory limit of one execution, MiB (address space per process, and everything the run holds)."""
-    max_processes: int = 64
-    """Processes and threads of one execution."""
-    output_limit_bytes: int = 64 * 1024
-    """Bytes of stdout and of stderr kept per execution; the rest is cut with a marker."""
-    max_body_bytes: int = 1 << 20
-    """Largest request body, bytes; larger ones get HTTP 413."""
-    max_timeout_s: float = 60.0
-    """Largest ``run_timeout`` / ``total_timeout`` / ``cell_timeout`` a request may ask for, seconds; above: 422."""
-    max_concurrency: int = 64
-    """Executions running at once."""
-    max_queue: int = 1024
-    """Requests waiting for an execution slot; beyond that HTTP 503."""
-    token: str | None = None
-    """Shared secret required on every request but ``/v1/ping`` (default: $AGENTRL_SANDBOX_TOKEN if set)."""
-    header_timeout_s: float = 10.0
-    """Seconds a client has to send a request's headers; then the connection is closed."""
-    body_timeout_s: float = 30.0
-    """Seconds a client has to send a request's body once its headers are in."""
-    keepalive_timeout_s: float = 5.0
-    """Seconds an idle kept-alive connection stays open."""
-    max_connections: int = 1024
-    """Connections open at once, all clients together. At a cap the oldest connection not being served is closed
-    to make room, or else the new one waits unread for one to end (up to this many wait; more are refused)."""
-    max_connections_per_client: int = 64
-    """Connections open at once from one client (an address; an IPv6 client is its /64, and all of loopback is one
-    client per local user). At a cap the oldest connection not being served is closed to make room, or else
-    the new one waits unread for one of that client's to end."""
-    max_header_bytes: int = 64 * 1024
-    """Largest request head (request line and headers), bytes; larger ones get HTTP 431."""
-    min_bytes_per_s: float = 256.0
-    """Slowest a request's headers and body may arrive after the first second, bytes per second; slower
-    connections are closed."""
-    answer_timeout_s: float = 30.0
-    """Seconds a client may leave an answer unread once it fills the connection's buffers; then the connection is
-    closed and the answer freed."""
-    max_cells: int = 1024
-    """Most cells one ``/run_jupyter`` request may carry; more get HTTP 422."""
-    max_response_bytes: int = 16 << 20
-    """Output (stdout, stderr, display values, errors) one request may produce, bytes; a ``/run_jupyter``
-    request that reaches it runs no further cells and says so."""
-    show_internal_errors: bool = False
-    """Put internal details of sandbox failures in the answers (they are always logged)."""
-    unsafe_no_isolation: bool = False
-    """Run code WITHOUT any isolation (trusted code only; never expose such a server)."""
-    log_level: str = "info"
-    """Logging level: debug, info, warning, error."""
+    host: str = key("127.0.0.1", "Address to bind; ``0.0.0.0`` serves a cluster (then set a token).")
+    port: int = key(8080, "TCP port.")
+    workers: int | None = key(
+        None, "Sandboxes in the pool (parallel executions); default three per CPU (``local.WORKERS_PER_CORE``).")
+    memory_mb: int = key(
+        LIMITS.memory_mb, "Memory limit of one execution, MiB (address space per process, and everything the run holds).")
+    max_processes: int = key(LIMITS.max_processes, "Processes and threads of one execution.")
+    output_limit_bytes: int = key(
+        LIMITS.output_limit_bytes, "Bytes of stdout and of stderr kept per execution; the rest is cut with a marker.")
+    max_body_bytes: int = key(1 << 20, "Largest request body, bytes; larger ones get HTTP 413.")
+    max_timeout_s: float = key(
+        60.0, "Largest ``run_timeout`` / ``total_timeout`` / ``cell_timeout`` a request may ask for, seconds; "
+        "above: 422.")
+    max_concurrency: int = key(64, "Executions running at once.")
+    max_queue: int = key(1024, "Requests waiting for an execution slot; beyond that HTTP 503.")
+    token: str | None = key(
+        None, "Shared secret required on every request but ``/v1/ping`` (default: $AGENTRL_SANDBOX_TOKEN if set).")
+    header_timeout_s: float = key(10.0, "Seconds a client has to send a request's headers; then the connection is closed.")
+    body_timeout_s: float = key(30.0, "Seconds a client has to send a request's body once its headers are in.")
+    keepalive_timeout_s: float = key(5.0, "Seconds an idle kept-alive connection stays open.")
+    max_connections: int = key(
+        1024, "Connections open at once, all clients together. At a cap the oldest connection not being served is "
+        "closed to make room, or else the new one waits unread for one to end (up to this many wait; more are "
+        "refused).")
+    max_connections_per_client: int = key(
+        64, "Connections open at once from one client (an address; an IPv6 client is its /64, and all of loopback "
+        "is one client per local user). At the cap the client's oldest connection idle between requests is closed "
+        "to make room, or else the new one waits unread for one of that client's to end.")
+    max_header_bytes: int = key(
+        64 * 1024, "Largest request head (request line and headers), bytes; larger ones get HTTP 431.")
+    min_bytes_per_s: float = key(
+        256.0, "Slowest a request's headers and body may arrive after the first second, bytes per second; slower "
+        "connections are closed.")
+    answer_timeout_s: float = key(
+        30.0, "Seconds a client may leave an answer unread once it fills the connection's buffers; then the "
+        "connection is closed and the answer freed.")
+    max_cells: int = key(1024, "Most cells one ``/run_jupyter`` request may carry; more get HTTP 422.")
+    max_response_bytes: int = key(
+        16 << 20, "Output (stdout, stderr, display values, errors) one request may produce, bytes; a ``/run_jupyter`` "
+        "request that reaches it runs no further cells and says so.")
+    show_internal_errors: bool = key(
+        False, "Put internal details of sandbox failures in the answers (they are always logged).")
+    unsafe_no_isolation: bool = key(
+        False, "Run code WITHOUT any isolation (trusted code only; never expose such a server).")
+    log_level: str = key("info", "Logging level: debug, info, warning, error.", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
         if self.token is None:
@@ -455,13 +449,11 @@ def _raise_fd_limit(wanted: int) -> None:
             log.warning("RLIMIT_NOFILE allows only %d fds; lower max_connections below %d", new, new - 256)
 
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 SPEC = CommandSpec(
     prog="agentrl serve sandbox",
     schema=SandboxServerConfig,
     usage="agentrl serve sandbox [port=8080] [token=SECRET] [key=value ...]",
-    choices={"log_level": LOG_LEVELS},
     aliases={"max_timeout": "max_timeout_s"},  # the flag's name before it carried its unit
     notes="Serves the isolated local sandbox pool over SandboxFusion's HTTP API. Options also as --key value\n"
     "(--max-timeout-s 30) and bare --flags for booleans (--unsafe-no-isolation).",

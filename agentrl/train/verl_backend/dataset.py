@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from agentrl.seeds import HELD_OUT_OFFSET
 from agentrl.train.verl_backend.config_map import AGENT_NAME
 
 
@@ -97,7 +98,7 @@ def write_env_dataset(
     n_val: int,
     seed: int = 0,
     level: int = 1,
-    eval_seed: int = 1_000_000,
+    eval_seed: int = HELD_OUT_OFFSET,
     env_kwargs: dict[str, Any] | None = None,
     format: str = "auto",
     max_new_tokens: int | None = None,

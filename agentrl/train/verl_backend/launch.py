@@ -36,6 +36,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agentrl import rundir
+from agentrl.seeds import HELD_OUT_OFFSET, held_out_seed
 from agentrl.train.verl_backend.config_map import (
     LOSS_MODE_KEY,
     VerlConfigError,
@@ -118,7 +119,7 @@ def _plan_in(cfg: Any, env: str, run_dir: Path) -> LaunchPlan:
         n_val=int(select(cfg, "verl.n_val_tasks")),
         seed=seed,
         level=int(select(cfg, "data.level") or 1),
-        eval_seed=seed + int(select(cfg, "eval.seed_offset") or 1_000_000),
+        eval_seed=held_out_seed(seed, int(select(cfg, "eval.seed_offset") or HELD_OUT_OFFSET)),
         env_kwargs=env_kwargs,
         format=str(select(cfg, "format") or "auto"),
         max_new_tokens=select(cfg, "rollout.max_new_tokens"),
