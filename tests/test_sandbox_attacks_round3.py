@@ -22,9 +22,9 @@ import time
 
 import httpx
 import pytest
+from _sandbox_server import serve_sandbox
 from test_sandbox_attacks import AS_ROOT, on_worker, pool, session_on
 from test_sandbox_attacks_server import TOKEN, _post, server  # noqa: F401 - server is a fixture
-from test_sandbox_server import _serve
 
 from agentrl.envs.sandbox import SyncSandbox
 from agentrl.envs.sandbox.http_guard import ConnectionLimits, _client_of, loopback_peer_uid
@@ -466,7 +466,7 @@ def test_local_users_are_separate_clients_of_the_server():
 def answer_server():
     """A server whose answers may be large (16 MiB budget) and may be left unread for 2 s."""
     config = SandboxServerConfig(token=TOKEN, max_response_bytes=16 << 20, answer_timeout_s=2.0)
-    yield from _serve(config)
+    yield from serve_sandbox(config)
 
 
 def test_an_answer_left_unread_is_dropped_with_its_connection(answer_server):
