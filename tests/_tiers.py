@@ -21,14 +21,18 @@ import time
 
 import pytest
 
-TIERS = ("distributed", "sandbox_attacks", "kernels")
+TIERS = ("distributed", "sandbox_attacks", "kernels", "verl")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test of a tier ``slow`` unless it is one of the tier's ``smoke`` cases (before ``-m``)."""
+    """Mark every test of a tier ``slow`` unless it is one of the tier's ``smoke`` cases (before ``-m``); a test of
+    a tier that was marked ``slow`` itself is also marked ``long``: ``.ci/run``'s tier runs leave it out, as CI
+    always left out the slow tests (``scripts/test_all.sh`` runs it)."""
     for item in items:
         if any(item.get_closest_marker(t) for t in TIERS) and item.get_closest_marker("smoke") is None:
+            if item.get_closest_marker("slow") is not None:
+                item.add_marker(pytest.mark.long)
             item.add_marker(pytest.mark.slow)
 
 

@@ -4,6 +4,8 @@ every link and repository path in it and in ``docs/`` exists."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
 import subprocess
@@ -142,18 +144,32 @@ def test_docs_python_blocks_are_valid_python(page):
         compile(block, str(page), "exec")
 
 
-def test_docs_transcripts_are_what_the_commands_print(capsys, monkeypatch):
-    """Each ``$ agentrl ...`` line of a docs transcript, run as written, prints the lines under it and exits 2."""
-    from agentrl.cli import main as cli_main
+_TRANSCRIPT_RUNNER = """
+import contextlib, io, json, shlex, sys
+from agentrl.cli import main
+results = []
+for command in json.load(sys.stdin):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = main(shlex.split(command))
+    results.append([rc, out.getvalue()])
+print(json.dumps(results))
+"""
 
+
+def test_docs_transcripts_are_what_the_commands_print():
+    """Each ``$ agentrl ...`` line of a docs transcript, run as written in a fresh interpreter (as a user's shell
+    would: no env registered by another test), prints the lines under it and exits 2."""
     pytest.importorskip("torch")
-    monkeypatch.chdir(ROOT)
     transcripts = [m for page in DOCS for m in re.findall(r"^\$ agentrl (.*)\n((?:[^$`].*\n)+)", page.read_text(), flags=re.M)]
     assert transcripts
-    for command, printed in transcripts:
-        assert cli_main(shlex.split(command)) == 2, command
-        out = capsys.readouterr()
-        assert (out.out + out.err).strip() == printed.strip(), command
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    child = subprocess.run([sys.executable, "-c", _TRANSCRIPT_RUNNER], input=json.dumps([c for c, _ in transcripts]),
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    for (command, printed), (rc, out) in zip(transcripts, json.loads(child.stdout.splitlines()[-1]), strict=True):
+        assert rc == 2, command
+        assert out.strip() == printed.strip(), command
 
 
 #: verl's own keys, which docs/scale-out.md names as verl's (they are no agentrl train key)

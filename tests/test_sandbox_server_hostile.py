@@ -16,7 +16,7 @@ import pytest
 import sandbox_fusion as sf
 from _sandbox_server import serve_sandbox
 
-from agentrl.cli_args import UsageError, field_docs
+from agentrl.cli_args import UsageError, declarations
 from agentrl.envs.sandbox.server import SandboxServerConfig, parse_args
 
 pytestmark = pytest.mark.sandbox_attacks  # the attacks tier; its smoke cases stay in the default tier
@@ -220,8 +220,9 @@ def test_forged_traceback_in_a_jupyter_cell_is_not_an_error(server):
 
 @pytest.mark.smoke
 def test_config_dataclass_drives_the_command_line():
-    docs = field_docs(SandboxServerConfig)
-    assert set(docs) == {f for f in SandboxServerConfig.__dataclass_fields__}  # a docstring for every field
+    declared = declarations(SandboxServerConfig)
+    assert set(declared) == set(SandboxServerConfig.__dataclass_fields__)
+    assert all(meta.get("doc") for meta in declared.values())  # every key says what it is (--help shows it)
     a = parse_args(["--port", "9001", "--max-timeout-s", "5", "--unsafe-no-isolation"])
     b = parse_args(["port=9001", "max_timeout_s=5", "unsafe_no_isolation=true"])
     assert a == b and a.port == 9001 and a.max_timeout_s == 5.0 and a.unsafe_no_isolation

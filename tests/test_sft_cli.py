@@ -44,16 +44,40 @@ def test_help_and_errors(capsys):
         assert message in err and "Traceback" not in err, (argv, err)
 
 
-def test_sft_run_resume_and_load_as_model(tmp_path):
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """An uninterrupted ``agentrl sft`` run (no process boundary to test): its directory and printed output."""
+    ref = tmp_path_factory.mktemp("sft") / "ref"
+    return ref, run_here("sft", [*ARGS, f"run_dir={ref}"])
+
+
+def _final_weights(run):
+    import torch
+
+    return torch.load(run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "model.pt")
+
+
+def test_sft_run_reports_and_loads_as_model(sft_run):
     torch = pytest.importorskip("torch")
-    ref, killed = tmp_path / "ref", tmp_path / "killed"
-    out = run_here("sft", [*ARGS, f"run_dir={ref}"])  # the uninterrupted run (no process boundary to test)
+    ref, out = sft_run
     summary = json.loads(ref.joinpath("summary.json").read_text())
     assert summary["sft"]["steps"] == 3 and summary["sft"]["data"]["kept"] == 4
     assert {"eval_before", "eval_after"} <= set(summary)  # each evaluation once:
     assert "eval_after_sft" not in summary  # no RL step: the evaluation after SFT is the final one
     assert "sft 3/3" in out
 
+    from agentrl.models.loading import load_model
+
+    final = _final_weights(ref)
+    loaded = load_model(str(ref))  # a run directory is a model name
+    assert all(torch.equal(v, final[k]) for k, v in loaded.model.state_dict().items())
+    assert loaded.format_name == "harmony"
+
+
+def test_sft_killed_run_resumes_to_the_same_weights(sft_run, tmp_path):
+    torch = pytest.importorskip("torch")
+    ref, _ = sft_run
+    killed = tmp_path / "killed"
     kill_at("sft", [*ARGS, f"run_dir={killed}"], "sft 2/3")  # an SFT step line follows its checkpoint
     assert (killed / "checkpoints" / "latest").read_text() == "sft_000002"
 
@@ -61,15 +85,8 @@ def test_sft_run_resume_and_load_as_model(tmp_path):
     assert "resumed from" in out and "sft 3/3" in out and "sft 1/3" not in out
     steps = [json.loads(line)["step"] for line in (killed / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
-    final = lambda run: torch.load(run / "checkpoints" / (run / "checkpoints" / "latest").read_text() / "model.pt")  # noqa: E731
-    a, b = final(ref), final(killed)
+    a, b = _final_weights(ref), _final_weights(killed)
     assert all(torch.equal(a[k], b[k]) for k in a)  # the resumed run ends with exactly the same weights
-
-    from agentrl.models.loading import load_model
-
-    loaded = load_model(str(killed))  # a run directory is a model name
-    assert all(torch.equal(v, b[k]) for k, v in loaded.model.state_dict().items())
-    assert loaded.format_name == "harmony"
 
 
 def test_kl_reference_is_the_policy_after_sft(tmp_path):

@@ -12,6 +12,8 @@ pytest.importorskip("verl")
 
 from _verl_test_env import register_multi_turn  # noqa: E402
 
+pytestmark = pytest.mark.verl  # runs verl's own code: the verl tier
+
 
 class Recording:
     """Server-side engine wrapper: remembers each sampled completion by its exact prompt."""

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 pytest.importorskip("verl")
+pytestmark = pytest.mark.verl  # runs verl's own code: the verl tier
 
 _PROBE = r"""
 import json, verl

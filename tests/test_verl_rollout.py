@@ -22,6 +22,8 @@ pytest.importorskip("verl")
 
 from _verl_test_env import register_multi_turn  # noqa: E402
 
+pytestmark = pytest.mark.verl  # runs verl's own code: the verl tier
+
 LAYERS, HIDDEN = 1, 64
 
 
