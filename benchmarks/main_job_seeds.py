@@ -10,6 +10,11 @@ the same held-out tasks), its noise ``max(eval_after_sft.sem, eval_after.sem)``,
 (``peak_rss_gb``, or of a child process when larger) and the wall time of the run (``wall_s_this_process``).
 A run that did not complete (``complete: false``) is reported and counts as failing the goals.
 
+Where the tasks carry an operation (``task["op"]``, as the retool generator's do), each run also gets a line
+that says where its gain came from: the held-out reward per operation after SFT and after RL, and per operation
+the training groups whose samples all got one reward (zero GRPO advantage, so no gradient for that task), e.g.
+``count_multiples 0.60->0.10 (n=20, flat groups 11/15)``.
+
 Prints one line per run, whether the goals hold (each gain >= 2 x its sem, mean gain >= 0.10, peak RSS <= 8 GB,
 wall <= 1200 s), then last:
 ``main_job_seeds: gains=<g1,g2,g3> sems=<s1,s2,s3> mean_gain=<x> peak_rss_gb=<max> wall_s=<max>``.
@@ -23,6 +28,8 @@ import sys
 from pathlib import Path
 
 from main_job_repro import parse, run_main_job
+
+from agentrl.rundir import EVAL_TRAJECTORIES, TrainRun
 
 GOALS = {"gain_over_sem": 2.0, "mean_gain": 0.10, "peak_rss_gb": 8.0, "wall_s": 1200.0}
 
@@ -38,6 +45,35 @@ def read_run(run: Path) -> dict[str, float | bool]:
         "peak_rss_gb": max(summary.get("peak_rss_gb", float("nan")), summary.get("peak_rss_children_gb", 0.0)),
         "wall_s": summary["wall_s_this_process"], "complete": bool(summary.get("complete", False)),
     }
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def by_operation(run: Path) -> str:
+    """The per-operation line of one run (module docstring); empty when its tasks carry no ``op``."""
+    paths, summary = TrainRun(run), json.loads((run / "summary.json").read_text())
+    held_out: dict[str, list[list[float]]] = {}
+    for i, label in enumerate(("after_sft", f"step_{summary['eval_after']['step']:06d}")):
+        for r in _records(paths.evaluation(label) / EVAL_TRAJECTORIES):
+            held_out.setdefault(r["task"].get("op"), [[], []])[i].append(float(r["reward"]))
+    groups: dict[str, list[int]] = {}
+    for step in range(1, int(summary["eval_after"]["step"]) + 1):
+        rewards: dict[tuple[str, str], set[float]] = {}
+        for r in _records(paths.step_trajectories(step)):
+            rewards.setdefault((r["task"].get("op"), r["task"]["id"]), set()).add(float(r["reward"]))
+        for (op, _), seen in rewards.items():
+            flat, total = groups.setdefault(op, [0, 0])
+            groups[op] = [flat + (len(seen) == 1), total + 1]
+    if None in held_out:
+        return ""
+    parts = []
+    for op, (sft, after) in sorted(held_out.items()):
+        flat, total = groups.get(op, (0, 0))
+        parts.append(f"{op} {sum(sft) / len(sft):.2f}->{sum(after) / len(after):.2f} "
+                     f"(n={len(sft)}, flat groups {flat}/{total})")
+    return ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     for run, f in zip(runs, figures, strict=True):
         print(f"{run}: gain {f['gain']:.3f} sem {f['sem']:.3f} peak_rss_gb {f['peak_rss_gb']:.2f} "
               f"wall_s {f['wall_s']:.0f} complete {'yes' if f['complete'] else 'no'}")
+        if f["complete"] and (ops := by_operation(run)):
+            print(f"  by operation: {ops}")
     mean_gain = sum(f["gain"] for f in figures) / len(figures)
     rss, wall = max(f["peak_rss_gb"] for f in figures), max(f["wall_s"] for f in figures)
     held = all(f["complete"] and f["gain"] >= GOALS["gain_over_sem"] * f["sem"] for f in figures)
