@@ -25,7 +25,7 @@ declare -A paths=(
   [distributed]='^agentrl/(train|models|kernels)/|^agentrl/cli|^tests/(_algos_ranks_worker|_fsdp2_[a-z_]*|_ulysses_worker|_tiny_update|_torchrun|test_torchrun_launcher|test_distributed_fsdp2|test_checkpoint_portability|test_algos_ranks|test_verl_ulysses|test_models_lora|test_train_lora)\.py$'
   [sandbox_attacks]='^agentrl/envs/sandbox/|^tests/test_sandbox_'
   [verl]='^agentrl/(train|envs|episodes|engines|harmony|models)/|^tests/(_scripted_engine|test_verl_[a-z_]*)\.py$'
-  [kernels]='^agentrl/kernels/|^agentrl/engines/|^tests/test_(kernels_[a-z_]*|engine_kernels)\.py$'
+  [kernels]='^agentrl/kernels/|^agentrl/engines/|^tests/(_triton_device|test_kernels_[a-z_]*|test_engine_kernels)\.py$'
 )
 machinery='^(tests/conftest\.py|tests/_tiers\.py|pyproject\.toml|scripts/|\.ci/)'
 for tier in $ALL; do

@@ -11,20 +11,12 @@ cases skip unless ``flash-attn-4`` is installed and the GPU is SM90/SM100.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
-
-torch = pytest.importorskip("torch")
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from _triton_device import CUDA, DEV, torch  # first: sets TRITON_INTERPRET before triton loads
 
 from agentrl.kernels import _dispatch, _fa4, sink_attention, sink_attention_reference  # noqa: E402
-
-DEV = "cuda" if CUDA else "cpu"
 
 
 def _rel(a, b) -> float:

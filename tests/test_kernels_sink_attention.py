@@ -13,18 +13,9 @@ import subprocess
 import sys
 
 import pytest
-
-torch = pytest.importorskip("torch")
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    # Must happen before triton is first imported (its own library is decorated at import time);
-    # a CI that imports triton earlier in the session should export TRITON_INTERPRET=1 itself.
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+from _triton_device import CUDA, DEV, torch  # first: sets TRITON_INTERPRET before triton loads
 
 from agentrl.kernels import sink_attention, sink_attention_eager, sink_attention_reference  # noqa: E402
-
-DEV = "cuda" if CUDA else "cpu"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,22 +6,15 @@ test_kernels_sink_attention.py) in fp32, so logits and gradients must match eage
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from _triton_device import CUDA, DEV, torch  # first: sets TRITON_INTERPRET before triton loads
 
-torch = pytest.importorskip("torch")
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
 transformers = pytest.importorskip("transformers")
 
 from agentrl.kernels import register_transformers_attention  # noqa: E402
 
 pytestmark = pytest.mark.kernels  # the Triton kernels' tier; one smoke case stays in the default tier
 
-DEV = "cuda" if CUDA else "cpu"
 # On a GPU the kernels' fp32 dots run as TF32, eager's as fp32; on the CPU both are exact fp32.
 TOL = 5e-3 if CUDA else 1e-5
 GRAD_TOL = 2e-2 if CUDA else 1e-4

@@ -12,31 +12,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import agentrl.envs.registry as registry  # noqa: E402
-from agentrl.envs.env import AgentEnv  # noqa: E402
 from agentrl.train.async_rollout import AsyncRollouts  # noqa: E402
 from agentrl.train.config import ConfigError, build_config  # noqa: E402
 from agentrl.train.repro import differing_keys  # noqa: E402
 from agentrl.train.trainer import Trainer  # noqa: E402
 
 
-class ParityEnv(AgentEnv):
-    """One action per episode; reward 1 when the first sampled token id is even (varies within a group)."""
-
-    single_turn = True
-
-    @classmethod
-    def generate_task(cls, rng, split="train"):
-        n = int(rng.integers(10**6))
-        return {"id": str(n), "prompt": f"Say something about {n}.", "answer": "0"}
-
-    def reward(self, ctx):
-        first = ctx.trajectory.response_ids[0] if ctx.trajectory.response_ids else 1
-        return float(first % 2 == 0), {"even": float(first % 2 == 0)}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _register():
-    registry.register("parity-async-test", f"{__name__}:ParityEnv")
+    registry.register("parity-async-test", "_parity_env:ParityEnv")
 
 
 BASE = ["env=parity-async-test", "model=tiny-gpt-oss", "data.tasks=env", "rollout.batch_size=2", "rollout.n=2",

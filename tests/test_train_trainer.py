@@ -7,33 +7,18 @@ import json
 
 import pytest
 import torch
+from _parity_env import ParityEnv
 from _tiny_run import QUIET, TINY
 
 import agentrl.envs.registry as registry
-from agentrl.envs.env import AgentEnv
 from agentrl.train.config import build_config
 from agentrl.train.plots import plot_runs
 from agentrl.train.trainer import Trainer
 
 
-class ParityEnv(AgentEnv):
-    """One action per episode; reward 1 when the first sampled token id is even (varies within a group)."""
-
-    single_turn = True
-
-    @classmethod
-    def generate_task(cls, rng, split="train"):
-        n = int(rng.integers(10**6))
-        return {"id": str(n), "prompt": f"Say something about {n}.", "answer": "0"}
-
-    def reward(self, ctx):
-        first = ctx.trajectory.response_ids[0] if ctx.trajectory.response_ids else 1
-        return float(first % 2 == 0), {"even": float(first % 2 == 0)}
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _register():
-    registry.register("parity-test", f"{__name__}:ParityEnv")
+    registry.register("parity-test", "_parity_env:ParityEnv")
 
 
 BASE = ["env=parity-test", "model=tiny-gpt-oss", *QUIET, "data.tasks=env", "rollout.batch_size=2", "rollout.n=4",
