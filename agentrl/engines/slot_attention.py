@@ -127,11 +127,9 @@ class TorchAttention:
         """One query per row for the rows ``0 .. slots_hi - 1`` (row ``i`` = slot ``i``); ``q``
         ``[slots_hi, Hq, D]``; keys read up to ``key_len`` (>= every row's ``n_keys``)."""
         if self.exact_kernel:
-            from agentrl.engines.decode_attention import decode_attention
-
-            slots = torch.arange(slots_hi, device=q.device)
-            return decode_attention(q, self.cache.keys(layer), self.cache.values(layer), slots, n_keys,
-                                    sinks=sinks, window=window, scale=scale)
+            out = self._exact_decode(layer, q, slots_hi, n_keys, sinks=sinks, window=window, scale=scale)
+            if out is not None:
+                return out
         hkv, d = self.cache.kv_heads, self.cache.head_dim
         g = q.shape[1] // hkv
         keys = self.cache.keys(layer)[:slots_hi, :, :key_len]
@@ -143,6 +141,29 @@ class TorchAttention:
         probs = _softmax_with_sinks(scores[..., None, :], sinks, (hkv, g))[..., 0, :]
         out = torch.matmul(probs.to(values.dtype), values)  # [R, Hkv, G, D]
         return out.reshape(slots_hi, hkv * g, d)
+
+    def _exact_decode(self, layer: int, q: torch.Tensor, slots_hi: int, n_keys: torch.Tensor, *,
+                      sinks: torch.Tensor | None, window: int | None, scale: float) -> torch.Tensor | None:
+        """The IEEE float32 kernel, or None when it fails to compile or launch for this shape class (one
+        :class:`~agentrl.kernels.fallback.KernelFallbackWarning`; the torch ops, the same function with
+        IEEE float32 dots unless TF32 matmuls are enabled, compute it from then on)."""
+        from agentrl.engines.decode_attention import decode_attention
+        from agentrl.kernels import fallback
+
+        kernel = "exact float32 decode attention"
+        shape_class = (str(q.dtype), q.device.type, *q.shape[1:], self.cache.kv_heads, sinks is not None,
+                       window is not None)
+        if fallback.failed(kernel, shape_class):
+            return None
+        slots = torch.arange(slots_hi, device=q.device)
+        try:
+            return decode_attention(q, self.cache.keys(layer), self.cache.values(layer), slots, n_keys,
+                                    sinks=sinks, window=window, scale=scale)
+        except Exception as exc:
+            if not fallback.is_compile_failure(exc):
+                raise
+            fallback.fall_back(kernel, shape_class, exc, "torch ops (TorchAttention.decode)")
+            return None
 
     def prefill(self, layer: int, q: torch.Tensor, plan: PrefillPlan, *, sinks: torch.Tensor | None,
                 window: int | None, scale: float) -> torch.Tensor:

@@ -13,6 +13,8 @@
   for longer windows and full causal attention.
 
 ``AGENTRL_SINK_BACKEND`` (``auto`` / ``triton`` / ``fa4``) sets the default of ``backend=None``.
+Under ``auto``, a kernel that fails to compile or launch hands its shape class to :func:`fallback`'s pick
+(see :mod:`agentrl.kernels.fallback`).
 """
 
 from __future__ import annotations
@@ -93,3 +95,13 @@ def choose(backend: str, *, q: torch.Tensor, head_dim: int, sinks, causal: bool,
     if n_q * group <= 64:  # decoding: our GQA-packed tile wins (and FA4's bwd is pointless there)
         return "triton"
     return "fa4" if fa4_is_faster(window, n_k, needs_grad) else "triton"
+
+
+def fallback(*, q: torch.Tensor, head_dim: int, sinks, causal: bool, window: int | None, interpreting: bool) -> str:
+    """What ``auto`` takes when our kernel fails to compile or launch (see :mod:`agentrl.kernels.fallback`):
+    ``"fa4"`` where FA4 can run the call, else ``"torch"`` (:mod:`agentrl.kernels._torch_sink`)."""
+    if interpreting or not causal:
+        return "torch"
+    from agentrl.kernels import _fa4
+
+    return "fa4" if _fa4.unsupported_reason(q, head_dim, sinks, causal, window) is None else "torch"

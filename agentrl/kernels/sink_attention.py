@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from agentrl.kernels import _dispatch
+from agentrl.kernels import _dispatch, fallback
+from agentrl.kernels._torch_sink import TorchSinkFn, torch_sink_backward
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -79,7 +80,7 @@ def _kernels():
     try:
         from agentrl.kernels import _triton_sink
     except ImportError as exc:  # pragma: no cover - exercised only without triton
-        raise RuntimeError(
+        raise fallback.KernelSetupError(
             "agentrl.kernels.sink_attention needs Triton (pip install 'agentrl-sdk[kernels]'); "
             f"importing it failed: {exc}"
         ) from exc
@@ -87,9 +88,9 @@ def _kernels():
         import triton.language.standard as std
 
         if type(std.sum).__name__ != "InterpretedFunction":
-            raise RuntimeError("TRITON_INTERPRET=1 was set after triton had been imported (triton's own "
-                               "functions are compiled, not interpreted); set it in the environment "
-                               "before the process imports triton")
+            raise fallback.KernelSetupError(
+                "TRITON_INTERPRET=1 was set after triton had been imported (triton's own functions are "
+                "compiled, not interpreted); set it in the environment before the process imports triton")
     return _triton_sink
 
 
@@ -273,27 +274,70 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 class _SinkAttentionFn(torch.autograd.Function):
+    """Our kernels. ``shape_class``: under ``backend="auto"``, the call's :func:`_shape_class` (a backward
+    that fails to compile or launch then recomputes the gradients in torch, see
+    :mod:`agentrl.kernels.fallback`); None for ``backend="triton"`` (failures raise)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, sinks, cu_q, cu_k, lay, causal, window, scale):
+    def forward(ctx, q, k, v, sinks, cu_q, cu_k, lay, causal, window, scale, shape_class):
         sinks32 = sinks.detach().float().contiguous() if sinks is not None else None
         out, lse = _launch_fwd(q, k, v, sinks32, cu_q, cu_k, lay, causal, window, scale)
         ctx.save_for_backward(q, k, v, sinks32, out, lse, cu_q, cu_k)
-        ctx.meta = (lay, causal, window, scale, None if sinks is None else sinks.dtype)
+        ctx.meta = (lay, causal, window, scale, None if sinks is None else sinks.dtype, shape_class)
         ctx.set_materialize_grads(False)  # an unused LSE gives dlse=None, not a tensor of zeros
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, sinks32, out, lse, cu_q, cu_k = ctx.saved_tensors
-        lay, causal, window, scale, sink_dtype = ctx.meta
+        lay, causal, window, scale, sink_dtype, shape_class = ctx.meta
         if dout is None:
             dout = torch.zeros_like(out)
         dlse = dlse.contiguous() if dlse is not None else None
-        dq, dk, dv, dsink = _launch_bwd(dout, q, k, v, sinks32, out, lse, dlse, cu_q, cu_k, lay, causal,
-                                        window, scale)
+        args = (dout, q, k, v, sinks32, out, lse, dlse, cu_q, cu_k, lay, causal, window, scale)
+        grads = None
+        if shape_class is None:
+            grads = _launch_bwd(*args)
+        elif not fallback.failed(_BWD, shape_class):
+            try:
+                grads = _launch_bwd(*args)
+            except Exception as exc:
+                if not fallback.is_compile_failure(exc):
+                    raise
+                fallback.fall_back(_BWD, shape_class, exc, _TORCH)
+        if grads is None:
+            grads = torch_sink_backward(dout, dlse, q, k, v, sinks32, cu_q, cu_k, lay, causal, window, scale)
+        dq, dk, dv, dsink = grads
         if dsink is not None:
             dsink = dsink.to(sink_dtype)
-        return dq, dk, dv, dsink, None, None, None, None, None, None
+        return dq, dk, dv, dsink, None, None, None, None, None, None, None
+
+
+_FWD, _BWD, _FA4 = "sink attention Triton forward", "sink attention Triton backward", "sink attention FA4"
+_TORCH = "the torch fallback (agentrl.kernels._torch_sink)"
+
+
+def _shape_class(q, k, v, sinks, lay: _Layout, causal: bool, window: int | None) -> tuple:
+    """What selects a compiled variant of our kernels: dtype, device, head geometry, mask and layout flags,
+    the tile case of :func:`_pick`, and which lengths and strides are multiples of 16 (Triton specialises
+    integer arguments on that)."""
+    case = "decode" if lay.n_q * (lay.hq // lay.hkv) <= 64 else "window" if window is not None else "full"
+    div16 = tuple(int(x) % 16 == 0 for x in (lay.n_q, lay.n_k, *q.stride(), *k.stride(), *v.stride()))
+    return (str(q.dtype), q.device.type, lay.head_dim, lay.hq, lay.hkv, causal, window is not None, lay.varlen,
+            sinks is not None, case, div16)
+
+
+def _guarded(kernel: str, shape_class: tuple, next_backend: str, call):
+    """``call()``, or None when ``kernel`` failed (now or before) for ``shape_class`` to compile or launch."""
+    if fallback.failed(kernel, shape_class):
+        return None
+    try:
+        return call()
+    except Exception as exc:
+        if not fallback.is_compile_failure(exc):
+            raise
+        fallback.fall_back(kernel, shape_class, exc, next_backend)
+        return None
 
 
 def _check_cu(name: str, cu: torch.Tensor, total: int, device) -> torch.Tensor:
@@ -408,7 +452,11 @@ def sink_attention(
             SM90/SM100). ``auto`` takes FA4 where it is installed, can run the call and was
             measured faster (full causal attention on Hopper), ours otherwise (sliding windows,
             decoding, fp32, other GPUs, the CPU interpreter); see ``agentrl.kernels._dispatch``.
-            Every backend computes the same function, gradients and LSE included.
+            Every backend computes the same function, gradients and LSE included. Under ``auto``, a
+            kernel that fails to compile or launch (forward or backward) for a shape class never ends
+            the run: the next backend (FA4 where it can run the call, else torch ops) computes it, with
+            one warning per kernel and shape class (see :mod:`agentrl.kernels.fallback`); a named
+            backend raises instead.
 
     Returns:
         ``out`` shaped like ``q`` (our kernels also keep ``q``'s strides; FA4's dense output is
@@ -423,16 +471,33 @@ def sink_attention(
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, sinks))
+    requested = _dispatch.default_backend() if backend is None else backend
     chosen = _dispatch.choose(
-        _dispatch.default_backend() if backend is None else backend, q=q, head_dim=head_dim,
-        sinks=sinks, causal=bool(causal), window=window, n_q=lay.n_q, n_k=lay.n_k,
-        group=hq // hkv, needs_grad=needs_grad, interpreting=_interpreting())
-    if chosen == "fa4":
-        from agentrl.kernels._fa4 import fa4_sink_attention
-
-        out, lse = fa4_sink_attention(
-            q, k, v, sinks, causal=bool(causal), window=window, scale=scale, cu_q=cu_q, cu_k=cu_k,
-            max_q=lay.n_q if packed else None, max_k=lay.n_k if packed else None, want_lse=return_lse)
+        requested, q=q, head_dim=head_dim, sinks=sinks, causal=bool(causal), window=window, n_q=lay.n_q,
+        n_k=lay.n_k, group=hq // hkv, needs_grad=needs_grad, interpreting=_interpreting())
+    args = (q, k, v, sinks, cu_q, cu_k, lay, bool(causal), window, scale)
+    if requested != "auto":  # an explicit backend: its failures raise
+        out, lse = _fa4_call(args, packed, return_lse) if chosen == "fa4" else _SinkAttentionFn.apply(*args, None)
         return (out, lse) if return_lse else out
-    out, lse = _SinkAttentionFn.apply(q, k, v, sinks, cu_q, cu_k, lay, bool(causal), window, scale)
+    # auto: a kernel that fails to compile or launch hands the call (and its shape class) to the next backend
+    shape_class = _shape_class(q, k, v, sinks, lay, bool(causal), window)
+    result = None
+    if chosen == "triton":
+        nxt = _dispatch.fallback(q=q, head_dim=head_dim, sinks=sinks, causal=bool(causal), window=window,
+                                 interpreting=_interpreting())
+        result = _guarded(_FWD, shape_class, "FA4" if nxt == "fa4" else _TORCH,
+                          lambda: _SinkAttentionFn.apply(*args, shape_class))
+        chosen = nxt
+    if result is None and chosen == "fa4":
+        result = _guarded(_FA4, shape_class, _TORCH, lambda: _fa4_call(args, packed, return_lse))
+    out, lse = result if result is not None else TorchSinkFn.apply(*args)
     return (out, lse) if return_lse else out
+
+
+def _fa4_call(args, packed: bool, want_lse: bool):
+    from agentrl.kernels._fa4 import fa4_sink_attention
+
+    q, k, v, sinks, cu_q, cu_k, lay, causal, window, scale = args
+    return fa4_sink_attention(q, k, v, sinks, causal=causal, window=window, scale=scale, cu_q=cu_q, cu_k=cu_k,
+                              max_q=lay.n_q if packed else None, max_k=lay.n_k if packed else None,
+                              want_lse=want_lse)
