@@ -371,6 +371,23 @@ def test_lora_adapter_attaches_from_a_peft_config_dict_as_a_weight_sync_sends_it
         lora.attach_adapter(rollout_side, config, dict(list(state.items())[1:]))
 
 
+@pytest.mark.parametrize("arch", ["gpt_oss", "llama"])
+def test_lora_adapter_keys_are_the_names_peft_itself_gives(arch):
+    """agentrl names the adapter's tensors from the parameter names alone (:func:`lora.adapter_key`: the same under
+    every PEFT version and for FSDP2 shards, with no PEFT call); the names must be PEFT's own, the fused experts'
+    nested ``ParamWrapper`` included, so the files load into ``PeftModel`` and vLLM and PEFT's files load here."""
+    from peft import get_peft_model_state_dict
+
+    model = _gpt_oss() if arch == "gpt_oss" else tiny_llama(0, vocab=V)
+    lora.apply_lora(model, lora.LoraSpec(rank=4), seed=1)
+    _perturb(model)
+    theirs = {lora.PEFT_PREFIX + k: v for k, v in get_peft_model_state_dict(model, adapter_name="default").items()}
+    mine = lora.adapter_state_dict(model)
+    assert sorted(mine) == sorted(theirs) and len(mine) == len(lora.adapter_parameters(model))
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert (arch == "gpt_oss") == any(".mlp.experts.base_layer.lora_A.weight" in k for k in mine)
+
+
 # ---------------------------------------------------------------------------- FSDP2, 2 CPU processes
 @pytest.mark.distributed
 def test_lora_fsdp2_on_two_cpu_processes(tmp_path):

@@ -15,10 +15,11 @@ on-policy ratio run on a LoRA model exactly as on a full one.
   ones), freeze everything else.
 - :func:`adapters_disabled`: the base model, for the KL reference, with no second copy. Its log-probs equal
   the model's before :func:`apply_lora` bit for bit (a disabled LoRA layer returns its base layer's output).
-- :func:`adapter_state_dict` / :func:`load_adapter_state`: the adapter tensors only, under PEFT's names
-  (``base_model.model.<module>.lora_A.weight``), copied exactly; :func:`save_adapter` / :func:`read_adapter`
-  write and read PEFT's directory format (``adapter_config.json`` + ``adapter_model.safetensors``), which
-  ``peft.PeftModel.from_pretrained`` and vLLM load too.
+- :func:`adapter_state_dict` / :func:`load_adapter_state`: the adapter tensors only, under PEFT's file names
+  (``base_model.model.<module>.lora_A.weight``: :func:`adapter_key`, from the parameter name alone), copied
+  exactly; :func:`save_adapter` / :func:`read_adapter` write and read PEFT's directory format
+  (``adapter_config.json`` + ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained`` and vLLM
+  load too.
 - :func:`attach_adapter` (inject from a config + load tensors: e.g. a LoRA weight sync), :func:`load_adapter` (the
   same from a directory) and :func:`merge_lora` (fold ``W + s B A`` into the base weights and drop the LoRA
   layers, to serve a trained run as a plain model).
@@ -281,18 +282,29 @@ def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if "lora_" in n and suffix in n]
 
 
-def adapter_keys(model: nn.Module) -> dict[str, str]:
-    """``{parameter name: key in PEFT's adapter file}`` for the adapter's tensors, e.g.
-    ``model.layers.0.self_attn.q_proj.lora_A.default.weight`` -> ``base_model.model.model.layers.0.self_attn.
-    q_proj.lora_A.weight`` (PEFT's own naming, :func:`peft.get_peft_model_state_dict`)."""
-    from peft import get_peft_model_state_dict
+def adapter_key(name: str) -> str:
+    """The key in PEFT's adapter file of the adapter parameter ``name``: ``base_model.model.`` + ``name`` without
+    the adapter name after its ``lora_A`` / ``lora_B`` component, e.g. ``model.layers.0.self_attn.q_proj.lora_A.
+    default.weight`` -> ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` (nested ``ParamWrapper``
+    targets keep their ``base_layer``: ``...mlp.experts.base_layer.lora_B.weight``).
 
+    This is the naming of PEFT's LoRA files (what ``PeftModel.save_pretrained`` writes and ``from_pretrained`` and
+    vLLM read), defined here from the name alone: it needs no PEFT call and no tensor, so it is the same under every
+    PEFT version and for FSDP2 shards (peft 0.22's ``get_peft_model_state_dict`` gathers DTensors into new tensors,
+    a collective, where earlier versions returned the parameters themselves)."""
+    parts = name.split(".")
+    keep = [part for i, part in enumerate(parts)
+            if not (part == ADAPTER_NAME and i > 0 and parts[i - 1].startswith("lora_"))]
+    return PEFT_PREFIX + ".".join(keep)
+
+
+def adapter_keys(model: nn.Module) -> dict[str, str]:
+    """``{parameter name: key in PEFT's adapter file}`` (:func:`adapter_key`) for the adapter's tensors, in
+    :func:`adapter_parameters` order. Reads names only: no collective, also on a model sharded by FSDP2.
+    Raises ValueError for a model without the adapter."""
     if not has_lora(model):
         raise ValueError("the model carries no LoRA adapter (apply_lora or load_adapter first)")
-    params = adapter_parameters(model)
-    peft_state = get_peft_model_state_dict(model, state_dict=dict(params), adapter_name=ADAPTER_NAME)
-    by_id = {id(v): k for k, v in peft_state.items()}
-    return {name: PEFT_PREFIX + by_id[id(p)] for name, p in params if id(p) in by_id}
+    return {name: adapter_key(name) for name, _ in adapter_parameters(model)}
 
 
 def adapter_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
