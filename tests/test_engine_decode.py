@@ -18,7 +18,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from agentrl.engines.base import EngineAborted, SamplingParams  # noqa: E402
-from agentrl.engines.decode_engine import DecodeEngine  # noqa: E402
+from agentrl.engines.decode.decode_engine import DecodeEngine  # noqa: E402
 from agentrl.engines.transformers_engine import TransformersEngine  # noqa: E402
 from agentrl.models.routing import record_routing  # noqa: E402
 from agentrl.models.tiny import tiny_gpt_oss  # noqa: E402

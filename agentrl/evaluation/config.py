@@ -3,7 +3,7 @@
 Models (``model=``):
 
 - an OpenAI-compatible endpoint (``model="http://host:port/v1"``):
-  - ``api="completions"``: token-in-token-out through :class:`~agentrl.engines.openai_engine.OpenAIEngine`
+  - ``api="completions"``: token-in-token-out through :class:`~agentrl.engines.client.OpenAIEngine`
     (vLLM, SGLang, ``agentrl serve model``). With ``format="auto"`` the format is the one the server
     describes (``agentrl serve model`` publishes it at ``/v1/agentrl/format``), else Harmony.
     Trajectories hold the sampled token ids and their log-probs.

@@ -37,12 +37,12 @@ async def open_runner(cfg: EvalConfig, stack: contextlib.AsyncExitStack) -> Epis
         await backend.run("pass")  # start the pool before the first episode
         env_kwargs["sandbox"] = backend
     if cfg.api == "chat":
-        from agentrl.engines.openai_engine import ChatClient, Endpoint
+        from agentrl.engines.client import ChatClient, Endpoint
 
         client = await stack.enter_async_context(ChatClient(_endpoint(cfg, Endpoint)))
         return ChatRunner(cls, env_kwargs, cfg, client)
     if cfg.is_endpoint:
-        from agentrl.engines.openai_engine import Endpoint, OpenAIEngine
+        from agentrl.engines.client import Endpoint, OpenAIEngine
 
         engine = await stack.enter_async_context(OpenAIEngine(_endpoint(cfg, Endpoint)))
         served = await _served_format(engine.endpoint) if cfg.format == "auto" else None
@@ -87,7 +87,7 @@ def _endpoint(cfg: EvalConfig, endpoint_cls: Any) -> Any:
 async def _served_format(endpoint: Any) -> Any:
     """The endpoint's own ChatFormat, or ``None`` if it describes none or cannot be reached now (the
     episodes then fail, are recorded in ``errors.jsonl`` and retried by the next run)."""
-    from agentrl.engines.openai_engine import EndpointError
+    from agentrl.engines.client import EndpointError
 
     try:
         return await endpoint.served_format()

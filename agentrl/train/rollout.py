@@ -6,7 +6,7 @@ raises is kept (``usable=False``, its partial trajectory saved and counted) and 
 tool's backend ended (``stop_reason="infrastructure"``: not the model's failure) is run again by
 :func:`~agentrl.episodes.collect`, and left out of the update when it still fails (:func:`trainable`).
 
-With an engine that has clients (:meth:`agentrl.engines.decode_engine.DecodeEngine.open_client`), each
+With an engine that has clients (:meth:`agentrl.engines.decode.decode_engine.DecodeEngine.open_client`), each
 episode samples through its own client, keyed by its env seed, so what it samples does not depend on which
 episodes shared its batches (and the engine's deterministic mode knows when every episode has asked); the
 engine's memory is released after the rollout (:meth:`release`), before the update needs it.

@@ -3,12 +3,12 @@
 :class:`DecodeEngine` implements the :class:`~agentrl.engines.base.RolloutEngine` contract of
 :class:`~agentrl.engines.transformers_engine.TransformersEngine` (``generate``, ``generate_sync``,
 ``stats``, ``reseed``, ``abort``, ``record_routing``) for the model families
-:mod:`~agentrl.engines.decoder` supports (Llama, Qwen2/3, GPT-OSS), plus :meth:`DecodeEngine.release`
+:mod:`~agentrl.engines.decode.decoder` supports (Llama, Qwen2/3, GPT-OSS), plus :meth:`DecodeEngine.release`
 (free the cache between rollouts) and :meth:`DecodeEngine.open_client` (per-episode sampling keys and the
 deterministic mode). Pick it through :func:`agentrl.engines.factory.make_engine`.
 
 How a request runs: ``generate`` queues one job per prompt; a worker coroutine runs
-:meth:`Scheduler.step <agentrl.engines.scheduler.Scheduler.step>` in a thread (admit waiting jobs into free
+:meth:`Scheduler.step <agentrl.engines.decode.scheduler.Scheduler.step>` in a thread (admit waiting jobs into free
 rows, prefill them reusing cached prefixes, decode a chunk of steps for every running row) and resolves the
 callers whose jobs finished. The event loop stays free meanwhile, so tool calls of other episodes run, and
 an episode whose tool returned joins the running batch at the next chunk, not after the batch drains.
@@ -18,7 +18,7 @@ probability of the sampled id under ``softmax(logits / temperature)`` (``tempera
 ``softmax(logits)``); top-k/top-p change which ids can be drawn, not the reported log-prob.
 
 **Sampling keys and determinism.** The randomness of token ``j`` of a request is a pure function of the
-request's key and ``j`` (:mod:`agentrl.engines.sampling`), never of batch composition or arrival order.
+request's key and ``j`` (:mod:`agentrl.engines.decode.sampling`), never of batch composition or arrival order.
 The key hashes the engine seed (:meth:`reseed`), then, in order of precedence: the client's seed and the
 prompt's length (:meth:`open_client`: one client per episode, whose turns have strictly growing prompts);
 ``SamplingParams.seed`` and the prompt's length; or the prompt's tokens and how many identical prompts were
@@ -31,7 +31,7 @@ tokens and log-probs. It costs overlap: decoding pauses while any open client is
 
 **LoRA.** A model carrying the trainer's adapter (:func:`agentrl.models.lora.apply_lora`: attention
 projections and GPT-OSS's fused experts, or a Llama's projections) decodes exactly through it, unmerged: base
-output plus ``s (x A^T) B^T`` per projection and per expert (:mod:`agentrl.engines.lora_delta`), inside the
+output plus ``s (x A^T) B^T`` per projection and per expert (:mod:`agentrl.engines.decode.lora_delta`), inside the
 CUDA graphs. The engine reads the adapter's live parameters. Updating the adapter is therefore an in-place
 write into those parameters, by either route:
 
@@ -72,9 +72,9 @@ from typing import Any
 import torch
 
 from agentrl.engines.base import Completion, EngineAborted, SamplingParams
-from agentrl.engines.runner import ModelRunner, RowSampling
-from agentrl.engines.sampling import request_key
-from agentrl.engines.scheduler import Job, Scheduler
+from agentrl.engines.decode.runner import ModelRunner, RowSampling
+from agentrl.engines.decode.sampling import request_key
+from agentrl.engines.decode.scheduler import Job, Scheduler
 
 
 @dataclass
@@ -132,7 +132,7 @@ def _default_attention(model: torch.nn.Module, device: torch.device) -> str:
 class DecodeEngine:
     """See the module docstring.
 
-    - ``model``: a supported transformers causal LM on its device (:func:`agentrl.engines.decoder.unsupported_reason`).
+    - ``model``: a supported transformers causal LM on its device (:func:`agentrl.engines.decode.decoder.unsupported_reason`).
     - ``max_batch_size``: most sequences decoding at once.
     - ``seed``: the engine seed of the sampling keys (:meth:`reseed` changes it).
     - ``record_routing``: return each completion's MoE routing (``[L, n, k]`` int64 over the ``n`` tokens
