@@ -128,7 +128,7 @@ async def _episode(engine, seed, prompt, turns, delays, params, rng_seed):
     observation; sleeps stand for tool calls."""
     rng = random.Random(rng_seed)
     out = []
-    async with engine.open_client(seed) as client:
+    async with engine.client(seed) as client:
         for turn in range(turns):
             await asyncio.sleep(delays[turn % len(delays)])
             (comp,) = await client.generate([prompt], params)
@@ -139,7 +139,7 @@ async def _episode(engine, seed, prompt, turns, delays, params, rng_seed):
 
 def _solo(model, engine_seed, seed, prompt, params):
     async def one():
-        async with DecodeEngine(model, share_prefix=False, max_batch_size=1, seed=engine_seed).open_client(seed) as client:
+        async with DecodeEngine(model, share_prefix=False, max_batch_size=1, seed=engine_seed).client(seed) as client:
             return (await client.generate([prompt], params))[0]
 
     return asyncio.run(one())
@@ -172,7 +172,7 @@ def test_sampling_does_not_depend_on_the_batch(llama):
     engine = DecodeEngine(llama, seed=9)
 
     async def run(seeds):
-        clients = [engine.open_client(s) for s in seeds]
+        clients = [engine.client(s) for s in seeds]
         out = await asyncio.gather(*(c.generate([[1, 2, 3]], params) for c in clients))
         for c in clients:
             c.close()
@@ -292,7 +292,7 @@ def test_deterministic_engine_serves_successive_event_loops(llama):
     params = SamplingParams(max_new_tokens=3, temperature=1.0)
 
     async def one(seed, delay):
-        async with engine.open_client(seed) as client:
+        async with engine.client(seed) as client:
             await asyncio.sleep(delay)  # the engine waits for this client before its first step
             return (await client.generate([[1, 2, 3]], params))[0].token_ids
 

@@ -4,7 +4,7 @@
 :class:`~agentrl.engines.transformers_engine.TransformersEngine` (``generate``, ``generate_sync``,
 ``stats``, ``reseed``, ``abort``, ``record_routing``) for the model families
 :mod:`~agentrl.engines.decode.decoder` supports (Llama, Qwen2/3, GPT-OSS), plus :meth:`DecodeEngine.release`
-(free the cache between rollouts) and :meth:`DecodeEngine.open_client` (per-episode sampling keys and the
+(free the cache between rollouts) and :meth:`DecodeEngine.client` (per-episode sampling keys and the
 deterministic mode). Pick it through :func:`agentrl.engines.factory.make_engine`.
 
 How a request runs: ``generate`` queues one job per prompt; a worker coroutine runs
@@ -20,7 +20,7 @@ probability of the sampled id under ``softmax(logits / temperature)`` (``tempera
 **Sampling keys and determinism.** The randomness of token ``j`` of a request is a pure function of the
 request's key and ``j`` (:mod:`agentrl.engines.decode.sampling`), never of batch composition or arrival order.
 The key hashes the engine seed (:meth:`reseed`), then, in order of precedence: the client's seed and the
-prompt's length (:meth:`open_client`: one client per episode, whose turns have strictly growing prompts);
+prompt's length (:meth:`client`: one client per episode, whose turns have strictly growing prompts);
 ``SamplingParams.seed`` and the prompt's length; or the prompt's tokens and how many identical prompts were
 submitted since the last reseed. The position in the call's prompt list is hashed in too.
 With ``deterministic=True`` the batches themselves are reproducible: before every step the engine waits
@@ -229,7 +229,7 @@ class DecodeEngine:
             if version is not None:
                 self.policy_version = int(version)
 
-    def open_client(self, seed: int) -> EngineClient:
+    def client(self, seed: int) -> EngineClient:
         """A client whose requests' sampling keys derive from ``seed`` (see the module docstring)."""
         client = EngineClient(self, seed)
         self._clients.add(client)
