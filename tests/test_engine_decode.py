@@ -185,6 +185,23 @@ def test_sampling_does_not_depend_on_the_batch(llama):
     assert asyncio.run(run([3]))[3] != together[3]
 
 
+def test_identical_requests_in_flight_together_both_complete(llama):
+    """Two clients of one seed send the same prompt at once: their jobs are equal field by field, and the
+    scheduler tells them apart by identity (comparing them by value recursed through their owners)."""
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    engine = DecodeEngine(llama, seed=9)
+
+    async def run():
+        clients = [engine.client(5), engine.client(5)]
+        out = await asyncio.gather(*(c.generate([[1, 2, 3]], params) for c in clients))
+        for c in clients:
+            c.close()
+        return [o[0].token_ids for o in out]
+
+    first, second = asyncio.run(run())
+    assert first == second and len(first) == 10
+
+
 def _traced(engine):
     """Record, per step, the request keys admitted and the slots decoding."""
     trace, step = [], engine.scheduler.step

@@ -40,7 +40,7 @@ from agentrl.engines.decode.prefix_index import BLOCK, PrefixIndex
 from agentrl.engines.decode.runner import PrefillRow, RowSampling, RowState
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One prompt to complete. Filled as it runs: ``tokens``/``logprobs`` (sampled so far), ``versions`` (the
     engine's policy version per sampled token, filled by the engine after each step), ``finish`` (``"stop"`` or
