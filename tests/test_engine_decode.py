@@ -247,6 +247,17 @@ def test_streaming_calls_on_token_for_every_token_in_order(llama):
     assert [seen[0], seen[1]] == [c.token_ids for c in out]
 
 
+def test_tuning_takes_the_device_defaults_where_not_given(llama):
+    from agentrl.engines.decode.tuning import DecodeTuning
+
+    cpu = DecodeTuning(chunk_steps=1, cuda_graphs=False, attention="torch", fused=False, max_slots=8, min_length=0,
+                       prefill_tokens=4096)
+    assert DecodeTuning().resolve(llama, max_batch_size=8) == cpu
+    engine = DecodeEngine(llama, max_batch_size=8, chunk_steps=3, max_slots=12)
+    assert engine.tuning == DecodeTuning(**{**vars(cpu), "chunk_steps": 3, "max_slots": 12})
+    assert engine.runner.chunk_steps == 3 and engine.scheduler.max_slots == 12
+
+
 def test_release_frees_the_cache_and_the_engine_keeps_working(llama):
     engine = DecodeEngine(llama)
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)

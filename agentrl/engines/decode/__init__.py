@@ -9,6 +9,7 @@
 - :mod:`~agentrl.engines.decode.decoder`: the model's forward pass over the slot cache
   (:mod:`~agentrl.engines.decode.slot_cache`, :mod:`~agentrl.engines.decode.slot_attention`), with GPT-OSS's
   experts (:mod:`~agentrl.engines.decode.moe`) and unmerged LoRA (:mod:`~agentrl.engines.decode.lora_delta`);
+- :mod:`~agentrl.engines.decode.tuning`: how the engine runs on its device, and the defaults by device;
 - Triton kernels of the GPU path: :mod:`~agentrl.engines.decode.decode_attention`,
   :mod:`~agentrl.engines.decode.fused_ops`.
 

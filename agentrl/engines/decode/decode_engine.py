@@ -75,6 +75,7 @@ from agentrl.engines.base import Completion, EngineAborted, SamplingParams
 from agentrl.engines.decode.runner import ModelRunner, RowSampling
 from agentrl.engines.decode.sampling import request_key
 from agentrl.engines.decode.scheduler import Job, Scheduler
+from agentrl.engines.decode.tuning import DecodeTuning
 
 
 @dataclass
@@ -115,20 +116,6 @@ class EngineClient:
         self.close()
 
 
-def _default_attention(model: torch.nn.Module, device: torch.device) -> str:
-    """On a GPU: ``kernel`` (the sink-attention kernel) for GPT-OSS and half-precision models, ``exact`` (the
-    IEEE float32 decode kernel; the sink kernel's float32 dots are TF32) for float32 dense models. ``torch``
-    on the CPU and for head sizes the kernels do not take."""
-    config = getattr(model, "config", None)
-    dtype = next(model.parameters()).dtype
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if device.type != "cuda" or head_dim not in (16, 32, 64, 128, 256):
-        return "torch"
-    if getattr(config, "model_type", None) == "gpt_oss" or dtype != torch.float32:
-        return "kernel"
-    return "exact"
-
-
 class DecodeEngine:
     """See the module docstring.
 
@@ -139,10 +126,9 @@ class DecodeEngine:
       fed: the prompt, then the completion but its last token).
     - ``share_prefix``: reuse cached prefixes (shared prompts, earlier turns); exact either way.
     - ``deterministic``: reproducible batches (see the module docstring).
-    - Tuning (defaults by device): ``chunk_steps`` (decode steps per host read; GPU 16, CPU 1),
-      ``cuda_graphs``, ``attention`` (``kernel``/``torch``), ``fused`` (Triton element-wise kernels),
-      ``max_slots`` (cache slots; GPU ``2 * max_batch_size``), ``min_length`` (GPU 1024 positions),
-      ``prefill_tokens`` (tokens per prefill forward).
+    - Tuning: ``chunk_steps``, ``cuda_graphs``, ``attention``, ``fused``, ``max_slots``, ``min_length``,
+      ``prefill_tokens``, each ``None`` for its device's default (:class:`~agentrl.engines.decode.tuning.
+      DecodeTuning`); :attr:`tuning` holds what the engine runs with.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 64, seed: int = 0,
@@ -154,17 +140,18 @@ class DecodeEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.device = next(model.parameters()).device
-        cuda = self.device.type == "cuda"
         self.record_routing = record_routing
         self.deterministic = deterministic
+        self.tuning = tune = DecodeTuning(
+            chunk_steps=chunk_steps, cuda_graphs=cuda_graphs, attention=attention, fused=fused, max_slots=max_slots,
+            min_length=min_length, prefill_tokens=prefill_tokens).resolve(model, max_batch_size)
         self.runner = ModelRunner(
-            model, chunk_steps=chunk_steps or (16 if cuda else 1), cuda_graphs=cuda if cuda_graphs is None else cuda_graphs,
-            attention=attention or _default_attention(model, self.device), fused=cuda if fused is None else fused,
-            record_routing=record_routing, prefill_tokens=prefill_tokens or (16384 if cuda else 4096))
+            model, chunk_steps=tune.chunk_steps, cuda_graphs=tune.cuda_graphs, attention=tune.attention,
+            fused=tune.fused, record_routing=record_routing, prefill_tokens=tune.prefill_tokens)
         self.scheduler = Scheduler(
-            self.runner, max_rows=max_batch_size, max_slots=max_slots or (2 * max_batch_size if cuda else max_batch_size),
+            self.runner, max_rows=max_batch_size, max_slots=tune.max_slots,
             chunk_steps=self.runner.chunk_steps, share_prefix=share_prefix, canonical_order=deterministic,
-            min_length=(1024 if cuda else 0) if min_length is None else min_length)
+            min_length=tune.min_length)
         self.seed = int(seed)
         #: The policy version stamped on the tokens sampled from now on (see the module docstring); None (the
         #: default, for an engine whose owner does not count versions): no versions are recorded.
