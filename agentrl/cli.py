@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("agentrl.evaluation.cli:main", "evaluate a model on an env: agentrl eval env=gsm8k model=..."),
     "view": ("agentrl.viewer.html:main", "write a static HTML trajectory viewer: agentrl view RUN_OR_JSONL"),
     "plot": ("agentrl.train.plots:main", "plot run metrics: agentrl plot RUN_DIR [RUN_DIR ...]"),
-    "serve model": ("agentrl.engines.serve_cli:main", "OpenAI-compatible server on a local model: agentrl serve model model=..."),
+    "serve model": ("agentrl.engines.server.serve_cli:main", "OpenAI-compatible server on a local model: agentrl serve model model=..."),
     "serve sandbox": ("agentrl.envs.sandbox.server:main", "SandboxFusion-compatible code sandbox server"),
 }
 

@@ -9,9 +9,13 @@ is made here, so that two streams never meet by accident and a changed constant 
   :func:`rollout_seed`; both are ``seed * ``:data:`SAMPLING_STRIDE` plus a position, so that no two steps,
   ranks or tasks share one.
 - SFT data: the teacher's episodes run with :func:`sft_data_seed`.
+- Evaluation: sample ``j`` of an item runs with env seed ``seed + j``; an engine with clients samples it through
+  a client seeded with :func:`eval_client_seed`, distinct for every item and sample.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 #: the default ``eval.seed_offset``: the held-out tasks' seed is ``seed + HELD_OUT_OFFSET``
 HELD_OUT_OFFSET = 1_000_000
@@ -42,3 +46,11 @@ def rollout_seed(seed: int, first_task: int, n: int) -> int:
 def sft_data_seed(seed: int) -> int:
     """The seed of the SFT stage's teacher episodes."""
     return seed + SFT_DATA_OFFSET
+
+
+def eval_client_seed(seed: int, item_id: object, sample: int) -> int:
+    """The engine-client seed of sample ``sample`` of item ``item_id`` in an evaluation with seed ``seed``: a
+    62-bit hash of the three, the same on every machine and process (not Python's salted ``hash``), so a resumed
+    evaluation samples what the first run would have."""
+    digest = hashlib.blake2b(repr((int(seed), str(item_id), int(sample))).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)

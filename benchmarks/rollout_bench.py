@@ -4,7 +4,7 @@ In one process, on one device, for each model and batch size it samples ``B`` co
 tokens (temperature 1, no top-k/top-p, no stop ids, so every row runs to the limit) from prompts of 200-300
 random tokens, and reports generated tokens per second (prefill included) for:
 
-- ``ours``: :class:`agentrl.engines.decode_engine.DecodeEngine` (``generate_sync``; a first call on other
+- ``ours``: :class:`agentrl.engines.decode.decode_engine.DecodeEngine` (``generate_sync``; a first call on other
   prompts compiles the Triton kernels, then the cache is released and the second call, which allocates
   its cache and captures its CUDA graphs again, is timed);
 - ``dynamic``: ``model.generate`` with transformers' dynamic cache (left-padded batch);
@@ -153,7 +153,7 @@ class DecodeClock:
 def run_ours(model, prompts, new_tokens: int, device: str, warmup_prompts) -> tuple[float, int, float]:
     """``(seconds, tokens, decode tokens/s)`` of the timed call (see the module docstring)."""
     from agentrl.engines.base import SamplingParams
-    from agentrl.engines.decode_engine import DecodeEngine
+    from agentrl.engines.decode.decode_engine import DecodeEngine
 
     engine = DecodeEngine(model, max_batch_size=len(prompts), seed=0)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)

@@ -4,7 +4,7 @@
     python scripts/config_docs.py --check    # exit 1 when docs/config.md differs from what would be written
 
 Each command's keys are declared once, with :func:`agentrl.cli_args.key` (``agentrl/train/config.py``,
-``agentrl/evaluation/config.py``, ``agentrl/engines/serve_cli.py``, ...). ``--help`` prints them through
+``agentrl/evaluation/config.py``, ``agentrl/engines/server/serve_cli.py``, ...). ``--help`` prints them through
 :func:`agentrl.cli_args.key_rows`; this script renders the same rows as Markdown tables, with the trainer's
 per-profile defaults (``gpu=``, ``sft=``) as extra columns. ``tests/test_config_docs.py`` fails when the file
 is stale: after changing a key, rerun this script.
@@ -23,7 +23,7 @@ OUT = ROOT / "docs" / "config.md"
 COMMANDS = (
     ("agentrl train", "agentrl.train.config:SPEC"),
     ("agentrl eval", "agentrl.evaluation.cli:SPEC"),
-    ("agentrl serve model", "agentrl.engines.serve_cli:SPEC"),
+    ("agentrl serve model", "agentrl.engines.server.serve_cli:SPEC"),
     ("agentrl serve sandbox", "agentrl.envs.sandbox.server:SPEC"),
     ("agentrl view", "agentrl.viewer.html:SPEC"),
     ("agentrl plot", "agentrl.train.plots:SPEC"),

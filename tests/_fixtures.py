@@ -56,7 +56,7 @@ def greedy_tokens(model: Any, prompts: list[list[int]]) -> tuple[list[list[int]]
     """The token ids greedy decoding (24 new tokens) gives for ``prompts`` on the decode engine and on the
     transformers engine, in that order."""
     from agentrl.engines.base import SamplingParams
-    from agentrl.engines.decode_engine import DecodeEngine
+    from agentrl.engines.decode.decode_engine import DecodeEngine
     from agentrl.engines.transformers_engine import TransformersEngine
 
     greedy = SamplingParams(max_new_tokens=24, temperature=0.0)

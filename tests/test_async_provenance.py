@@ -87,7 +87,7 @@ def test_decode_engine_stamps_the_version_of_the_weights_each_token_was_sampled_
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from agentrl.engines.base import SamplingParams
-    from agentrl.engines.decode_engine import DecodeEngine
+    from agentrl.engines.decode.decode_engine import DecodeEngine
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -18,7 +18,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from agentrl.engines.base import EngineAborted, SamplingParams  # noqa: E402
-from agentrl.engines.decode_engine import DecodeEngine  # noqa: E402
+from agentrl.engines.decode.decode_engine import DecodeEngine  # noqa: E402
 from agentrl.engines.transformers_engine import TransformersEngine  # noqa: E402
 from agentrl.models.routing import record_routing  # noqa: E402
 from agentrl.models.tiny import tiny_gpt_oss  # noqa: E402
@@ -128,7 +128,7 @@ async def _episode(engine, seed, prompt, turns, delays, params, rng_seed):
     observation; sleeps stand for tool calls."""
     rng = random.Random(rng_seed)
     out = []
-    async with engine.open_client(seed) as client:
+    async with engine.client(seed) as client:
         for turn in range(turns):
             await asyncio.sleep(delays[turn % len(delays)])
             (comp,) = await client.generate([prompt], params)
@@ -139,7 +139,7 @@ async def _episode(engine, seed, prompt, turns, delays, params, rng_seed):
 
 def _solo(model, engine_seed, seed, prompt, params):
     async def one():
-        async with DecodeEngine(model, share_prefix=False, max_batch_size=1, seed=engine_seed).open_client(seed) as client:
+        async with DecodeEngine(model, share_prefix=False, max_batch_size=1, seed=engine_seed).client(seed) as client:
             return (await client.generate([prompt], params))[0]
 
     return asyncio.run(one())
@@ -172,7 +172,7 @@ def test_sampling_does_not_depend_on_the_batch(llama):
     engine = DecodeEngine(llama, seed=9)
 
     async def run(seeds):
-        clients = [engine.open_client(s) for s in seeds]
+        clients = [engine.client(s) for s in seeds]
         out = await asyncio.gather(*(c.generate([[1, 2, 3]], params) for c in clients))
         for c in clients:
             c.close()
@@ -183,6 +183,23 @@ def test_sampling_does_not_depend_on_the_batch(llama):
     assert len({tuple(t) for t in together.values()}) > 1  # different clients sample differently
     engine.reseed(10)
     assert asyncio.run(run([3]))[3] != together[3]
+
+
+def test_identical_requests_in_flight_together_both_complete(llama):
+    """Two clients of one seed send the same prompt at once: their jobs are equal field by field, and the
+    scheduler tells them apart by identity (comparing them by value recursed through their owners)."""
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    engine = DecodeEngine(llama, seed=9)
+
+    async def run():
+        clients = [engine.client(5), engine.client(5)]
+        out = await asyncio.gather(*(c.generate([[1, 2, 3]], params) for c in clients))
+        for c in clients:
+            c.close()
+        return [o[0].token_ids for o in out]
+
+    first, second = asyncio.run(run())
+    assert first == second and len(first) == 10
 
 
 def _traced(engine):
@@ -228,6 +245,17 @@ def test_streaming_calls_on_token_for_every_token_in_order(llama):
 
     out = asyncio.run(main())
     assert [seen[0], seen[1]] == [c.token_ids for c in out]
+
+
+def test_tuning_takes_the_device_defaults_where_not_given(llama):
+    from agentrl.engines.decode.tuning import DecodeTuning
+
+    cpu = DecodeTuning(chunk_steps=1, cuda_graphs=False, attention="torch", fused=False, max_slots=8, min_length=0,
+                       prefill_tokens=4096)
+    assert DecodeTuning().resolve(llama, max_batch_size=8) == cpu
+    engine = DecodeEngine(llama, max_batch_size=8, chunk_steps=3, max_slots=12)
+    assert engine.tuning == DecodeTuning(**{**vars(cpu), "chunk_steps": 3, "max_slots": 12})
+    assert engine.runner.chunk_steps == 3 and engine.scheduler.max_slots == 12
 
 
 def test_release_frees_the_cache_and_the_engine_keeps_working(llama):
@@ -292,7 +320,7 @@ def test_deterministic_engine_serves_successive_event_loops(llama):
     params = SamplingParams(max_new_tokens=3, temperature=1.0)
 
     async def one(seed, delay):
-        async with engine.open_client(seed) as client:
+        async with engine.client(seed) as client:
             await asyncio.sleep(delay)  # the engine waits for this client before its first step
             return (await client.generate([[1, 2, 3]], params))[0].token_ids
 

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from agentrl.engines.base import SamplingParams  # noqa: E402
-from agentrl.engines.decode_engine import DecodeEngine  # noqa: E402
+from agentrl.engines.decode.decode_engine import DecodeEngine  # noqa: E402
 from agentrl.models.routing import record_routing  # noqa: E402
 from agentrl.models.tiny import tiny_gpt_oss  # noqa: E402
 

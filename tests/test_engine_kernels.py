@@ -13,9 +13,9 @@ from _tiny_llama import tiny_llama
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from agentrl.engines.moe import SlotMoE  # noqa: E402
-from agentrl.engines.slot_attention import KernelAttention, PrefillPlan, TorchAttention  # noqa: E402
-from agentrl.engines.slot_cache import SlotCache  # noqa: E402
+from agentrl.engines.decode.moe import SlotMoE  # noqa: E402
+from agentrl.engines.decode.slot_attention import KernelAttention, PrefillPlan, TorchAttention  # noqa: E402
+from agentrl.engines.decode.slot_cache import SlotCache  # noqa: E402
 from agentrl.models.tiny import tiny_gpt_oss  # noqa: E402
 
 pytestmark = pytest.mark.kernels  # the Triton kernels' tier; one smoke case stays in the default tier
@@ -31,7 +31,7 @@ def test_rms_norm_with_residual_matches_transformers(cast_first, dtype):
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from agentrl.engines.fused_ops import rms_norm
+    from agentrl.engines.decode.fused_ops import rms_norm
 
     torch.manual_seed(0)
     norm = (LlamaRMSNorm if cast_first else GptOssRMSNorm)(48, eps=1e-5).to(DEVICE, dtype)
@@ -52,7 +52,7 @@ def test_rms_norm_with_residual_matches_transformers(cast_first, dtype):
 def test_rope_store_rotates_and_stores_like_transformers(layout):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from agentrl.engines.fused_ops import rope_store
+    from agentrl.engines.decode.fused_ops import rope_store
 
     torch.manual_seed(1)
     n, hq, hkv, d, length = 4, 3, 1, 16, 12
@@ -75,7 +75,7 @@ def test_rope_store_rotates_and_stores_like_transformers(layout):
 
 
 def test_silu_mul_matches_the_llama_mlp_activation():
-    from agentrl.engines.fused_ops import silu_mul
+    from agentrl.engines.decode.fused_ops import silu_mul
 
     gate_up = torch.randn(3, 40, device=DEVICE)
     expected = torch.nn.functional.silu(gate_up[:, :20]) * gate_up[:, 20:]
@@ -120,7 +120,7 @@ def test_kernel_attention_over_slots_equals_torch_attention(window, sinks):
 
 @pytest.mark.parametrize("window,sinks", [(None, False), (4, True)])
 def test_exact_decode_kernel_equals_torch_attention(window, sinks):
-    from agentrl.engines.decode_attention import decode_attention
+    from agentrl.engines.decode.decode_attention import decode_attention
 
     hq, hkv, d, length = 6, 2, 16, 40
     _, head = _filled_caches(4, length, hkv, d)
@@ -148,7 +148,7 @@ def test_dense_moe_equals_the_per_expert_loop_and_transformers():
 @pytest.mark.parametrize("attention", ["exact", pytest.param("kernel", marks=pytest.mark.smoke)])
 def test_the_engine_with_gpu_kernels_decodes_like_the_transformers_engine(attention):
     from agentrl.engines.base import SamplingParams
-    from agentrl.engines.decode_engine import DecodeEngine
+    from agentrl.engines.decode.decode_engine import DecodeEngine
     from agentrl.engines.transformers_engine import TransformersEngine
 
     model = tiny_llama(0, vocab=128, hidden=64, intermediate=96, layers=2, heads=4, kv_heads=2, positions=256)
@@ -169,7 +169,7 @@ def test_fused_projections_add_the_lora_deltas(name):
 
     pytest.importorskip("peft")
     from agentrl.engines.base import SamplingParams
-    from agentrl.engines.decode_engine import DecodeEngine
+    from agentrl.engines.decode.decode_engine import DecodeEngine
     from agentrl.engines.transformers_engine import TransformersEngine
     from agentrl.models.lora import LoraSpec, apply_lora
 

@@ -15,8 +15,8 @@ pytest.importorskip("peft")
 
 from agentrl.engines import factory  # noqa: E402
 from agentrl.engines.base import SamplingParams  # noqa: E402
-from agentrl.engines.decode_engine import DecodeEngine  # noqa: E402
-from agentrl.engines.moe import SlotMoE  # noqa: E402
+from agentrl.engines.decode.decode_engine import DecodeEngine  # noqa: E402
+from agentrl.engines.decode.moe import SlotMoE  # noqa: E402
 from agentrl.engines.transformers_engine import TransformersEngine  # noqa: E402
 from agentrl.models.lora import LoraSpec, adapter_state_dict, adapters_disabled, apply_lora  # noqa: E402
 from agentrl.models.routing import record_routing  # noqa: E402
@@ -170,7 +170,7 @@ def test_lora_variants_the_engine_cannot_compute_fall_back_with_the_reason(monke
 def test_toggling_the_adapter_invalidates_captured_graphs_and_updates_do_not(gpt_oss):
     """What the runner keys graph recapture on (``moved``): enabling or disabling the adapter does, an in-place
     adapter write does not (it only refreshes the expert GEMM buffers, in place)."""
-    from agentrl.engines.decoder import SlotDecoder
+    from agentrl.engines.decode.decoder import SlotDecoder
 
     decoder = SlotDecoder(gpt_oss)
     decoder.weights_changed()

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from agentrl.engines.sampling import request_key, sample_tokens, truncate, uniforms  # noqa: E402
+from agentrl.engines.decode.sampling import request_key, sample_tokens, truncate, uniforms  # noqa: E402
 from agentrl.engines.transformers_engine import _filter_logits  # noqa: E402
 
 

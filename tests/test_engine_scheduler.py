@@ -1,6 +1,6 @@
 """The continuous-batching scheduler on a context-hash model: rows never mix, no token is dropped.
 
-``ContextModel`` is a complete runner (the interface of ``agentrl.engines.runner.ModelRunner``) whose cache
+``ContextModel`` is a complete runner (the interface of ``agentrl.engines.decode.runner.ModelRunner``) whose cache
 holds token ids instead of keys and values, and whose next token is a hash of everything its slot holds
 up to the fed position (plus the request key and token index when sampling). Any bookkeeping error of the
 scheduler (a row reading another slot, a prefix copied short or from the wrong slot, a turn resumed on the
@@ -18,8 +18,8 @@ from _profiles import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl.engines.runner import ChunkOutput, ModelRunner, RowSampling
-from agentrl.engines.scheduler import Job, Scheduler
+from agentrl.engines.decode.runner import ChunkOutput, ModelRunner, RowSampling
+from agentrl.engines.decode.scheduler import Job, Scheduler
 
 VOCAB = 40
 

@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("contract", ["layers", "acyclic"])
+@pytest.mark.parametrize("contract", ["layers", "engines", "acyclic"])
 def test_import_contract_is_kept(contract, capsys):
     from importlinter.cli import lint_imports
 

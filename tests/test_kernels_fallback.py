@@ -151,9 +151,9 @@ def test_input_errors_and_out_of_memory_are_not_swallowed(monkeypatch, exc):
 def test_the_engine_falls_back_from_a_failing_kernel(monkeypatch):
     """KernelAttention over the slot cache (gap sequences, as inside a CUDA graph) and the exact decode
     kernel: a compile failure gives TorchAttention's result, one warning each."""
-    import agentrl.engines.decode_attention as exact_module
-    from agentrl.engines.slot_attention import KernelAttention, TorchAttention
-    from agentrl.engines.slot_cache import SlotCache
+    import agentrl.engines.decode.decode_attention as exact_module
+    from agentrl.engines.decode.slot_attention import KernelAttention, TorchAttention
+    from agentrl.engines.decode.slot_cache import SlotCache
 
     hq, hkv, d, length, slots = 4, 2, 16, 16, 5
     caches = {lay: SlotCache(layers=1, kv_heads=hkv, head_dim=d, dtype=torch.float32, device=DEV, layout=lay)

@@ -119,8 +119,8 @@ def test_served_tool_calls_are_in_tool_calls_only_streamed_or_not(smollm2_format
     import json
 
     from agentrl.engines.base import Completion
-    from agentrl.engines.chat_stream import DeltaStreamer
-    from agentrl.engines.openai_api import turn_to_message
+    from agentrl.engines.server.chat_stream import DeltaStreamer
+    from agentrl.engines.server.openai_api import turn_to_message
 
     fmt = smollm2_format
     call = json.dumps({"name": "word_count", "arguments": {"text": "red green"}})

@@ -11,7 +11,7 @@ import pytest
 from _scripted_engine import ScriptedEngine
 
 from agentrl.engines.base import SamplingParams
-from agentrl.engines.openai_engine import ChatClient, ChatResult, Endpoint, EndpointError, OpenAIEngine
+from agentrl.engines.client import ChatClient, ChatResult, Endpoint, EndpointError, OpenAIEngine
 from agentrl.engines.server import BackgroundServer, create_app
 from agentrl.harmony import HarmonyFormat, Message
 

@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from agentrl.engines.base import SamplingParams  # noqa: E402
-from agentrl.engines.openai_engine import OpenAIEngine  # noqa: E402
-from agentrl.engines.serve_cli import main  # noqa: E402
+from agentrl.engines.client import OpenAIEngine  # noqa: E402
 from agentrl.engines.server import BackgroundServer, create_app, load_local_engine  # noqa: E402
+from agentrl.engines.server.serve_cli import main  # noqa: E402
 from agentrl.harmony import Message  # noqa: E402
 
 

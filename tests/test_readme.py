@@ -70,7 +70,7 @@ def _parse_agentrl(words: list[str]) -> None:
         else:
             build_config(args)
         return
-    specs = {"eval": "agentrl.evaluation.cli", "serve model": "agentrl.engines.serve_cli",
+    specs = {"eval": "agentrl.evaluation.cli", "serve model": "agentrl.engines.server.serve_cli",
              "serve sandbox": "agentrl.envs.sandbox.server", "view": "agentrl.viewer.html", "plot": "agentrl.train.plots"}
     name = " ".join(words[:2]) if " ".join(words[:2]) in specs else words[0]
     assert name in specs, f"the README runs `agentrl {' '.join(words)}`, which this test cannot check yet"

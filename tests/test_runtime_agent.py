@@ -99,7 +99,7 @@ async def test_agent_time_limit():
 
 def test_runtime_eval_viewer_import_without_torch():
     check_imports_without_torch(["agentrl.runtime", "agentrl.evaluation", "agentrl.evaluation.cli", "agentrl.viewer",
-                                 "agentrl.engines.openai_engine", "agentrl.engines.server"])
+                                 "agentrl.engines.client", "agentrl.engines.server"])
 
 
 def test_product_agent_example_runs_against_an_endpoint(endpoint):

@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from agentrl.engines.served_format import format_from_description  # noqa: E402
 from agentrl.engines.server import BackgroundServer, create_app  # noqa: E402
+from agentrl.engines.server.served_format import format_from_description  # noqa: E402
 from agentrl.engines.transformers_engine import TransformersEngine  # noqa: E402
 from agentrl.harmony import ChatTemplateFormat, Message, ToolSpec  # noqa: E402
 

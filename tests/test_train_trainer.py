@@ -92,7 +92,7 @@ def test_decode_engine_runs_on_the_cpu_when_asked(tmp_path):
     """``rollout.engine=auto`` is the transformers engine on the CPU (``tests/test_engine_decode.py``);
     ``rollout.engine=decode`` runs the decode engine there: per-episode clients, deterministic batches, the
     rollout's routing replayed, and its cache released after the rollout."""
-    from agentrl.engines.decode_engine import DecodeEngine
+    from agentrl.engines.decode.decode_engine import DecodeEngine
 
     trainer, _, _, records = _fit(tmp_path, "decode", [
         "trainer.total_steps=1", "rollout.engine=decode", "rollout.deterministic=true", "actor.routing_replay=true",
@@ -108,7 +108,7 @@ def test_decode_engine_rolls_out_through_the_lora_adapter(tmp_path):
     """LoRA on the attention and the fused experts (PEFT's wrappers, as the trainer builds them): the decode
     engine runs the model itself, unmerged; after the first update the next step's rollout log-probs equal the
     trainer's replayed recomputation, so the engine saw the new adapter without a rebuild."""
-    from agentrl.engines.decode_engine import DecodeEngine
+    from agentrl.engines.decode.decode_engine import DecodeEngine
 
     trainer, _, _, records = _fit(tmp_path, "decode_lora", [
         "trainer.total_steps=2", "rollout.engine=decode", "actor.routing_replay=true", "actor.lora.rank=4",

@@ -6,7 +6,7 @@ here, so they sample the same way.
 
 ``kind``:
 
-- ``"decode"``: :class:`~agentrl.engines.decode_engine.DecodeEngine` (continuous batching over a slot KV
+- ``"decode"``: :class:`~agentrl.engines.decode.decode_engine.DecodeEngine` (continuous batching over a slot KV
   cache, device-side sampling keyed per request, CUDA-graph decode steps on a GPU). Raises for a model it
   does not support, saying why.
 - ``"transformers"``: :class:`~agentrl.engines.transformers_engine.TransformersEngine` (micro-batched
@@ -30,7 +30,7 @@ def choose_kind(model: Any, kind: str = "auto") -> str:
         raise ValueError(f"engine kind must be one of {', '.join(KINDS)}; got {kind!r}")
     if kind == "transformers" or (kind == "auto" and not _on_cuda(model)):
         return "transformers"
-    from agentrl.engines.decoder import unsupported_reason
+    from agentrl.engines.decode.decoder import unsupported_reason
 
     reason = unsupported_reason(model)
     if reason is None:
@@ -50,7 +50,7 @@ def make_engine(model: Any, *, kind: str = "auto", pad_token_id: int = 0, max_ba
                 record_routing: bool = False, share_prefix: bool = True, deterministic: bool = False) -> Any:
     """A rollout engine for ``model`` (a transformers causal LM on its device). ``pad_token_id``: the
     transformers engine's left padding (the decode engine pads nothing). ``deterministic``
-    (decode engine only): reproducible batch formation (see :mod:`agentrl.engines.decode_engine`);
+    (decode engine only): reproducible batch formation (see :mod:`agentrl.engines.decode.decode_engine`);
     ValueError when ``kind`` resolves to the transformers engine, which has no such mode."""
     chosen = choose_kind(model, kind)
     if deterministic and chosen != "decode":
@@ -58,7 +58,7 @@ def make_engine(model: Any, *, kind: str = "auto", pad_token_id: int = 0, max_ba
                          "transformers engine here (auto picks decode only on CUDA); set rollout.engine=decode "
                          "or rollout.deterministic=false")
     if chosen == "decode":
-        from agentrl.engines.decode_engine import DecodeEngine
+        from agentrl.engines.decode.decode_engine import DecodeEngine
 
         return DecodeEngine(model, max_batch_size=max_batch_size, seed=seed,
                             record_routing=record_routing, share_prefix=share_prefix, deterministic=deterministic)

@@ -6,6 +6,7 @@ token-exact trajectory; :func:`collect` runs many episodes concurrently over an 
 Depends only on ``agentrl.envs`` and ``agentrl.harmony``; imports no torch.
 """
 
+from agentrl.episodes.clients import EpisodeClients, has_clients
 from agentrl.episodes.collect import EnvPool, EpisodeJob, collect, grouped_jobs
 from agentrl.episodes.lockstep import LockstepSampler
 from agentrl.episodes.policy import Action, Policy, TokenPolicy
@@ -16,6 +17,7 @@ __all__ = [
     "STOP_REASONS",
     "Action",
     "EnvPool",
+    "EpisodeClients",
     "EpisodeJob",
     "EpisodeLimits",
     "EpisodeResult",
@@ -26,5 +28,6 @@ __all__ = [
     "TokenPolicy",
     "collect",
     "grouped_jobs",
+    "has_clients",
     "run_episode",
 ]

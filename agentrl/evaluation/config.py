@@ -3,7 +3,7 @@
 Models (``model=``):
 
 - an OpenAI-compatible endpoint (``model="http://host:port/v1"``):
-  - ``api="completions"``: token-in-token-out through :class:`~agentrl.engines.openai_engine.OpenAIEngine`
+  - ``api="completions"``: token-in-token-out through :class:`~agentrl.engines.client.OpenAIEngine`
     (vLLM, SGLang, ``agentrl serve model``). With ``format="auto"`` the format is the one the server
     describes (``agentrl serve model`` publishes it at ``/v1/agentrl/format``), else Harmony.
     Trajectories hold the sampled token ids and their log-probs.
@@ -84,7 +84,8 @@ class EvalConfig:
     top_p: float = key(1.0, "nucleus sampling mass", gt=0, max=1)
     top_k: int = key(0, "sample among the k most likely tokens (0: all)", min=0)
     max_new_tokens: int = key(1024, "most tokens of one model action", min=1)
-    seed: int = key(0, "sample j of every task is drawn with seed + j")
+    seed: int = key(0, "sample j of every task is drawn with seed + j (env and request seed; a local decode engine "
+                               "samples it through a client seeded by seed, item and j)")
     out: str | None = key(None, "the run directory (default: runs/eval/<env>-<model>)")
     api_key: str | None = key(None, "API key (default: $OPENAI_API_KEY)")
     served_model: str | None = key(None, "model name sent to the endpoint (default: $OPENAI_MODEL or the server's)")

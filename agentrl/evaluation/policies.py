@@ -13,8 +13,17 @@ import contextlib
 import inspect
 from typing import Any
 
+from agentrl import seeds
 from agentrl.engines.base import SamplingParams
-from agentrl.episodes import EpisodeJob, EpisodeResult, LockstepSampler, Policy, TokenPolicy
+from agentrl.episodes import (
+    EpisodeClients,
+    EpisodeJob,
+    EpisodeResult,
+    LockstepSampler,
+    Policy,
+    TokenPolicy,
+    has_clients,
+)
 from agentrl.evaluation.config import EvalConfig
 from agentrl.harmony.trajectory import Trajectory
 
@@ -37,12 +46,12 @@ async def open_runner(cfg: EvalConfig, stack: contextlib.AsyncExitStack) -> Epis
         await backend.run("pass")  # start the pool before the first episode
         env_kwargs["sandbox"] = backend
     if cfg.api == "chat":
-        from agentrl.engines.openai_engine import ChatClient, Endpoint
+        from agentrl.engines.client import ChatClient, Endpoint
 
         client = await stack.enter_async_context(ChatClient(_endpoint(cfg, Endpoint)))
         return ChatRunner(cls, env_kwargs, cfg, client)
     if cfg.is_endpoint:
-        from agentrl.engines.openai_engine import Endpoint, OpenAIEngine
+        from agentrl.engines.client import Endpoint, OpenAIEngine
 
         engine = await stack.enter_async_context(OpenAIEngine(_endpoint(cfg, Endpoint)))
         served = await _served_format(engine.endpoint) if cfg.format == "auto" else None
@@ -87,7 +96,7 @@ def _endpoint(cfg: EvalConfig, endpoint_cls: Any) -> Any:
 async def _served_format(endpoint: Any) -> Any:
     """The endpoint's own ChatFormat, or ``None`` if it describes none or cannot be reached now (the
     episodes then fail, are recorded in ``errors.jsonl`` and retried by the next run)."""
-    from agentrl.engines.openai_engine import EndpointError
+    from agentrl.engines.client import EndpointError
 
     try:
         return await endpoint.served_format()
@@ -111,6 +120,12 @@ class EpisodeRunner(abc.ABC):
     def policy(self, job: EpisodeJob) -> Policy:
         """The policy of one episode (sample ``job.sample`` is drawn with seed ``cfg.seed + job.sample``)."""
 
+    def finished(self, result: EpisodeResult) -> None:  # noqa: B027 - optional hook
+        """The episode of ``result`` ended (finished or failed): release what :meth:`policy` opened for it."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """The episodes are over: release what :meth:`policy` opened and is still open."""
+
     def label(self, result: EpisodeResult) -> Trajectory:
         """The finished episode's trajectory with what this evaluation knows about it: ``model``,
         ``latency_s``, ``api`` and ``requests`` (when the policy did not record them)."""
@@ -124,23 +139,42 @@ class EpisodeRunner(abc.ABC):
 
 
 class TokenRunner(EpisodeRunner):
-    """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine. The transformers engine
-    is sampled in lockstep, so the episodes' figures do not depend on timing (an endpoint or a decode engine with
-    clients batches its own requests)."""
+    """Token-in-token-out episodes: a :class:`~agentrl.episodes.TokenPolicy` on the engine. A local engine with
+    clients (the decode engine) samples each episode through its own client, seeded by
+    :func:`agentrl.seeds.eval_client_seed` (distinct for every item and sample); the transformers engine is
+    sampled in lockstep. Either way the episodes' figures do not depend on timing (an endpoint batches its own
+    requests)."""
 
     def __init__(self, *args: Any):
         super().__init__(*args)
         # looked up once: openai-harmony computes them on each call
         self.stop_ids = list(self.env_kwargs["format"].stop_token_ids)
-        if not self.cfg.is_endpoint and not hasattr(self.backend, "open_client"):  # a decode engine batches itself
+        self.clients: EpisodeClients | None = None
+        if not self.cfg.is_endpoint and has_clients(self.backend):
+            self.clients = EpisodeClients(
+                self.backend, lambda job: seeds.eval_client_seed(self.cfg.seed, job.task_id, job.sample),
+                lambda client, job: TokenPolicy(client, self.sampling(job)),
+            )
+        elif not self.cfg.is_endpoint:
             self.lockstep = LockstepSampler(self.backend)
 
-    def policy(self, job: EpisodeJob) -> Policy:
+    def sampling(self, job: EpisodeJob) -> SamplingParams:
         cfg = self.cfg
         given = {name: getattr(cfg, name) for name in ("max_new_tokens", "temperature", "top_p", "top_k")}
-        sampling = SamplingParams(**given, stop_token_ids=self.stop_ids, seed=cfg.seed + job.sample)
-        return TokenPolicy(self.lockstep or self.backend, sampling)
+        return SamplingParams(**given, stop_token_ids=self.stop_ids, seed=cfg.seed + job.sample)
 
+    def policy(self, job: EpisodeJob) -> Policy:
+        if self.clients is not None:
+            return self.clients.policy(job)
+        return TokenPolicy(self.lockstep or self.backend, self.sampling(job))
+
+    def finished(self, result: EpisodeResult) -> None:
+        if self.clients is not None:
+            self.clients.finished(result)
+
+    def close(self) -> None:
+        if self.clients is not None:
+            self.clients.close()
 
 
 class ChatRunner(EpisodeRunner):

@@ -77,6 +77,7 @@ async def run_jobs(
     last_error: list[str] = []
 
     def finished(result: EpisodeResult) -> None:
+        runner.finished(result)
         for what, text in result.failures():
             store.log_error(what, text)
         counts["infra_retries"] += result.retries
@@ -105,6 +106,7 @@ async def run_jobs(
             lockstep=runner.lockstep,
         )
     finally:
+        runner.close()
         if own:
             await envs.aclose()
     seconds = time.monotonic() - t0

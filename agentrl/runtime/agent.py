@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.engines.base import AsyncClosing
-from agentrl.engines.openai_engine import ChatClient
+from agentrl.engines.client import ChatClient
 from agentrl.episodes import STOP_REASONS as EPISODE_STOP_REASONS
 from agentrl.episodes import EpisodeLimits, Step, run_episode
 from agentrl.harmony.trajectory import ToolRecord, Trajectory
@@ -95,7 +95,7 @@ class Agent(AsyncClosing):
     Args:
         env: the env whose tools, instructions and limits to use (its format must be able to render
             completions, e.g. the default :class:`~agentrl.harmony.HarmonyFormat`).
-        client: a :class:`~agentrl.engines.openai_engine.ChatClient`; or pass ``base_url``, ``api_key``,
+        client: a :class:`~agentrl.engines.client.ChatClient`; or pass ``base_url``, ``api_key``,
             ``model`` (or the ``OPENAI_*`` environment variables) to build one.
         max_tool_calls, max_turns: limits for one request (override the env's limits when given).
         time_limit_s: wall-clock limit of one request; when hit, the run stops with ``time_limit``.

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentrl.engines.openai_engine import ChatClient, ChatResult
+from agentrl.engines.client import ChatClient, ChatResult
 from agentrl.episodes import Action, EpisodeState, Step
 from agentrl.harmony.trajectory import SamplingRecord
 from agentrl.runtime.bridge import observation_to_openai, prompt_to_openai, reply_to_steps, tools_to_openai
@@ -25,7 +25,7 @@ class ChatPolicy:
     """Asks ``client`` for each reply; one instance per episode (it keeps the OpenAI transcript).
 
     Args:
-        client: a :class:`~agentrl.engines.openai_engine.ChatClient`.
+        client: a :class:`~agentrl.engines.client.ChatClient`.
         sampling: chat-completions parameters (``temperature``, ``max_completion_tokens``, ``seed``...).
         on_text: when given, replies are streamed and ``on_text`` gets each piece of assistant text.
 
@@ -57,7 +57,7 @@ class ChatPolicy:
 
         Raises:
             TypeError: the env's format cannot render completions.
-            agentrl.engines.openai_engine.EndpointError: the endpoint failed after retries.
+            agentrl.engines.client.EndpointError: the endpoint failed after retries.
         """
         env = episode.env
         render = getattr(env.format, "render_completion", None)

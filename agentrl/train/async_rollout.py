@@ -28,8 +28,8 @@ Guarantees:
   staleness is then lower, never higher), so no group is lost or trained twice.
 
 How the weights reach the sampler: the episodes sample from a separate rollout copy of the model served by a
-:class:`~agentrl.engines.decode_engine.DecodeEngine`; after each update the trainer's new trainable tensors are
-copied into it with :meth:`~agentrl.engines.decode_engine.DecodeEngine.update_weights` (the LoRA adapter alone
+:class:`~agentrl.engines.decode.decode_engine.DecodeEngine`; after each update the trainer's new trainable tensors are
+copied into it with :meth:`~agentrl.engines.decode.decode_engine.DecodeEngine.update_weights` (the LoRA adapter alone
 with ``update_lora``), which lands between two decode steps and sets the engine's policy version. Episodes in
 flight go on with the new weights and keep their KV cache (the engine's module docstring says why that keeps the
 correction exact). The copy costs one more set of weights; it is also what lets the rollout live on a GPU of its

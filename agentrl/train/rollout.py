@@ -6,10 +6,11 @@ raises is kept (``usable=False``, its partial trajectory saved and counted) and 
 tool's backend ended (``stop_reason="infrastructure"``: not the model's failure) is run again by
 :func:`~agentrl.episodes.collect`, and left out of the update when it still fails (:func:`trainable`).
 
-With an engine that has clients (:meth:`agentrl.engines.decode_engine.DecodeEngine.open_client`), each
-episode samples through its own client, keyed by its env seed, so what it samples does not depend on which
-episodes shared its batches (and the engine's deterministic mode knows when every episode has asked); the
-engine's memory is released after the rollout (:meth:`release`), before the update needs it.
+With an engine that has clients (:meth:`agentrl.engines.decode.decode_engine.DecodeEngine.client`), each
+episode samples through its own client, keyed by its env seed (:class:`~agentrl.episodes.clients.EpisodeClients`),
+so what it samples does not depend on which episodes shared its batches (and the engine's deterministic mode knows
+when every episode has asked); the engine's memory is released after the rollout (:meth:`release`), before the
+update needs it.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from typing import Any
 from agentrl.engines.base import SamplingParams
 from agentrl.episodes import (
     EnvPool,
+    EpisodeClients,
     EpisodeJob,
     EpisodeResult,
     LockstepSampler,
     TokenPolicy,
     collect,
     grouped_jobs,
+    has_clients,
 )
 from agentrl.progress import ProgressLines
 
@@ -69,7 +72,7 @@ async def rollout(
             finished[1] += result.error is not None
             lines.update(finished[0], failed=finished[1])
 
-        if hasattr(engine, "open_client"):
+        if has_clients(engine):
             episodes = await _collect_through_clients(pool, engine, sampling, jobs, on_episode=count)
         else:  # the transformers engine: one policy for every episode, sampled in lockstep
             sampler = LockstepSampler(engine)
@@ -88,27 +91,17 @@ async def _collect_through_clients(
 ) -> list[EpisodeResult]:
     """:func:`collect` with one engine client per episode, keyed by its env seed (see the module docstring);
     the engine's memory is released afterwards. ``on_episode``: called with each result as it finishes."""
-    clients: dict[tuple[Any, int], Any] = {}
-
-    def policy(job: EpisodeJob) -> TokenPolicy:  # called again for a job run again after an infrastructure failure
-        previous = clients.pop((job.group, job.sample), None)
-        if previous is not None:
-            previous.close()
-        clients[(job.group, job.sample)] = client = engine.open_client(job.seed)
-        return TokenPolicy(client, sampling)
+    clients = EpisodeClients(engine, lambda job: job.seed, lambda client, job: TokenPolicy(client, sampling))
 
     def finished(result: EpisodeResult) -> None:
-        client = clients.pop((result.group, result.sample), None)
-        if client is not None:
-            client.close()
+        clients.finished(result)
         if on_episode is not None:
             on_episode(result)
 
     try:
-        return await collect(pool, policy, jobs, on_episode=finished)
+        return await collect(pool, clients.policy, jobs, on_episode=finished)
     finally:
-        for client in clients.values():
-            client.close()
+        clients.close()
         engine.release()
 
 

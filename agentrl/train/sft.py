@@ -191,7 +191,7 @@ def build_teacher(sft: Any, env_cls: type, stop_token_ids: Sequence[int] = ()) -
         return scripted_teacher(env_cls) if env_cls.scripted_teacher() is not None else None
     if teacher == "scripted":
         return scripted_teacher(env_cls)
-    from agentrl.engines.openai_engine import ChatClient, Endpoint, OpenAIEngine
+    from agentrl.engines.client import ChatClient, Endpoint, OpenAIEngine
 
     endpoint = Endpoint(teacher, model=sft.teacher_model, max_concurrency=max(int(sft.concurrency), 1))
     if sft.teacher_api == "completions":

@@ -53,7 +53,7 @@ class Teacher:
 
 def engine_teacher(engine: Any, sampling: SamplingParams, name: str = "engine") -> Teacher:
     """A token-level teacher: :class:`agentrl.episodes.TokenPolicy` on any engine with the student's tokenizer
-    (e.g. :class:`~agentrl.engines.openai_engine.OpenAIEngine` on a served bigger model of the same family)."""
+    (e.g. :class:`~agentrl.engines.client.OpenAIEngine` on a served bigger model of the same family)."""
     from agentrl.episodes import TokenPolicy
 
     close = getattr(engine, "aclose", None)

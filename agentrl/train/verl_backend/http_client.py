@@ -20,7 +20,7 @@ from typing import Any
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
-from agentrl.engines.openai_engine import OpenAIEngine
+from agentrl.engines.client import OpenAIEngine
 from agentrl.train.verl_backend.sampling import to_sampling
 
 

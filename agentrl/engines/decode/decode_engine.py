@@ -3,12 +3,12 @@
 :class:`DecodeEngine` implements the :class:`~agentrl.engines.base.RolloutEngine` contract of
 :class:`~agentrl.engines.transformers_engine.TransformersEngine` (``generate``, ``generate_sync``,
 ``stats``, ``reseed``, ``abort``, ``record_routing``) for the model families
-:mod:`~agentrl.engines.decoder` supports (Llama, Qwen2/3, GPT-OSS), plus :meth:`DecodeEngine.release`
-(free the cache between rollouts) and :meth:`DecodeEngine.open_client` (per-episode sampling keys and the
+:mod:`~agentrl.engines.decode.decoder` supports (Llama, Qwen2/3, GPT-OSS), plus :meth:`DecodeEngine.release`
+(free the cache between rollouts) and :meth:`DecodeEngine.client` (per-episode sampling keys and the
 deterministic mode). Pick it through :func:`agentrl.engines.factory.make_engine`.
 
 How a request runs: ``generate`` queues one job per prompt; a worker coroutine runs
-:meth:`Scheduler.step <agentrl.engines.scheduler.Scheduler.step>` in a thread (admit waiting jobs into free
+:meth:`Scheduler.step <agentrl.engines.decode.scheduler.Scheduler.step>` in a thread (admit waiting jobs into free
 rows, prefill them reusing cached prefixes, decode a chunk of steps for every running row) and resolves the
 callers whose jobs finished. The event loop stays free meanwhile, so tool calls of other episodes run, and
 an episode whose tool returned joins the running batch at the next chunk, not after the batch drains.
@@ -18,9 +18,9 @@ probability of the sampled id under ``softmax(logits / temperature)`` (``tempera
 ``softmax(logits)``); top-k/top-p change which ids can be drawn, not the reported log-prob.
 
 **Sampling keys and determinism.** The randomness of token ``j`` of a request is a pure function of the
-request's key and ``j`` (:mod:`agentrl.engines.sampling`), never of batch composition or arrival order.
+request's key and ``j`` (:mod:`agentrl.engines.decode.sampling`), never of batch composition or arrival order.
 The key hashes the engine seed (:meth:`reseed`), then, in order of precedence: the client's seed and the
-prompt's length (:meth:`open_client`: one client per episode, whose turns have strictly growing prompts);
+prompt's length (:meth:`client`: one client per episode, whose turns have strictly growing prompts);
 ``SamplingParams.seed`` and the prompt's length; or the prompt's tokens and how many identical prompts were
 submitted since the last reseed. The position in the call's prompt list is hashed in too.
 With ``deterministic=True`` the batches themselves are reproducible: before every step the engine waits
@@ -31,7 +31,7 @@ tokens and log-probs. It costs overlap: decoding pauses while any open client is
 
 **LoRA.** A model carrying the trainer's adapter (:func:`agentrl.models.lora.apply_lora`: attention
 projections and GPT-OSS's fused experts, or a Llama's projections) decodes exactly through it, unmerged: base
-output plus ``s (x A^T) B^T`` per projection and per expert (:mod:`agentrl.engines.lora_delta`), inside the
+output plus ``s (x A^T) B^T`` per projection and per expert (:mod:`agentrl.engines.decode.lora_delta`), inside the
 CUDA graphs. The engine reads the adapter's live parameters. Updating the adapter is therefore an in-place
 write into those parameters, by either route:
 
@@ -72,9 +72,10 @@ from typing import Any
 import torch
 
 from agentrl.engines.base import Completion, EngineAborted, SamplingParams
-from agentrl.engines.runner import ModelRunner, RowSampling
-from agentrl.engines.sampling import request_key
-from agentrl.engines.scheduler import Job, Scheduler
+from agentrl.engines.decode.runner import ModelRunner, RowSampling
+from agentrl.engines.decode.sampling import request_key
+from agentrl.engines.decode.scheduler import Job, Scheduler
+from agentrl.engines.decode.tuning import DecodeTuning
 
 
 @dataclass
@@ -115,34 +116,19 @@ class EngineClient:
         self.close()
 
 
-def _default_attention(model: torch.nn.Module, device: torch.device) -> str:
-    """On a GPU: ``kernel`` (the sink-attention kernel) for GPT-OSS and half-precision models, ``exact`` (the
-    IEEE float32 decode kernel; the sink kernel's float32 dots are TF32) for float32 dense models. ``torch``
-    on the CPU and for head sizes the kernels do not take."""
-    config = getattr(model, "config", None)
-    dtype = next(model.parameters()).dtype
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if device.type != "cuda" or head_dim not in (16, 32, 64, 128, 256):
-        return "torch"
-    if getattr(config, "model_type", None) == "gpt_oss" or dtype != torch.float32:
-        return "kernel"
-    return "exact"
-
-
 class DecodeEngine:
     """See the module docstring.
 
-    - ``model``: a supported transformers causal LM on its device (:func:`agentrl.engines.decoder.unsupported_reason`).
+    - ``model``: a supported transformers causal LM on its device (:func:`agentrl.engines.decode.decoder.unsupported_reason`).
     - ``max_batch_size``: most sequences decoding at once.
     - ``seed``: the engine seed of the sampling keys (:meth:`reseed` changes it).
     - ``record_routing``: return each completion's MoE routing (``[L, n, k]`` int64 over the ``n`` tokens
       fed: the prompt, then the completion but its last token).
     - ``share_prefix``: reuse cached prefixes (shared prompts, earlier turns); exact either way.
     - ``deterministic``: reproducible batches (see the module docstring).
-    - Tuning (defaults by device): ``chunk_steps`` (decode steps per host read; GPU 16, CPU 1),
-      ``cuda_graphs``, ``attention`` (``kernel``/``torch``), ``fused`` (Triton element-wise kernels),
-      ``max_slots`` (cache slots; GPU ``2 * max_batch_size``), ``min_length`` (GPU 1024 positions),
-      ``prefill_tokens`` (tokens per prefill forward).
+    - Tuning: ``chunk_steps``, ``cuda_graphs``, ``attention``, ``fused``, ``max_slots``, ``min_length``,
+      ``prefill_tokens``, each ``None`` for its device's default (:class:`~agentrl.engines.decode.tuning.
+      DecodeTuning`); :attr:`tuning` holds what the engine runs with.
     """
 
     def __init__(self, model: torch.nn.Module, *, max_batch_size: int = 64, seed: int = 0,
@@ -154,17 +140,18 @@ class DecodeEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
         self.device = next(model.parameters()).device
-        cuda = self.device.type == "cuda"
         self.record_routing = record_routing
         self.deterministic = deterministic
+        self.tuning = tune = DecodeTuning(
+            chunk_steps=chunk_steps, cuda_graphs=cuda_graphs, attention=attention, fused=fused, max_slots=max_slots,
+            min_length=min_length, prefill_tokens=prefill_tokens).resolve(model, max_batch_size)
         self.runner = ModelRunner(
-            model, chunk_steps=chunk_steps or (16 if cuda else 1), cuda_graphs=cuda if cuda_graphs is None else cuda_graphs,
-            attention=attention or _default_attention(model, self.device), fused=cuda if fused is None else fused,
-            record_routing=record_routing, prefill_tokens=prefill_tokens or (16384 if cuda else 4096))
+            model, chunk_steps=tune.chunk_steps, cuda_graphs=tune.cuda_graphs, attention=tune.attention,
+            fused=tune.fused, record_routing=record_routing, prefill_tokens=tune.prefill_tokens)
         self.scheduler = Scheduler(
-            self.runner, max_rows=max_batch_size, max_slots=max_slots or (2 * max_batch_size if cuda else max_batch_size),
+            self.runner, max_rows=max_batch_size, max_slots=tune.max_slots,
             chunk_steps=self.runner.chunk_steps, share_prefix=share_prefix, canonical_order=deterministic,
-            min_length=(1024 if cuda else 0) if min_length is None else min_length)
+            min_length=tune.min_length)
         self.seed = int(seed)
         #: The policy version stamped on the tokens sampled from now on (see the module docstring); None (the
         #: default, for an engine whose owner does not count versions): no versions are recorded.
@@ -229,7 +216,7 @@ class DecodeEngine:
             if version is not None:
                 self.policy_version = int(version)
 
-    def open_client(self, seed: int) -> EngineClient:
+    def client(self, seed: int) -> EngineClient:
         """A client whose requests' sampling keys derive from ``seed`` (see the module docstring)."""
         client = EngineClient(self, seed)
         self._clients.add(client)

@@ -1,6 +1,6 @@
 """Continuous batching on the host: which request runs in which cache slot, and when.
 
-The :class:`Scheduler` is device-agnostic: it drives any runner with :class:`~agentrl.engines.runner.ModelRunner`'s
+The :class:`Scheduler` is device-agnostic: it drives any runner with :class:`~agentrl.engines.decode.runner.ModelRunner`'s
 interface and keeps only Python state, so its logic runs and is tested on the CPU. One :meth:`Scheduler.step`:
 
 1. **Admit** waiting jobs while fewer than ``max_rows`` run: first come first served, or, with
@@ -36,11 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.engines.prefix_index import BLOCK, PrefixIndex
-from agentrl.engines.runner import PrefillRow, RowSampling, RowState
+from agentrl.engines.decode.prefix_index import BLOCK, PrefixIndex
+from agentrl.engines.decode.runner import PrefillRow, RowSampling, RowState
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One prompt to complete. Filled as it runs: ``tokens``/``logprobs`` (sampled so far), ``versions`` (the
     engine's policy version per sampled token, filled by the engine after each step), ``finish`` (``"stop"`` or
@@ -96,7 +96,7 @@ def _round_up(n: int, to: int) -> int:
 class Scheduler:
     """See the module docstring.
 
-    - ``runner``: a :class:`~agentrl.engines.runner.ModelRunner` or anything with its interface.
+    - ``runner``: a :class:`~agentrl.engines.decode.runner.ModelRunner` or anything with its interface.
     - ``max_rows``: most jobs decoding at once; ``max_slots``: most cache slots (>= ``max_rows``; the
       extra ones keep idle sequences for reuse).
     - ``chunk_steps``: decode steps between host reads.

@@ -369,7 +369,7 @@ def turn_to_message(turn: ParsedTurn, fmt: ChatFormat, completion_ids: Sequence[
     """A parsed completion as an OpenAI assistant message. Unparseable output is returned as content
     (the decoded text), so nothing the model said is lost. As in OpenAI's API, parsed tool calls are in
     ``tool_calls`` only: ``content`` is the text before a chat template's first ``<tool_call>`` (None when
-    there is none), the same text a stream sends (:mod:`~agentrl.engines.chat_stream`)."""
+    there is none), the same text a stream sends (:mod:`~agentrl.engines.server.chat_stream`)."""
     msg = AssistantMessage()
     reasoning = [m.content for m in turn.messages if m.channel == "analysis" and not m.recipient]
     if reasoning:

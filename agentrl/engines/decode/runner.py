@@ -1,6 +1,6 @@
 """The device side of the decode engine: slot cache, per-slot decode state, prefill, captured decode steps.
 
-:class:`ModelRunner` is driven by the host-side :class:`~agentrl.engines.scheduler.Scheduler` through a
+:class:`ModelRunner` is driven by the host-side :class:`~agentrl.engines.decode.scheduler.Scheduler` through a
 small interface (:meth:`reserve`, :meth:`copy_prefix`, :meth:`prefill`, :meth:`set_rows`,
 :meth:`decode`, :meth:`routing`, :meth:`release`). Rows are slots: decode row ``i`` is slot ``i``, and a
 decode step runs on the slots ``0 .. bucket-1`` (rows that are not live compute garbage that is never
@@ -9,7 +9,7 @@ kept, and write their keys to the slot's scratch position).
 Per-slot decode state lives in device buffers (:class:`DecodeState`): the token to feed, its position,
 whether the row is live, how many tokens it has produced and may produce, its sampling parameters and
 request key, its stop ids. One decode step (:meth:`ModelRunner._step`) feeds every live row's token,
-samples the next one on the device (:func:`~agentrl.engines.sampling.sample_tokens`), checks stop ids,
+samples the next one on the device (:func:`~agentrl.engines.decode.sampling.sample_tokens`), checks stop ids,
 the token limit and the cache capacity on the device, advances the state and writes the sampled ids,
 log-probs and live flags to per-chunk output buffers. :meth:`decode` runs ``steps`` of them and copies
 the outputs to the host once. On CUDA each step is replayed from a CUDA graph captured per batch bucket
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from agentrl.engines.base import EngineAborted
-from agentrl.engines.decoder import SlotDecoder
-from agentrl.engines.sampling import sample_tokens
-from agentrl.engines.slot_attention import KernelAttention, PrefillPlan, TorchAttention
-from agentrl.engines.slot_cache import SlotCache
+from agentrl.engines.decode.decoder import SlotDecoder
+from agentrl.engines.decode.sampling import sample_tokens
+from agentrl.engines.decode.slot_attention import KernelAttention, PrefillPlan, TorchAttention
+from agentrl.engines.decode.slot_cache import SlotCache
 
 #: Decode batch sizes a graph is captured for; a step runs at the smallest bucket covering its slots.
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
@@ -105,13 +105,13 @@ class DecodeState:
 class ModelRunner:
     """See the module docstring.
 
-    - ``model``: a model :class:`~agentrl.engines.decoder.SlotDecoder` supports, on its device.
+    - ``model``: a model :class:`~agentrl.engines.decode.decoder.SlotDecoder` supports, on its device.
     - ``chunk_steps``: the most decode steps between two host copies.
     - ``cuda_graphs``: capture decode steps (CUDA only).
-    - ``attention``: ``"kernel"`` (:class:`~agentrl.engines.slot_attention.KernelAttention`), ``"torch"``
-      (:class:`~agentrl.engines.slot_attention.TorchAttention`) or ``"exact"`` (torch prefill, decoding with
-      the IEEE float32 kernel of :mod:`agentrl.engines.decode_attention`).
-    - ``fused``: the Triton element-wise kernels (:mod:`agentrl.engines.fused_ops`).
+    - ``attention``: ``"kernel"`` (:class:`~agentrl.engines.decode.slot_attention.KernelAttention`), ``"torch"``
+      (:class:`~agentrl.engines.decode.slot_attention.TorchAttention`) or ``"exact"`` (torch prefill, decoding with
+      the IEEE float32 kernel of :mod:`agentrl.engines.decode.decode_attention`).
+    - ``fused``: the Triton element-wise kernels (:mod:`agentrl.engines.decode.fused_ops`).
     - ``record_routing``: keep each cached token's MoE experts (GPT-OSS).
     """
 

@@ -1,4 +1,4 @@
-"""Attention of new tokens against a :class:`~agentrl.engines.slot_cache.SlotCache`, two implementations.
+"""Attention of new tokens against a :class:`~agentrl.engines.decode.slot_cache.SlotCache`, two implementations.
 
 Rows are sequences living in cache slots. A row has ``n_q`` new query tokens (already written to its
 slot) and sees the first ``n_keys`` positions of its slot, its queries being the last ``n_q`` of them
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentrl.engines.slot_cache import SlotCache
+from agentrl.engines.decode.slot_cache import SlotCache
 
 
 class KernelAttention:
@@ -104,7 +104,7 @@ class PrefillPlan:
 
 class TorchAttention:
     """Torch-op attention over the ``head`` layout (see the module docstring). ``exact_kernel``: decode with
-    :func:`agentrl.engines.decode_attention.decode_attention` (IEEE float32 Triton) instead of torch ops."""
+    :func:`agentrl.engines.decode.decode_attention.decode_attention` (IEEE float32 Triton) instead of torch ops."""
 
     layout = "head"
 
@@ -147,7 +147,7 @@ class TorchAttention:
         """The IEEE float32 kernel, or None when it fails to compile or launch for this shape class (one
         :class:`~agentrl.kernels.fallback.KernelFallbackWarning`; the torch ops, the same function with
         IEEE float32 dots unless TF32 matmuls are enabled, compute it from then on)."""
-        from agentrl.engines.decode_attention import decode_attention
+        from agentrl.engines.decode.decode_attention import decode_attention
         from agentrl.kernels import fallback
 
         kernel = "exact float32 decode attention"

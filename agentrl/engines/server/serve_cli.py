@@ -1,4 +1,4 @@
-"""``agentrl serve model``: serve a local model over the OpenAI-compatible API of :mod:`agentrl.engines.app`.
+"""``agentrl serve model``: serve a local model over the OpenAI-compatible API of :mod:`agentrl.engines.server.app`.
 
 Once the socket accepts requests it prints one line, ``ready: http://HOST:PORT/v1 model=NAME
 format=FORMAT``, on stdout. SIGTERM or Ctrl-C stops it promptly: generation in progress is aborted
@@ -99,8 +99,8 @@ def serve(app: Any, sock: socket.socket, *, ready_line: str, on_exit: Any = None
 def _serve(cfg: Any) -> int:
     import os
 
-    from agentrl.engines.app import create_app
     from agentrl.engines.server import load_local_engine
+    from agentrl.engines.server.app import create_app
 
     sock = _bind(cfg.host, cfg.port)  # before the (slow) model load: a busy port fails at once
     try:

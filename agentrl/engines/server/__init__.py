@@ -1,22 +1,27 @@
-"""``agentrl serve model``: an OpenAI-compatible model server. This module gathers the public names; each
+"""``agentrl serve model``: an OpenAI-compatible model server. This package gathers the public names; each
 job lives in its own module:
 
-- :mod:`agentrl.engines.openai_api`: pydantic request/response models, OpenAI <-> agentrl translation;
-- :mod:`agentrl.engines.app`: the FastAPI app (:func:`create_app`);
-- :mod:`agentrl.engines.chat_stream`: incremental SSE deltas of streamed chat completions;
-- :mod:`agentrl.engines.served_format`: how the server describes its chat format to clients;
-- :mod:`agentrl.engines.background`: :class:`BackgroundServer` (uvicorn in a thread);
-- :mod:`agentrl.engines.serve_cli`: the command line;
+- :mod:`agentrl.engines.server.openai_api`: pydantic request/response models, OpenAI <-> agentrl translation;
+- :mod:`agentrl.engines.server.app`: the FastAPI app (:func:`create_app`);
+- :mod:`agentrl.engines.server.chat_stream`: incremental SSE deltas of streamed chat completions;
+- :mod:`agentrl.engines.server.served_format`: how the server describes its chat format to clients;
+- :mod:`agentrl.engines.server.background`: :class:`BackgroundServer` (uvicorn in a thread);
+- :mod:`agentrl.engines.server.serve_cli`: the command line;
 - here: :func:`load_local_engine`, a local model in the engine :func:`agentrl.engines.factory.make_engine`
   picks, with its format.
 """
 
 from __future__ import annotations
 
-from agentrl.engines.app import create_app
-from agentrl.engines.background import BackgroundServer
 from agentrl.engines.base import RolloutEngine
-from agentrl.engines.openai_api import RequestError, openai_to_messages, openai_to_tools, turn_to_message
+from agentrl.engines.server.app import create_app
+from agentrl.engines.server.background import BackgroundServer
+from agentrl.engines.server.openai_api import (
+    RequestError,
+    openai_to_messages,
+    openai_to_tools,
+    turn_to_message,
+)
 from agentrl.harmony.format import ChatFormat
 
 __all__ = [

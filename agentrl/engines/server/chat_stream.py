@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentrl.engines.base import Completion
-from agentrl.engines.openai_api import TOOL_TAG, AssistantMessage, finish_reason, turn_to_message
+from agentrl.engines.server.openai_api import TOOL_TAG, AssistantMessage, finish_reason, turn_to_message
 from agentrl.harmony.format import ChatFormat
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -1,27 +1,27 @@
 """The forward pass of a transformers causal LM over slot-cached sequences, built from the model's own modules.
 
 :class:`SlotDecoder` runs a Llama-family model (``llama``, ``qwen2``, ``qwen3``: SmolLM2, Qwen, ...) or
-GPT-OSS token by token against a :class:`~agentrl.engines.slot_cache.SlotCache`, for prefill (many tokens
+GPT-OSS token by token against a :class:`~agentrl.engines.decode.slot_cache.SlotCache`, for prefill (many tokens
 per row) and decoding (one per row), with no padding and no transformers cache object. It holds references
 to the model's parameters and modules, not copies: an optimizer step on the model is what it computes with
 next (except the fused projection weights below, which :meth:`sync_weights` refreshes).
 
 Per layer: pre-norm, q/k/v projections, rotary embedding (from a table computed by the model's own rotary
 module), keys/values stored at each token's ``(slot, position)``, attention through a callable that the
-caller supplies (see :mod:`agentrl.engines.slot_attention`), output projection, residual, post-norm, the
-MLP (GPT-OSS: :class:`~agentrl.engines.moe.SlotMoE`), residual; then the final norm and the LM head.
+caller supplies (see :mod:`agentrl.engines.decode.slot_attention`), output projection, residual, post-norm, the
+MLP (GPT-OSS: :class:`~agentrl.engines.decode.moe.SlotMoE`), residual; then the final norm and the LM head.
 
 Two implementations of the small steps, one result:
 
 * ``fused=False``: transformers' own modules and functions (its RMSNorm modules, ``apply_rotary_pos_emb``,
   the MLP module), so float32 results equal transformers' eager ones to rounding. The CPU path.
-* ``fused=True`` (a GPU, or the Triton interpreter in tests): :mod:`agentrl.engines.fused_ops` kernels,
+* ``fused=True`` (a GPU, or the Triton interpreter in tests): :mod:`agentrl.engines.decode.fused_ops` kernels,
   one fused q/k/v projection and, for SwiGLU MLPs, one fused gate/up projection, from weight copies that
   :meth:`sync_weights` refreshes in place when the model's parameters change.
 
 **LoRA** (the trainer's PEFT model, :func:`agentrl.models.lora.apply_lora`): every projection runs as base
-plus the adapter's unmerged delta (:mod:`agentrl.engines.lora_delta`), GPT-OSS's experts per expert
-(:class:`~agentrl.engines.moe.SlotMoE`). The fused copies hold the base weights only; the deltas read the
+plus the adapter's unmerged delta (:mod:`agentrl.engines.decode.lora_delta`), GPT-OSS's experts per expert
+(:class:`~agentrl.engines.decode.moe.SlotMoE`). The fused copies hold the base weights only; the deltas read the
 live adapter parameters, so in-place adapter updates need no copy and no graph recapture.
 """
 
@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentrl.engines import lora_delta
-from agentrl.engines.lora_delta import LinearLora
-from agentrl.engines.moe import SlotMoE
+from agentrl.engines.decode import lora_delta
+from agentrl.engines.decode.lora_delta import LinearLora
+from agentrl.engines.decode.moe import SlotMoE
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt_oss")
 
@@ -230,7 +230,7 @@ class SlotDecoder:
 
     def _norm(self, norm: nn.Module, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused:
-            from agentrl.engines.fused_ops import rms_norm
+            from agentrl.engines.decode.fused_ops import rms_norm
 
             return rms_norm(x, norm.weight, _eps(norm), residual=delta, cast_first=self.cast_first)
         if delta is not None:
@@ -252,7 +252,7 @@ class SlotDecoder:
             q = lay.q_norm(q.view(n, self.hq, d)).view(n, -1)
             k = lay.k_norm(k.view(n, self.hkv, d)).view(n, -1)
         if self.fused:
-            from agentrl.engines.fused_ops import rope_store
+            from agentrl.engines.decode.fused_ops import rope_store
 
             return rope_store(q, k, v, self.cos_half, self.sin_half, positions, write_positions, slots,
                               cache.keys(index), cache.values(index), layout=cache.layout)
@@ -268,7 +268,7 @@ class SlotDecoder:
             return lay.moe(h, dense=dense_moe, record=rec)
         proj = lay.proj
         if lay.gate_up is not None:
-            from agentrl.engines.fused_ops import silu_mul
+            from agentrl.engines.decode.fused_ops import silu_mul
 
             gate_up = F.linear(h, *lay.gate_up)
             if proj["gate_proj"].peft is not None or proj["up_proj"].peft is not None:

@@ -15,12 +15,12 @@ Two ways to run the experts, one result:
 
 **LoRA on the experts** (PEFT's ``ParamWrapper`` around ``gate_up_proj`` / ``down_proj``, as
 :func:`agentrl.models.lora.apply_lora` builds it): each expert adds its unmerged delta
-(:class:`~agentrl.engines.lora_delta.ExpertLora`) to its matmul, before the bias: in the dense path as batched
+(:class:`~agentrl.engines.decode.lora_delta.ExpertLora`) to its matmul, before the bias: in the dense path as batched
 GEMMs over the experts (the gate/up ``A`` of all experts in one GEMM, since every expert sees the same input),
 in the looped path on each expert's own tokens. :meth:`SlotMoE.sync` refreshes the adapters' GEMM buffers in
 place after the parameters changed.
 
-``record`` (a :class:`~agentrl.engines.slot_cache.SlotCache` with routing, the MoE layer index, and the
+``record`` (a :class:`~agentrl.engines.decode.slot_cache.SlotCache` with routing, the MoE layer index, and the
 tokens' ``(slot, position)``) stores each token's expert ids where its keys are stored.
 """
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentrl.engines.lora_delta import unwrap_experts
+from agentrl.engines.decode.lora_delta import unwrap_experts
 
 
 class SlotMoE:

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from agentrl.engines.openai_api import ServedFormat
+from agentrl.engines.server.openai_api import ServedFormat
 from agentrl.harmony.format import ChatFormat
 
 HARMONY_OPTIONS = ("reasoning_effort", "model_identity", "knowledge_cutoff", "analysis")

@@ -3,7 +3,7 @@
 Endpoints:
 
 - ``GET /v1/models``: the one served model; its ``agentrl`` field describes the chat format (see
-  :mod:`agentrl.engines.served_format`). ``GET /v1/agentrl/format[?files=true]``: the full description.
+  :mod:`agentrl.engines.server.served_format`). ``GET /v1/agentrl/format[?files=true]``: the full description.
 - ``POST /v1/completions``: token-in-token-out. ``prompt`` is token ids, a batch of them, or text
   (encoded with the format, no special tokens). ``max_tokens`` (default 16), ``temperature``, ``top_p``,
   ``top_k``, ``seed``, ``n``, ``stop_token_ids`` (default: the format's stop tokens), ``logprobs``. Each
@@ -18,7 +18,7 @@ Endpoints:
   ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids``.
 - ``GET /health``.
 
-Requests and responses are pydantic models (:mod:`agentrl.engines.openai_api`). Errors follow the OpenAI
+Requests and responses are pydantic models (:mod:`agentrl.engines.server.openai_api`). Errors follow the OpenAI
 shape ``{"error": {"message", "type", "code"}}``: 400 for a bad request (the message names the field), 401
 for a wrong API key, 503 when generation was aborted by a shutdown, 500 when the engine fails.
 """
@@ -38,8 +38,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from agentrl.engines.base import Completion, EngineAborted, RolloutEngine, SamplingParams
-from agentrl.engines.chat_stream import DeltaStreamer, delta_choice, sse_chunk
-from agentrl.engines.openai_api import (
+from agentrl.engines.server.chat_stream import DeltaStreamer, delta_choice, sse_chunk
+from agentrl.engines.server.openai_api import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -59,7 +59,7 @@ from agentrl.engines.openai_api import (
     turn_to_message,
     validation_message,
 )
-from agentrl.engines.served_format import describe_format
+from agentrl.engines.server.served_format import describe_format
 from agentrl.harmony.format import ChatFormat
 
 OnToken = Callable[[int, int], None]

@@ -100,7 +100,7 @@ def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_half: torc
                key_cache: torch.Tensor, value_cache: torch.Tensor, *, layout: str) -> torch.Tensor:
     """Rotate ``q`` ``[N, Hq*D]`` and ``k`` ``[N, Hkv*D]`` at ``positions`` (``cos_half``/``sin_half``:
     ``[L, D/2]`` float32 tables), store k and ``v`` into ``key_cache``/``value_cache`` (one layer of a
-    :class:`~agentrl.engines.slot_cache.SlotCache`, ``layout`` ``"token"`` or ``"head"``) at
+    :class:`~agentrl.engines.decode.slot_cache.SlotCache`, ``layout`` ``"token"`` or ``"head"``) at
     ``(slots, write_positions)``; returns the rotated q as ``[N, Hq, D]``. Rows of q/k/v must have a
     contiguous last dimension (views of a fused projection are fine)."""
     n = q.shape[0]

@@ -212,7 +212,7 @@ class Endpoint(AsyncClosing):
         (``agentrl serve model``), or ``None`` when the server does not describe one (vLLM, SGLang,
         hosted APIs). Raises :class:`EndpointError` if the server is unreachable, ``ValueError`` if its
         description cannot be used here."""
-        from agentrl.engines.served_format import format_from_description
+        from agentrl.engines.server.served_format import format_from_description
 
         try:
             desc = await self.request("GET", "agentrl/format?files=true")
