@@ -398,7 +398,10 @@ def test_lora_fsdp2_on_two_cpu_processes(tmp_path):
     ref, fsdp = r["ref"], r["fsdp"]
     assert ref["actor/grad_norm"] > 0.01
     assert abs(fsdp["actor/grad_norm"] - ref["actor/grad_norm"]) <= 1e-5 * ref["actor/grad_norm"]
-    assert r["adapter_max_abs_diff"] < 1e-6 and r["base_unchanged"]
+    # One AdamW step at lr 1e-2 moves each element by about lr * g / (|g| + eps): an element whose gradient is near
+    # eps turns the float32 summation-order error of g (two ranks against one process) into a visible step
+    # difference (8e-6 seen), while a wrong gradient or a missed shard moves elements by ~lr.
+    assert r["adapter_max_abs_diff"] < 2e-3 * 1e-2 and r["base_unchanged"]
     assert r["checkpoint_files"] == ["adapter", "optimizer.pt", "rng.pt", "state.json"]
     assert r["reloaded_equal_fsdp"] and r["reloaded_equal_single_process"]
 
@@ -439,3 +442,25 @@ def test_adapter_config_lists_target_modules_in_the_same_order_whatever_the_hash
         texts.append((out / lora.CONFIG_FILE).read_text())
     assert texts[0] == texts[1]
     assert json.loads(texts[0])["target_modules"] == sorted(names)
+
+
+def test_lora_initial_adapters_depend_on_seed_and_name_only_not_on_creation_order():
+    """PEFT draws the ``A`` factors from the global RNG in the order it creates the adapters, and 0.22 creates
+    GPT-OSS's expert adapters before the attention ones (0.21 the reverse). Each adapter must start from the seed
+    and its own name alone: the same tensors whether or not the other kind is targeted too, and whatever the
+    global RNG holds; ``B`` zero, so the model is unchanged; another seed, other tensors."""
+    def adapters(targets, rng_seed, seed=7):
+        model = _gpt_oss(0)
+        torch.manual_seed(rng_seed)
+        lora.apply_lora(model, lora.LoraSpec(rank=4, target_modules=targets), seed=seed)
+        return {lora.adapter_key(n): p.detach().clone() for n, p in lora.adapter_parameters(model)}
+
+    both = adapters(lora.ATTENTION + lora.GPT_OSS_EXPERTS, 0)
+    attention, experts = adapters(lora.ATTENTION, 1), adapters(lora.GPT_OSS_EXPERTS, 2)
+    assert attention and experts and set(both) == set(attention) | set(experts)
+    for key, tensor in {**attention, **experts}.items():
+        assert torch.equal(tensor, both[key]), key
+    assert all(not t.any() for k, t in both.items() if ".lora_B." in k)
+    assert all(t.abs().sum() > 0 for k, t in both.items() if ".lora_A." in k)
+    reseeded = adapters(lora.ATTENTION, 0, seed=8)
+    assert not any(torch.equal(reseeded[k], attention[k]) for k in attention if ".lora_A." in k)

@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -238,10 +240,12 @@ def _check_experts_are_plain(model: nn.Module, parameters: list[str]) -> None:
 def apply_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0) -> dict[str, int]:
     """Inject ``spec``'s adapters into ``model`` in place and freeze every other parameter.
 
-    The adapters are initialised from ``seed`` alone (PEFT's init: ``A`` random, ``B`` zero, so the model's
-    output is unchanged), whatever the global RNG state: every FSDP rank builds identical adapters, and the
-    global RNG is left as it was. Returns ``{"trainable": adapter elements, "total": all elements}``.
-    Raises ValueError for a model that already has an adapter or a spec PEFT cannot apply."""
+    The adapters are initialised from ``seed`` and each adapter's parameter name alone (PEFT's init: ``A``
+    Kaiming-uniform, ``B`` zero, so the model's output is unchanged; see :func:`_init_adapters`), whatever the
+    global RNG state, the device and the order in which the installed PEFT version creates the adapters: every
+    FSDP rank, and every PEFT version, builds identical adapters, and the global RNG is left as it was.
+    Returns ``{"trainable": adapter elements, "total": all elements}``. Raises ValueError for a model that
+    already has an adapter or a spec PEFT cannot apply."""
     from peft import inject_adapter_in_model
 
     if has_lora(model):
@@ -252,12 +256,30 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0) -> dict[str, 
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+    _init_adapters(model, seed)
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
     return {
         "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "total": sum(p.numel() for p in model.parameters()),
     }
+
+
+def _init_adapters(model: nn.Module, seed: int) -> None:
+    """Re-draw every ``lora_A`` as PEFT does (``kaiming_uniform_(a=sqrt(5))``) from a CPU generator seeded by
+    ``seed`` and the adapter's file key (:func:`adapter_key`), and zero every ``lora_B``. PEFT draws the ``A``
+    factors from the global RNG in the order it creates them, which changed between versions (0.22 creates the
+    GPT-OSS expert adapters before the attention ones), so a seeded run would start elsewhere under another
+    PEFT."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.zero_()
+            elif "lora_A" in name:
+                key_seed = (seed * 1_000_003 + zlib.crc32(adapter_key(name).encode())) % 2**63
+                draw = torch.empty(param.shape, dtype=torch.float32)
+                torch.nn.init.kaiming_uniform_(draw, a=math.sqrt(5), generator=torch.Generator().manual_seed(key_seed))
+                param.copy_(draw)
 
 
 @contextmanager
