@@ -3,7 +3,8 @@
 PEFT adapts a fused expert tensor (``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``) through a
 ``ParamWrapper`` (one per tensor, nested around the experts module). Its forward folds ``W + s A^T B^T`` for
 every expert into a new expert stack on each call and runs the experts on that: for GPT-OSS-20B a transient
-the size of the layer's experts (about 1 GB per tensor in bf16), which autograd also keeps for the backward.
+the size of the layer's experts (1.6 GB per layer in bf16), which autograd also keeps for the backward, and a
+gradient of the same size in the backward.
 
 :func:`install` replaces the forward of the outermost wrapper of each GPT-OSS experts module by
 :func:`experts_forward`, which computes the same function unmerged, as a grouped computation over the experts
@@ -12,8 +13,8 @@ the batch routes to: the ``(token, expert)`` pairs are sorted by expert, and eac
 factors, whose intermediate is ``[pairs, r]``), then ``+ b_e``. The gate is the experts' own ``_apply_gate``
 (GPT-OSS's clamped SwiGLU), the outputs are weighted by the routing weights and summed per token in top-k
 order, as transformers' ``grouped_mm`` experts forward does. Autograd runs through ``A`` and ``B``; nothing
-the size of the expert weights is built or saved. It is the function the decode engine computes
-(``agentrl.engines.lora_delta``), and equals PEFT's to rounding (tests/test_expert_lora.py).
+the size of the expert weights is built or saved. It is the function the decode engine computes for the experts
+(unmerged, per expert), and equals PEFT's to rounding (tests/test_expert_lora.py).
 
 **What stays PEFT's.** The wrappers, their ``lora_A`` / ``lora_B`` parameters (the same tensor objects: the
 optimizer, checkpoints, ``adapter_state_dict``, FSDP2's sharding and the engine's ``update_lora`` see no
