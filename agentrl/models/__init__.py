@@ -7,6 +7,8 @@
   device on the target device (``model=gpt-oss-20b-random``).
 - :mod:`agentrl.models.lora`: LoRA adapters through PEFT, injected in place (targets per architecture, the
   adapters-off reference, adapter-only state, merge for serving).
+- :mod:`agentrl.models.expert_lora`: the trainer's forward of GPT-OSS's LoRA-wrapped experts, unmerged and grouped
+  (base plus each expert's low-rank delta, from PEFT's adapter parameters).
 - :mod:`agentrl.models.routing`: MoE routing record (at sampling) and replay (in the training forward).
 
 Where a run keeps its checkpoints is :mod:`agentrl.rundir` (torch-free). Nothing is imported here.

@@ -12,7 +12,9 @@ on-policy ratio run on a LoRA model exactly as on a full one.
   PEFT's ``target_parameters``). Defaults per architecture (:func:`default_targets`): Llama-family models the
   attention and MLP projections; GPT-OSS its attention projections and both expert tensors.
 - :func:`apply_lora`: inject the adapters (initialised from ``seed`` alone, so every FSDP rank builds the same
-  ones), freeze everything else.
+  ones), freeze everything else. GPT-OSS's wrapped experts then run :mod:`agentrl.models.expert_lora`'s unmerged
+  grouped forward (base plus each expert's low-rank delta, from the same adapter parameters) instead of PEFT's,
+  which builds ``W + s B A`` for every expert on each call; :func:`attach_adapter` does the same.
 - :func:`adapters_disabled`: the base model, for the KL reference, with no second copy. Its log-probs equal
   the model's before :func:`apply_lora` bit for bit (a disabled LoRA layer returns its base layer's output).
 - :func:`adapter_state_dict` / :func:`load_adapter_state`: the adapter tensors only, under PEFT's file names
@@ -41,6 +43,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from agentrl.models import expert_lora
 
 ADAPTER_NAME = "default"
 """The PEFT adapter name agentrl uses (PEFT's default, so saved adapters load anywhere)."""
@@ -257,6 +261,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec, *, seed: int = 0) -> dict[str, 
         torch.manual_seed(seed)
         inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     _init_adapters(model, seed)
+    expert_lora.install(model)
     for name, param in model.named_parameters():
         param.requires_grad_("lora_" in name)
     return {
@@ -453,6 +458,7 @@ def attach_adapter(model: nn.Module, config: Any, state: dict[str, torch.Tensor]
         config.inference_mode = False
         with torch.random.fork_rng(devices=[]):  # the init is overwritten by ``state``; leave the RNG alone
             inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+        expert_lora.install(model)
     load_adapter_state(model, state, source=source)
 
 
