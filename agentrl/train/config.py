@@ -150,7 +150,7 @@ class RolloutConfig:
                               "between steps); needs the decode engine")
     max_staleness: int = key(0, "asynchronous rollouts: policy versions a sampled token may lag the update that "
                              "trains on it (0: the synchronous trainer; 1-2 overlap rollout and update, decoupled "
-                             "PPO corrects the lag; needs the decode engine and rollout correction)", min=0)
+                             "PPO corrects the lag; needs a rollout correction mode)", min=0)
 
 
 @dataclass
@@ -472,8 +472,8 @@ def validate(cfg: DictConfig) -> None:
 
 def _validate_async(cfg: DictConfig) -> None:
     """``rollout.max_staleness > 0``: a behaviour->proximal correction; with the embedded backend
-    (:mod:`agentrl.train.async_rollout`) also the decode engine, one process, and no deterministic batches (weight
-    updates land by timing). The verl backend runs verl's own asynchronous trainer
+    (:mod:`agentrl.train.async_rollout`) also one process and no deterministic batches (weight updates land by
+    timing); either local engine takes weight updates between decode steps. The verl backend runs verl's own asynchronous trainer
     (:func:`agentrl.train.verl_backend.config_map.async_settings`)."""
     lag = cfg.rollout.max_staleness
     if not lag:
@@ -485,9 +485,6 @@ def _validate_async(cfg: DictConfig) -> None:
                   "algorithm.rollout_correction.rollout_is=token (TIS; or a 'lo_hi' threshold for IcePop) or rollout_rs")
     elif cfg.backend != "embedded":
         return  # verl's own asynchronous trainer: nothing below applies to it
-    elif cfg.rollout.engine == "transformers" or (cfg.rollout.engine == "auto" and cfg.device != "cuda"):
-        reason = (f"it needs the decode engine (weight updates between decode steps), but rollout.engine="
-                  f"{cfg.rollout.engine} is the transformers engine on device={cfg.device}; set rollout.engine=decode")
     elif cfg.rollout.deterministic:
         reason = "weight updates land between decode steps by timing, so batches cannot be reproducible; set " \
                  "rollout.deterministic=false"
