@@ -5,10 +5,12 @@ with ``rollout.max_staleness`` 0 (synchronous), 1 and 2.
 
 ``--gpu``: the GPU retool recipe (``examples/train_gpu_retool.sh``'s keys: SmolLM2-135M, retool tier=mixed, 3 turns,
 8x8 episodes per step) on ``device=cuda``; without it the CPU default (``agentrl train env=retool``). Every run
-uses the decode engine (``rollout.engine=decode``, which asynchronous rollouts need), so the speedup is that of
-overlapping rollout and update alone, and token-level TIS (``algorithm.rollout_correction.rollout_is=token``,
-threshold 2), which the staleness-0 run applies too (there behaviour and proximal policies agree up to the
-engine's numerics). Keys after ``--`` go to every run (e.g. a smaller config for a check).
+uses the decode engine (``rollout.engine=decode``, the GPU default), so the speedup is that of overlapping
+rollout and update alone, and token-level TIS (``algorithm.rollout_correction.rollout_is=token``, threshold 2),
+which the staleness-0 run applies too (there behaviour and proximal policies agree up to the engine's numerics).
+Keys after ``--`` go to every run (e.g. a smaller config for a check). The SFT stage is the same work in every
+run; to do it once, train it first (``agentrl sft env=retool run_dir=SFT ...``) and pass ``model=SFT
+sft.steps=0`` after ``--``.
 
 Per run, from its ``metrics.jsonl``, ``trajectories/`` and ``summary.json``: ``rl_s``, the RL stage's wall time (the
 sum of ``timing_s/step``; the SFT stage and the evaluations are the same work in every run and left out),

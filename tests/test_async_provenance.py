@@ -118,3 +118,93 @@ def test_decode_engine_stamps_the_version_of_the_weights_each_token_was_sampled_
         engine.update_weights({"nope": torch.zeros(1)})
     with pytest.raises(ValueError, match="has shape"):
         engine.update_weights({next(iter(new)): torch.zeros(1)})
+
+
+def _tiny_llama(torch, transformers):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_transformers_engine_takes_an_update_between_two_decode_steps_and_keeps_the_cache():
+    """The transformers engine, updated from inside a decode loop (between the steps of tokens 5 and 6): tokens
+    0-5 carry version 0 and are those a run without the update samples; tokens 6+ carry version 1, and token 6's
+    log-prob is the new weights' on top of the KV cache the old weights computed (kept, not recomputed)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.transformers_engine import TransformersEngine
+
+    model = _tiny_llama(torch, transformers)
+    old = copy.deepcopy(model)
+    new = {name: p.detach() + 0.05 for name, p in model.named_parameters() if name.endswith("mlp.up_proj.weight")}
+    prompt, sampling = [1, 2, 3], SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+    engine = TransformersEngine(model, seed=1)
+    (plain,) = engine.generate_sync([prompt], sampling)
+    assert plain.policy_versions is None  # an engine nobody versions records none
+    engine.policy_version = 0
+
+    counted = []
+
+    def on_token(row: int, token: int) -> None:  # the sampling thread, between two decode steps
+        counted.append(token)
+        if len(counted) == 6:
+            engine.update_weights(new, version=1)
+
+    (updated,) = engine.generate_sync([prompt], sampling, on_token=on_token)
+    assert updated.policy_versions == [0] * 6 + [1] * (len(updated.token_ids) - 6)
+    assert updated.token_ids[:6] == plain.token_ids[:6] and updated.logprobs[:6] == plain.logprobs[:6]
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[k], v) for k, v in new.items())
+
+    # reference for token 6: the old weights' cache of prompt + tokens 0-4, then token 5 through the new weights
+    ids = torch.tensor([prompt + updated.token_ids[:5]])
+    with torch.no_grad():
+        cache = old(input_ids=ids, use_cache=True).past_key_values
+        logits = model(input_ids=torch.tensor([[updated.token_ids[5]]]), past_key_values=cache,
+                       position_ids=torch.tensor([[ids.shape[1]]]), use_cache=True).logits[0, -1].float()
+    expected = torch.log_softmax(logits, dim=-1)[updated.token_ids[6]].item()
+    assert updated.logprobs[6] == pytest.approx(expected, abs=1e-5)
+    with torch.no_grad():  # a recomputed cache (the new weights all along) gives another log-prob
+        fresh = model(input_ids=torch.tensor([prompt + updated.token_ids[:6]])).logits[0, -1].float()
+    assert abs(torch.log_softmax(fresh, dim=-1)[updated.token_ids[6]].item() - expected) > 1e-4
+
+
+def test_transformers_engine_update_from_the_event_loop_lands_between_steps():
+    """``update_weights`` called on the event loop while ``generate`` decodes in the engine's thread: it waits for
+    the running step, so the versions of the request's tokens go 0 then 1, never back; bad names and shapes are
+    refused before anything is copied, and ``update_lora`` needs an adapter."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from agentrl.engines.base import SamplingParams
+    from agentrl.engines.transformers_engine import TransformersEngine
+
+    model = _tiny_llama(torch, transformers)
+    engine = TransformersEngine(model, seed=1)
+    engine.policy_version = 0
+    new = {name: p.detach() + 0.01 for name, p in model.named_parameters() if name.endswith("mlp.up_proj.weight")}
+
+    async def main():
+        seen = asyncio.Event()
+        task = asyncio.create_task(engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=24),
+                                                   on_token=lambda i, t: seen.set()))
+        await seen.wait()  # some tokens were sampled with version 0
+        engine.update_weights(new, version=1)
+        return await task
+
+    for completion in asyncio.run(main()):
+        versions = completion.policy_versions
+        assert len(versions) == len(completion.token_ids) and versions[0] == 0 and versions == sorted(versions)
+    assert engine.policy_version == 1
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="no parameter 'nope'"):
+        engine.update_weights({next(iter(new)): torch.zeros_like(new[next(iter(new))]), "nope": torch.zeros(1)})
+    with pytest.raises(ValueError, match="has shape"):
+        engine.update_weights({next(iter(new)): torch.zeros(1)})
+    assert all(torch.equal(p, before[k]) for k, p in model.named_parameters())
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        engine.update_lora({}, version=2)
+    assert engine.policy_version == 1

@@ -128,6 +128,20 @@ def test_adapter_updates_are_seen_without_a_rebuild():
     assert engine.runner.decoder is decoder
 
 
+def test_transformers_engine_update_lora_copies_the_adapter_and_sets_the_version():
+    """The transformers engine's update_lora (a rollout copy's adapter, asynchronous rollouts): the donor's adapter
+    tensors land exactly, the version is set, and the next tokens carry it."""
+    model = _lora_gpt_oss(seed=5)
+    engine = TransformersEngine(model, seed=2)
+    donor = _lora_gpt_oss(seed=6)
+    engine.update_lora(adapter_state_dict(donor), version=4)
+    assert engine.policy_version == 4
+    copied, wanted = adapter_state_dict(model), adapter_state_dict(donor)
+    assert copied.keys() == wanted.keys() and all(torch.equal(copied[k], wanted[k]) for k in wanted)
+    (comp,) = engine.generate_sync(PROMPTS[:1], SamplingParams(max_new_tokens=4, temperature=1.0))
+    assert comp.policy_versions == [4] * len(comp.token_ids)
+
+
 def test_disabled_adapters_decode_the_base_model(gpt_oss):
     base = tiny_gpt_oss(num_layers=2, hidden=64, experts=4, top_k=2, vocab=VOCAB, seed=1, sliding_window=6)
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0)

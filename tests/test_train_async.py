@@ -53,7 +53,8 @@ def test_staleness_zero_is_the_synchronous_trainer_bit_for_bit(tmp_path):
                                                                       for s in (1, 2)]
 
 
-@pytest.mark.parametrize("bound, extra", [(1, []), (2, []), (1, ["actor.lora.rank=4"])], ids=["k1", "k2", "k1-lora"])
+@pytest.mark.parametrize("bound, extra", [(1, []), (2, []), (1, ["actor.lora.rank=4"]), (1, ["rollout.engine=transformers"])],
+                         ids=["k1", "k2", "k1-lora", "k1-transformers"])
 def test_bounded_staleness_trains_every_group_once_within_the_bound(tmp_path, bound, extra):
     total = 4
     run = tmp_path / f"k{bound}"
@@ -64,7 +65,9 @@ def test_bounded_staleness_trains_every_group_once_within_the_bound(tmp_path, bo
     served = dict(trainer.rollouts.engine.model.named_parameters())
     trained = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trained and all(torch.equal(p, served[n]) for n, p in trained.items())
-    assert trainer.rollouts.lora == bool(extra) and trainer.rollouts.engine.policy_version == total
+    assert trainer.rollouts.lora == ("actor.lora.rank=4" in extra) and trainer.rollouts.engine.policy_version == total
+    engine_kind = "TransformersEngine" if "rollout.engine=transformers" in extra else "DecodeEngine"
+    assert type(trainer.rollouts.engine).__name__ == engine_kind
     # batches start as early as the bound allows: step s at version max(0, s - 1 - bound)
     assert trainer.rollouts.launched == {s: max(0, s - 1 - bound) for s in range(1, total + 1)}
     _check_run(run, total, bound)
@@ -111,8 +114,8 @@ def test_resume_with_batches_in_flight_recollects_them_within_the_bound(tmp_path
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["rollout.engine=transformers", "algorithm.rollout_correction.rollout_is=token"], "needs the decode engine"),
     (["rollout.engine=decode"], "rollout_is=token"),
+    (["rollout.engine=transformers"], "rollout_is=token"),
     (["rollout.engine=decode", "algorithm.rollout_correction.rollout_rs=token_k3",
       "algorithm.rollout_correction.rollout_rs_threshold=0.1", "rollout.deterministic=true"], "deterministic=false"),
 ])

@@ -365,3 +365,24 @@ def test_lora_settings_verl_cannot_take_are_refused(tmp_path, section, message):
     lora = {"rank": 8, "alpha": None, "dropout": 0.0, "target_modules": [], **section}
     with pytest.raises(VerlConfigError, match=message):
         verl_overrides(_cfg(tmp_path, **{"actor.lora": lora}), ["t.parquet"], ["v.parquet"])
+
+
+def test_max_staleness_maps_to_verls_own_async_trainer(tmp_path):
+    """``rollout.max_staleness=k`` runs verl's colocated asynchronous v1 trainer: k warm-up batches in flight, a
+    group may span k + 1 weight versions (a lag of k updates), dropless ('wait'); verl's own config composes and
+    validates it. At 0 verl's synchronous trainer stays."""
+    from agentrl.train.config import ConfigError, build_config
+    from agentrl.train.verl_backend.launch import plan
+
+    base = [f"env={register()}", "backend=verl", "model=openai/gpt-oss-20b", f"run_dir={tmp_path / 'run'}",
+            "rollout.batch_size=32", "rollout.n=8", "verl.n_train_tasks=4", "verl.n_val_tasks=2",
+            "trainer.n_gpus_per_node=8", "algorithm.rollout_correction.rollout_is=token"]
+    v1 = plan(build_config([*base, "rollout.max_staleness=2"])).resolved.trainer
+    assert (v1.use_v1, v1.v1.trainer_mode, v1.v1.colocate_async.num_warmup_batches) == (True, "colocate_async", 2)
+    assert (v1.v1.sampler.max_off_policy_threshold, v1.v1.sampler.max_off_policy_strategy) == (3, "wait")
+    r = plan(build_config([*base, "rollout.max_staleness=1"])).resolved
+    assert (r.trainer.v1.colocate_async.num_warmup_batches, r.trainer.v1.sampler.max_off_policy_threshold) == (1, 2)
+    assert r.algorithm.rollout_correction.rollout_is == "token"  # behaviour -> proximal, as verl recomputes old log-probs
+    assert plan(build_config(base)).resolved.trainer.v1.trainer_mode == "sync"
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1: stale tokens need decoupled PPO's"):
+        build_config([*base[:-1], "rollout.max_staleness=1"])

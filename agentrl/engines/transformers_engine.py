@@ -16,6 +16,16 @@ Log-probs: ``Completion.logprobs[i]`` is the natural-log probability of the samp
 log-prob is then taken under ``softmax(logits)``). This is the distribution the trainer recomputes
 (it uses the same temperature), so the rollout-vs-train gap measures numerical/engine mismatch only.
 Top-k/top-p truncation changes which ids can be drawn but not the reported log-prob.
+
+**Weight updates while requests run** (asynchronous rollouts on a separate rollout copy of the model), as in
+:class:`~agentrl.engines.decode.decode_engine.DecodeEngine`: :meth:`TransformersEngine.update_weights` (trainable
+tensors) and :meth:`TransformersEngine.update_lora` (the adapter) take the engine's lock, which every decode
+step (one forward and its sampling) holds, so an update lands between two decode steps, never inside one; with
+``version=`` they also set :attr:`~TransformersEngine.policy_version`. Once it is set, every sampled token
+records the version whose weights computed its logits (``Completion.policy_versions``; None for a row with a
+token sampled before a version was set). Rows in flight keep their KV cache: the keys and values of tokens
+already fed stay those the older weights computed (no recompute), and each token's log-prob is the
+probability it was really drawn with, which is what the decoupled PPO correction needs.
 """
 
 from __future__ import annotations
@@ -110,6 +120,10 @@ class TransformersEngine:
         self._worker: asyncio.Task | None = None
         self._sampler: ThreadPoolExecutor | None = None  # the one thread every batch runs on (module docstring)
         self._aborted = threading.Event()
+        self._lock = threading.Lock()  # held by each decode step and by weight updates (module docstring)
+        #: The policy version stamped on the tokens sampled from now on (module docstring); None (the default, for
+        #: an engine whose owner does not count versions): no versions are recorded.
+        self.policy_version: int | None = None
         self.stats = {"generate_s": 0.0, "generated_tokens": 0, "batches": 0}
 
     def reseed(self, seed: int) -> None:
@@ -118,6 +132,39 @@ class TransformersEngine:
     def abort(self) -> None:
         """Stop all generation at the next token (:class:`EngineAborted`); the engine stays unusable."""
         self._aborted.set()
+
+    @torch.no_grad()
+    def update_weights(self, state: dict[str, torch.Tensor], *, version: int | None = None) -> None:
+        """Copy ``state`` (parameter names of the engine's model, as ``named_parameters`` gives them; any subset)
+        into the model's parameters in place, between two decode steps (module docstring). ``version``: the new
+        :attr:`policy_version` (unchanged when None). ValueError naming the key for a name the model lacks or a
+        shape that differs; nothing is copied then."""
+        params = dict(self.model.named_parameters())
+        for name, value in state.items():
+            if name not in params:
+                raise ValueError(f"update_weights: the engine's model has no parameter {name!r}")
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, the engine's model "
+                                 f"{tuple(params[name].shape)}")
+        with self._lock:
+            for name, value in state.items():
+                params[name].copy_(value)
+            if version is not None:
+                self.policy_version = int(version)
+
+    def update_lora(self, state: dict[str, torch.Tensor], *, version: int | None = None) -> None:
+        """Copy the adapter tensors ``state`` (PEFT's names, as :func:`agentrl.models.lora.adapter_state_dict`
+        gives them) into the engine's model in place, between two decode steps. ``version``: the new
+        :attr:`policy_version` (unchanged when None). ValueError when the model has no adapter or ``state`` does
+        not fit it."""
+        from agentrl.models.lora import has_lora, load_adapter_state
+
+        if not has_lora(self.model):
+            raise ValueError("update_lora: the engine's model carries no LoRA adapter")
+        with self._lock:
+            load_adapter_state(self.model, state, source="update_lora")
+            if version is not None:
+                self.policy_version = int(version)
 
     # ------------------------------------------------------------------ async API (micro-batched)
     async def generate(
@@ -276,6 +323,7 @@ class TransformersEngine:
 
         tokens: list[list[int]] = [[] for _ in range(batch)]
         logps: list[list[float]] = [[] for _ in range(batch)]
+        versions: list[list[int]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
         alive = list(range(batch))  # original row index of each live row of the cache
         was_training = self.model.training
@@ -290,25 +338,28 @@ class TransformersEngine:
         try:
             step_ids, step_pos = input_ids, positions
             if shared:  # the common prefix once, its KV cache copied to every row
-                cache = self.model(
-                    input_ids=input_ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
-                    logits_to_keep=1, past_key_values=cache,
-                ).past_key_values
+                with self._lock:
+                    cache = self.model(
+                        input_ids=input_ids[:1, :shared], position_ids=positions[:1, :shared], use_cache=True,
+                        logits_to_keep=1, past_key_values=cache,
+                    ).past_key_values
                 cache.batch_repeat_interleave(batch)
                 step_ids, step_pos = input_ids[:, shared:], positions[:, shared:]
             for _ in range(sampling.max_new_tokens):
                 if self._aborted.is_set():
                     raise EngineAborted("generation aborted: the engine is shutting down")
-                out = self.model(
-                    input_ids=step_ids,
-                    attention_mask=attention,
-                    position_ids=step_pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                cache = out.past_key_values
-                next_ids, next_logp = self._sample(out.logits[:, -1, :].float(), sampling)
+                with self._lock:  # one decode step: weight updates land before or after it (module docstring)
+                    out = self.model(
+                        input_ids=step_ids,
+                        attention_mask=attention,
+                        position_ids=step_pos,
+                        past_key_values=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                    version = self.policy_version
+                    cache = out.past_key_values
+                    next_ids, next_logp = self._sample(out.logits[:, -1, :].float(), sampling)
                 ids_list = next_ids.tolist()
                 lp_list = next_logp.tolist()
                 is_stop = torch.isin(next_ids, stop).tolist()
@@ -318,6 +369,8 @@ class TransformersEngine:
                         continue
                     tokens[orig].append(ids_list[row])
                     logps[orig].append(lp_list[row])
+                    if version is not None:
+                        versions[orig].append(version)
                     if on_token is not None:
                         on_token(orig, ids_list[row])
                     if is_stop[row]:
@@ -348,6 +401,7 @@ class TransformersEngine:
                 logprobs=logps[i],
                 finish_reason=finish[i],
                 routing=None if routing is None else routing[i],
+                policy_versions=versions[i] if len(versions[i]) == len(tokens[i]) else None,  # every token's, or none
             )
             for i in range(batch)
         ]

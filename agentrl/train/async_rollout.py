@@ -27,13 +27,14 @@ Guarantees:
   are not saved. A resumed run collects them again from that position with the restored weights (their
   staleness is then lower, never higher), so no group is lost or trained twice.
 
-How the weights reach the sampler: the episodes sample from a separate rollout copy of the model served by a
-:class:`~agentrl.engines.decode.decode_engine.DecodeEngine`; after each update the trainer's new trainable tensors are
-copied into it with :meth:`~agentrl.engines.decode.decode_engine.DecodeEngine.update_weights` (the LoRA adapter alone
-with ``update_lora``), which lands between two decode steps and sets the engine's policy version. Episodes in
-flight go on with the new weights and keep their KV cache (the engine's module docstring says why that keeps the
-correction exact). The copy costs one more set of weights; it is also what lets the rollout live on a GPU of its
-own later (disaggregated), with only this copy step changing.
+How the weights reach the sampler: the episodes sample from a separate rollout copy of the model served by an
+engine of ``rollout.engine``'s kind (:class:`~agentrl.engines.decode.decode_engine.DecodeEngine` or
+:class:`~agentrl.engines.transformers_engine.TransformersEngine`); after each update the trainer's new trainable
+tensors are copied into it with the engine's ``update_weights`` (the LoRA adapter alone with ``update_lora``),
+which lands between two decode steps and sets the engine's policy version. Episodes in flight go on with the new
+weights and keep their KV cache (the engines' module docstrings say why that keeps the correction exact). The
+copy costs one more set of weights; it is also what lets the rollout live on a GPU of its own later
+(disaggregated), with only this copy step changing.
 
 With ``max_staleness=0`` :class:`AsyncRollouts` reduces to the synchronous trainer: one batch in flight, started
 after the previous update, on the trainer's own engine, reseeded per step as :meth:`Trainer.train_step
@@ -82,7 +83,8 @@ class AsyncRollouts:
 
     # ------------------------------------------------------------------ the rollout copy
     def _rollout_engine(self) -> Any:
-        """A decode engine over a copy of the trainer's model, at the trainer's current version."""
+        """An engine of ``rollout.engine``'s kind over a copy of the trainer's model, at the trainer's current
+        version."""
         from agentrl.engines.factory import make_engine
         from agentrl.models.lora import has_lora
 
@@ -90,7 +92,7 @@ class AsyncRollouts:
         model = copy.deepcopy(trainer.model).eval()
         model.requires_grad_(False)
         self.lora = has_lora(trainer.model)
-        engine = make_engine(model, kind="decode", pad_token_id=trainer.actor.pad_token_id,
+        engine = make_engine(model, kind=cfg.rollout.engine, pad_token_id=trainer.actor.pad_token_id,
                              max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed,
                              record_routing=cfg.actor.routing_replay)
         engine.policy_version = trainer.state.step

@@ -150,7 +150,7 @@ class RolloutConfig:
                               "between steps); needs the decode engine")
     max_staleness: int = key(0, "asynchronous rollouts: policy versions a sampled token may lag the update that "
                              "trains on it (0: the synchronous trainer; 1-2 overlap rollout and update, decoupled "
-                             "PPO corrects the lag; needs the decode engine and rollout correction)", min=0)
+                             "PPO corrects the lag; needs a rollout correction mode)", min=0)
 
 
 @dataclass
@@ -471,26 +471,25 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _validate_async(cfg: DictConfig) -> None:
-    """``rollout.max_staleness > 0`` (:mod:`agentrl.train.async_rollout`): the decode engine, a behaviour->proximal
-    correction, one process, the local backend, and no deterministic batches (weight updates land by timing)."""
+    """``rollout.max_staleness > 0``: a behaviour->proximal correction; with the embedded backend
+    (:mod:`agentrl.train.async_rollout`) also one process and no deterministic batches (weight updates land by
+    timing); either local engine takes weight updates between decode steps. The verl backend runs verl's own asynchronous trainer
+    (:func:`agentrl.train.verl_backend.config_map.async_settings`)."""
     lag = cfg.rollout.max_staleness
     if not lag:
         return
     rc = cfg.algorithm.rollout_correction
     reason = None
-    if cfg.rollout.engine == "transformers" or (cfg.rollout.engine == "auto" and cfg.device != "cuda"):
-        reason = (f"it needs the decode engine (weight updates between decode steps), but rollout.engine="
-                  f"{cfg.rollout.engine} is the transformers engine on device={cfg.device}; set rollout.engine=decode")
-    elif rc.rollout_is is None and rc.rollout_rs is None:
+    if rc.rollout_is is None and rc.rollout_rs is None:
         reason = ("stale tokens need decoupled PPO's behaviour->proximal correction; set "
                   "algorithm.rollout_correction.rollout_is=token (TIS; or a 'lo_hi' threshold for IcePop) or rollout_rs")
+    elif cfg.backend != "embedded":
+        return  # verl's own asynchronous trainer: nothing below applies to it
     elif cfg.rollout.deterministic:
         reason = "weight updates land between decode steps by timing, so batches cannot be reproducible; set " \
                  "rollout.deterministic=false"
     elif cfg.trainer.n_gpus > 1:
         reason = "it runs in one process for now; set trainer.n_gpus=1"
-    elif cfg.backend != "embedded":
-        reason = "the verl backend's own async modes are not mapped yet; use backend=embedded"
     if reason:
         raise ConfigError(f"rollout.max_staleness={lag}: {reason} (or rollout.max_staleness=0)")
 

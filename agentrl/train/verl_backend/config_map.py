@@ -32,6 +32,20 @@ actor with the adapters disabled, as in the embedded trainer.
 installed); with ``verl.rollout=agentrl``, ``rollout.max_batch_size`` -> ``rollout.max_num_seqs`` (the most
 sequences the engine samples in one batch).
 
+``rollout.max_staleness=k`` (asynchronous rollouts, :func:`async_settings`) -> verl 0.9.1's own asynchronous
+v1 trainer instead of a re-implementation: ``trainer.v1.trainer_mode=colocate_async`` (rollout and training on the
+same GPUs, partial rollouts: requests in flight are paused for the update and resumed with the new weights),
+``colocate_async.num_warmup_batches=k`` (``k + 1`` batches in flight, one new batch per step),
+``sampler.max_off_policy_threshold=k + 1`` (verl counts the weight versions a group spans: the step it was
+submitted at through the step that trains it, so a lag of ``k`` updates spans ``k + 1``) and
+``sampler.max_off_policy_strategy=wait`` (dropless: a group in flight at the bound is waited for, never dropped;
+verl trains the oldest finished groups first). verl recomputes the old log-probs with the weights before the
+update (the proximal policy) and corrects behaviour -> proximal with ``algorithm.rollout_correction``, which the
+config requires at ``k > 0`` as for the embedded trainer. What stays verl's: which groups form a batch (the
+finished ones, oldest first, not the synchronous trainer's batches) and the bound's enforcement (verl waits for a
+group that reached it only while it samples a batch; the embedded trainer's per-token check has no verl
+counterpart). ``k=0``: verl's synchronous trainer, as before.
+
 Run directory, logging and resume (the embedded trainer's layout, see :mod:`agentrl.train.trainer`):
 ``run_dir`` (made absolute) -> ``trainer.default_local_dir = RUN_DIR/checkpoints`` (verl's checkpoints,
 ``global_step_<N>/`` + ``latest_checkpointed_iteration.txt``), ``trainer.experiment_name``, and
@@ -313,6 +327,18 @@ def lora_settings(cfg: Any) -> dict[str, Any]:
     return out
 
 
+def async_settings(cfg: Any) -> dict[str, Any]:
+    """verl's asynchronous-trainer keys for ``rollout.max_staleness`` (the module docstring says how they map);
+    empty at 0 (verl's synchronous trainer)."""
+    lag = int(select(cfg, "rollout.max_staleness") or 0)
+    if not lag:
+        return {}
+    return {"trainer.use_v1": True, "trainer.v1.trainer_mode": "colocate_async",
+            "trainer.v1.colocate_async.num_warmup_batches": lag,
+            "trainer.v1.sampler.max_off_policy_threshold": lag + 1,
+            "trainer.v1.sampler.max_off_policy_strategy": "wait"}
+
+
 def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]) -> dict[str, Any]:
     """The verl keys we set and their values, in a stable order (see module docstring)."""
     cfg = with_verl_defaults(cfg)
@@ -344,6 +370,7 @@ def verl_settings(cfg: Any, train_files: Sequence[str], val_files: Sequence[str]
         out["trainer.max_actor_ckpt_to_keep"] = int(keep)
     out.update(_resume_settings(cfg))
     out.update(lora_settings(cfg))
+    out.update(async_settings(cfg))
     attention = resolved_attention(cfg)
     out["actor_rollout_ref.model.use_remove_padding"] = packs_sequences(attention)
     if attention:
