@@ -1,0 +1,140 @@
+"""Attacks on the local sandbox pool, round 4: CPU shares per execution in a CPU cgroup of its own, the userns
+mode, the worker's own CPU kill, and an independent re-audit built for the classes of earlier findings (fields
+the code controls, waits counted as work, shared kernel counters, covert channels, resource exhaustion of the
+host-side pool).
+
+Each attack runs as the code would, inside the sandbox; the checks look from the host where the code cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.envs.sandbox.cgroups import _own_cpu_cgroup
+
+pytestmark = pytest.mark.sandbox_attacks
+
+AS_ROOT = os.geteuid() == 0
+if shutil.which("bwrap") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("CI must install bubblewrap (apt-get install bubblewrap python3-seccomp)")
+    pytest.skip("bubblewrap is not installed", allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, *args: str, timeout: float = 120.0, **popen) -> dict:
+    """Run ``script`` in a fresh interpreter of this venv (this tree first on its path); return its last line, JSON."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        **popen,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------ 1. CPU shares in a CPU cgroup of its own
+
+#: In a CPU cgroup of its own (``argv[1]``, as in a container), on one CPU, two sessions on two workers run at once over the
+#: same wall-clock window: one forks 8 busy processes (no new session: setsid is refused), the other busy-loops
+#: alone. Prints the CPU seconds each execution got in the window.
+CONTAINER_CPU = """
+import asyncio, json, os, sys, time
+from pathlib import Path
+from agentrl.envs.sandbox.local import LocalSandbox
+
+container = Path(sys.argv[1])
+(container / "cgroup.procs").write_text(str(os.getpid()))
+# One CPU for all (inherited): a single run queue, where the scheduler splits the group's time exactly by
+# weight whatever else loads the machine.
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+MANY = '''
+import os, time
+start, end = {start!r}, {end!r}
+early = time.time() < start
+pids = []
+for _ in range(8):
+    pid = os.fork()
+    if pid == 0:
+        while time.time() < start:
+            time.sleep(0.005)
+        while time.time() < end:
+            pass
+        os._exit(0)
+    pids.append(pid)
+cpu = 0.0
+for pid in pids:
+    usage = os.wait4(pid, 0)[2]
+    cpu += usage.ru_utime + usage.ru_stime
+print(early, cpu)
+'''
+ONE = '''
+import time
+start, end = {start!r}, {end!r}
+early = time.time() < start
+while time.time() < start:
+    time.sleep(0.005)
+t0 = time.process_time()
+while time.time() < end:
+    pass
+print(early, time.process_time() - t0)
+'''
+
+async def main():
+    async with LocalSandbox(workers=2, memory_mb=128, max_processes=32) as sb:
+        s1, s2 = await sb.create_session(), await sb.create_session()
+        assert sb._sessions[s1].worker is not sb._sessions[s2].worker
+        for s in (s1, s2):  # start both kernels first
+            assert (await sb.run("1", session=s, timeout_s=10)).ok
+        start = time.time() + 1.0
+        end = start + 4.0
+        many, one = await asyncio.gather(
+            sb.run(MANY.format(start=start, end=end), session=s1, timeout_s=20),
+            sb.run(ONE.format(start=start, end=end), session=s2, timeout_s=20),
+        )
+    assert many.ok and one.ok, (many, one)
+    (m_early, m_cpu), (o_early, o_cpu) = many.stdout.split(), one.stdout.split()
+    return {"concurrent": m_early == o_early == "True", "many_cpu_s": float(m_cpu), "one_cpu_s": float(o_cpu)}
+
+try:
+    print(json.dumps(asyncio.run(main())))
+finally:
+    (container.parent / "cgroup.procs").write_text(str(os.getpid()))
+"""
+
+
+def test_an_execution_with_many_processes_gets_one_cpu_share_in_a_cpu_cgroup_of_its_own(tmp_path):
+    """MEDIUM (issue 35): CPU shares must follow the execution, not the process. Scheduler autogroups group an
+    execution's processes only in the root CPU cgroup; in a container with a CPU cgroup of its own every process
+    had a share, so 8 busy processes of one execution got 8/9 of the CPU against a single-process execution
+    (ratio about 0.12). Each worker now runs in a CPU cgroup of its own, one share per running execution."""
+    own = _own_cpu_cgroup()
+    if not AS_ROOT or own is None:
+        pytest.skip("needs root and a writable CPU cgroup (to stand in for a container's)")
+    container = own / f"agentrl-test-container-{os.getpid()}"
+    container.mkdir()
+    try:
+        r = run_script(CONTAINER_CPU, str(container))
+    finally:
+        for _ in range(200):  # the pool's own cgroups inside are removed as its workers exit
+            try:
+                container.rmdir()
+                break
+            except OSError:
+                time.sleep(0.02)
+    assert r["concurrent"], r
+    assert r["one_cpu_s"] >= 0.5 * r["many_cpu_s"], r
