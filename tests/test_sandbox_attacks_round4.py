@@ -138,3 +138,66 @@ def test_an_execution_with_many_processes_gets_one_cpu_share_in_a_cpu_cgroup_of_
                 time.sleep(0.02)
     assert r["concurrent"], r
     assert r["one_cpu_s"] >= 0.5 * r["many_cpu_s"], r
+
+
+# ------------------------------------------------------------------ 2. the worker's own CPU kill
+
+#: A session kernel's code that dodges the kernel's CPU limit: it ignores SIGXCPU (``ignore``), or keeps raising
+#: its own soft limit to the hard one (``raise``), and burns CPU forever.
+DODGE_CPU_LIMIT = {
+    "ignore": "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n",
+    "raise": (
+        "import resource\nR = resource.RLIMIT_CPU\n"
+        "while True:\n    resource.setrlimit(R, (resource.getrlimit(R)[1],) * 2)\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("dodge", sorted(DODGE_CPU_LIMIT))
+def test_the_worker_kills_a_kernel_that_dodges_its_cpu_limit_once_past_soft_plus_one(dodge):
+    """Issue 35 (untested until now): only the soft RLIMIT_CPU of a session's kernel is set (a lowered hard limit
+    could never be raised for a later call), so code that ignores SIGXCPU or raises its own soft limit is killed
+    by the worker itself once it passes the soft limit by a second. Here the worker's own code runs in this
+    process (the same ``set_cpu_limit`` and ``collect`` as ``run_in_kernel``) against a real process with a wall
+    deadline far beyond its CPU limit, so reaching the kill does not depend on the machine's load (through the
+    pool it needs more CPU-seconds than the call's wall time, which 2 busy cores rarely give); without the kill
+    the call would end at the wall deadline, 600 s later."""
+    import types
+
+    from agentrl.envs.sandbox._worker.procs import SETUP_DONE
+    from agentrl.envs.sandbox._worker.worker import Worker
+
+    limits = {"nofile": 256, "nproc": 64, "as_bytes": 1 << 30}
+    cfg = {"output_cap": 4096, "mode": "none", "limits": limits, "tmpfs_bytes": 1 << 20, "tmpfs_inodes": 64}
+    worker = Worker({**cfg, "worker_bytes": 1 << 30, "reserved_bytes": 1 << 27}, None, None)
+    # The worker first looks at the kernel's CPU time when it could have used it all with every CPU busy; told
+    # of many CPUs, it looks every _CPU_CHECK_MIN_S from the start, as it would near the end of a real call.
+    worker.cpus = 10_000
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DODGE_CPU_LIMIT[dodge]], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    res_r, res_w = os.pipe()  # the kernel's result channel: it never answers
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        kernel = types.SimpleNamespace(pid=proc.pid, cpu_limit=None)
+        worker.set_cpu_limit(kernel, timeout=1)  # soft: what it used so far + 1 + 2 CPU-s
+
+        def stop(col, _exited):
+            proc.kill()
+            return os.waitpid(proc.pid, 0)[1]
+
+        procs = (proc.pid, pidfd, proc.stdout.fileno(), proc.stderr.fileno(), res_r)
+        col = worker.collect(
+            procs, time.monotonic() + 600, (), stop, one_shot=False, cpu_cap=kernel.cpu_limit + 1
+        )
+    finally:
+        proc.kill()
+        proc.wait()
+        for fd in (res_r, res_w, pidfd):
+            os.close(fd)
+    assert col["over_cpu"] and not col["timed_out"], col
+    assert col["cpu_s"] >= kernel.cpu_limit + 1, col
+    reply = worker.finish(
+        {**col, "setup": SETUP_DONE, "cpu_limit_s": kernel.cpu_limit}, 0.0, 1, 1 << 30, None, True
+    )
+    assert reply["status"] == "timeout" and reply["event"] == {"kind": "cpu_limit"}, reply
