@@ -201,3 +201,94 @@ def test_the_worker_kills_a_kernel_that_dodges_its_cpu_limit_once_past_soft_plus
         {**col, "setup": SETUP_DONE, "cpu_limit_s": kernel.cpu_limit}, 0.0, 1, 1 << 30, None, True
     )
     assert reply["status"] == "timeout" and reply["event"] == {"kind": "cpu_limit"}, reply
+
+
+# ------------------------------------------------------------------ 3. the userns mode
+
+#: The pool as an ordinary user (``argv[1]``: the uid to drop to, or -1 to stay; modules are imported first, as
+#: the interpreter's own files may not be readable by that uid). Prints what runs and a session saw.
+USERNS_POOL = """
+import asyncio, json, os, shutil, subprocess, sys
+import asyncio.subprocess, base64, logging, secrets, tempfile, uuid, zipfile  # noqa: F401 (before the uid drop)
+from agentrl.envs.sandbox.local import LocalSandbox
+
+uid = int(sys.argv[1])
+if uid >= 0:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+os.chdir("/")
+probe = subprocess.run([shutil.which("bwrap"), "--unshare-user", "--ro-bind", "/", "/", "true"], capture_output=True)
+if probe.returncode:
+    print(json.dumps({"skip": probe.stderr.decode(errors="replace").strip()}))
+    sys.exit(0)
+RUN = '''
+import json, os, socket
+out = {"uid": os.getuid(), "pid": os.getpid(), "procs": sorted(int(p) for p in os.listdir("/proc") if p.isdigit())}
+for name, call in [("inet", lambda: socket.socket(socket.AF_INET)), ("setsid", os.setsid), ("pty", os.openpty),
+                   ("usr", lambda: open("/usr/agentrl-probe", "w")), ("root", lambda: open("/probe", "w"))]:
+    try:
+        call()
+        out[name] = "allowed"
+    except OSError as exc:
+        out[name] = type(exc).__name__
+out["tmp_before"] = sorted(os.listdir("/tmp"))
+open("/tmp/mark", "w").write("x")
+out["source_visible"] = os.path.exists("/opt/agentrl/sandbox_worker.zip")
+print(json.dumps(out))
+'''
+STRAY = '''
+import os, time
+x = 41
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.write(w, b"up")
+    while True:
+        time.sleep(0.01)
+os.read(r, 2)
+'''
+LATER = '''
+def state(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+print(x + 1, state(child) in ("Z", "gone"))
+'''
+
+async def main():
+    async with LocalSandbox(workers=1, memory_mb=128) as sb:
+        runs = [await sb.run(RUN, timeout_s=10) for _ in range(2)]
+        sid = await sb.create_session()
+        await sb.run(STRAY, session=sid, timeout_s=5)
+        later = await sb.run(LATER, session=sid, timeout_s=5)
+        return {
+            "mode": sb._settings.mode,
+            "runs": [json.loads(r.stdout) if r.ok else repr(r) for r in runs],
+            "session": later.stdout if later.ok else repr(later),
+        }
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def test_the_userns_mode_isolates_as_the_root_mode_does_where_it_can():
+    """Issue 35: the userns mode (a pool run by an ordinary user) had never run here: it failed at startup on this
+    kernel (bubblewrap's --disable-userns leaves the worker in a user namespace that does not own its mount
+    namespace: every mount failed with EPERM, then unmounting bubblewrap's locked mounts with EINVAL). Run as an
+    unprivileged uid: each run is pid 1 of its own pid namespace, sees only its own processes and its own /tmp,
+    cannot write the system, make a session, a pty or a network socket, and a session keeps its state while its
+    stray processes are killed after each call."""
+    r = run_script(USERNS_POOL, str(65534 if AS_ROOT else -1))
+    if "skip" in r:
+        pytest.skip(f"unprivileged user namespaces are not available here: {r['skip']}")
+    assert r["mode"] == "userns", r
+    expected_uid = 65534 if AS_ROOT else os.geteuid()
+    for run in r["runs"]:
+        assert isinstance(run, dict), r
+        assert run["uid"] == expected_uid and run["pid"] == 1 and run["procs"] == [1], run
+        assert run["tmp_before"] == [] and not run["source_visible"], run
+        for call in ("inet", "setsid", "pty", "usr", "root"):
+            assert run[call] != "allowed", (call, run)
+    assert r["session"] == "42 True\n", r
