@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -292,3 +293,139 @@ def test_the_userns_mode_isolates_as_the_root_mode_does_where_it_can():
         for call in ("inet", "setsid", "pty", "usr", "root"):
             assert run[call] != "allowed", (call, run)
     assert r["session"] == "42 True\n", r
+
+
+# ------------------------------------------------------------------ 4. re-audit: shared counters, fields the code controls
+
+WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def sb():
+    from agentrl.envs.sandbox import SyncSandbox
+
+    box = SyncSandbox("local", workers=WORKERS, memory_mb=128, max_processes=32, tmpfs_mb=64)
+    yield box
+    box.close()
+
+
+@pytest.fixture(autouse=True)
+def pool_serves(request):
+    yield
+    if "sb" not in request.fixturenames:
+        return
+    sb = request.getfixturevalue("sb")
+    for i in range(2 * WORKERS):
+        r = sb.run(f"print({i} * 3)", timeout_s=5)
+        assert r.ok and r.stdout == f"{i * 3}\n", r
+
+
+#: Asks for ``{n}`` socket cookies and prints the first and last (or why it could not).
+SOCKET_COOKIES = """
+import socket, struct
+def cookie(option):
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        return struct.unpack("Q", s.getsockopt(socket.SOL_SOCKET, option, 8))[0]
+    except OSError as exc:
+        return exc.strerror
+    finally:
+        s.close()
+cookies = [cookie(57) for _ in range({n})]  # SO_COOKIE
+print(cookies[0], cookies[-1], cookie(71))  # SO_NETNS_COOKIE
+"""
+
+
+@pytest.mark.parametrize("where", ["stateless", "session"])
+def test_socket_cookies_are_no_counter_shared_between_executions(sb, where):
+    """NEW (round 4): SO_COOKIE numbers each socket that asks from one host-wide counter. One run asking for 3000
+    cookies moved the next run's first cookie by 3000 (run 1: 3 -> 3004, run 2 began at 3005): an exact channel
+    between any two executions, successive or concurrent, far quieter than pipe inode numbers (the host rarely
+    asks for cookies). SO_NETNS_COOKIE likewise counts the network namespaces made on the host. Both are now
+    refused (ENOPROTOOPT, as a kernel without them)."""
+    sid = sb.create_session() if where == "session" else None
+    try:
+        for _ in range(2):
+            r = sb.run(textwrap.dedent(SOCKET_COOKIES.format(n=3000)), session=sid, timeout_s=10)
+            assert r.ok, r
+            assert r.stdout == "Protocol not available Protocol not available Protocol not available\n", r
+    finally:
+        if sid is not None:
+            sb.release_session(sid)
+
+
+#: Prints the execution's memory cgroup as /proc/self/cgroup shows it.
+OWN_CGROUP = (
+    "print([l for l in open('/proc/self/cgroup').read().split() if ':memory:' in l][0].split(':', 2)[2])"
+)
+
+
+def test_cgroup_names_count_nothing(sb):
+    """NEW (round 4): /proc/self/cgroup shows an execution its memory cgroup's name. It was ``s<uid>-<n>`` with n
+    the worker's count of sessions made (how many sessions other tenants opened), and ``run<n>`` with n how often
+    earlier stateless runs left memory behind (a run may choose to: one bit from one run to a later one). Names
+    are now random."""
+    if not AS_ROOT:
+        pytest.skip("memory cgroups need root")
+    names = []
+    for _ in range(3):
+        sid = sb.create_session()
+        try:
+            names.append(sb.run(OWN_CGROUP, session=sid, timeout_s=5).stdout.strip())
+        finally:
+            sb.release_session(sid)
+    run = sb.run(OWN_CGROUP, timeout_s=5).stdout.strip()
+    assert all(re.fullmatch(r"/\.\./s\d+-[0-9a-f]{12}", n) for n in names), names
+    assert run == "/../run" or re.fullmatch(r"/\.\./run-[0-9a-f]{12}", run), run  # (the first one is "run")
+
+
+#: A stray whose main thread exits while its other thread runs on, every thread named like the fields of
+#: /proc/<pid>/stat that follow the name (a state, then numbers): a parser that splits at the first ")" reads
+#: the state "Z" (dead) for a live thread.
+FORGED_STAT_NAMES = """
+import ctypes, os, threading, time
+libc = ctypes.CDLL(None)
+name = b"x) Z 1 1 1 (y"
+if os.fork() == 0:
+    os.setpgid(0, 0)
+    def loop():
+        libc.prctl(15, name, 0, 0, 0)
+        while True:
+            open("/tmp/alive", "w").write(str(time.time()))
+            time.sleep(0.01)
+    threading.Thread(target=loop).start()
+    libc.prctl(15, name, 0, 0, 0)
+    libc.syscall(60, 0)  # SYS_exit: only the main thread ends
+time.sleep(0.2)
+print("started")
+"""
+
+#: In the same session, later: whether /tmp/alive still changes, and every other process's thread states.
+STILL_ALIVE = """
+import os, time
+before = open("/tmp/alive").read()
+time.sleep(0.3)
+states = []
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and int(pid) != os.getpid():
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                states.append(open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+print(open("/tmp/alive").read() != before, sorted(set(states)))
+"""
+
+
+def test_a_stray_whose_threads_are_named_like_stat_fields_dies_after_its_call(sb):
+    """NEW (round 4), the class "fields the code controls": every thread's name appears in /proc/<pid>/stat
+    before its state, and the name may hold ") Z 1 1 1 (". A stray whose main thread exited (its process shows
+    Z) and whose live thread carries such a name must still be found alive and killed after the call."""
+    sid = sb.create_session()
+    try:
+        r = sb.run(textwrap.dedent(FORGED_STAT_NAMES), session=sid, timeout_s=5)
+        assert r.ok and r.stdout == "started\n", r
+        r = sb.run(textwrap.dedent(STILL_ALIVE), session=sid, timeout_s=5)
+        assert r.ok and r.stdout in ("False []\n", "False ['Z']\n"), r
+    finally:
+        sb.release_session(sid)
