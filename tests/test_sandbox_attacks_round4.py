@@ -33,8 +33,9 @@ if shutil.which("bwrap") is None:
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, *args: str, timeout: float = 120.0, **popen) -> dict:
-    """Run ``script`` in a fresh interpreter of this venv (this tree first on its path); return its last line, JSON."""
+def run_script(script: str, *args: str, timeout: float = 120.0) -> dict:
+    """Run ``script`` in a fresh interpreter of this venv, from this tree's root (``-c`` puts the working directory
+    first on the path, before PYTHONPATH); return its last line, JSON."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), *args],
@@ -42,7 +43,7 @@ def run_script(script: str, *args: str, timeout: float = 120.0, **popen) -> dict
         text=True,
         timeout=timeout,
         env=env,
-        **popen,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
