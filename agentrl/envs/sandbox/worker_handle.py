@@ -140,12 +140,18 @@ class _Worker:
                 argv = iso.unisolated_command(s.python)
             else:
                 argv = iso.bwrap_command(s.python, mode=s.mode, source_fd=source_fd, ro_binds=s.ro_binds)
-            joins = [str(self.cgroup.path / "sys" / "cgroup.procs")] if self.cgroup is not None else []
+            # Born inside its cgroups, so the cgroup namespace shows none of the host's. The memory cgroup must
+            # take it; the CPU cgroup may refuse (e.g. cgroup v2's rules on where processes may live): the
+            # sandbox then runs in ours, CPU shared as without one.
+            joins: list[tuple[str, str]] = []
+            if self.cgroup is not None:
+                joins.append(('echo $$ > "$%d" &&', str(self.cgroup.path / "sys" / "cgroup.procs")))
             if self.cpu_cgroup is not None:
-                joins.append(str(self.cpu_cgroup.procs_file))
-            if joins:  # born inside its cgroups, so the cgroup namespace shows none of the host's
-                script = " && ".join(f'echo $$ > "${i}"' for i in range(1, len(joins) + 1))
-                argv = ["/bin/sh", "-c", f'{script} && shift {len(joins)} && exec "$@"', "sh", *joins, *argv]
+                joins.append(('{ echo $$ > "$%d"; } 2>/dev/null;', str(self.cpu_cgroup.procs_file)))
+            if joins:
+                script = " ".join(step % i for i, (step, _) in enumerate(joins, 1))
+                files = [path for _, path in joins]
+                argv = ["/bin/sh", "-c", f'{script} shift {len(joins)} && exec "$@"', "sh", *files, *argv]
             self.proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
