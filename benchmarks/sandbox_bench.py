@@ -56,6 +56,7 @@ CHANNEL_RULES = "\n".join(
         f"_LOCK_COMMANDS, F_NOTIFY, RWF_NOWAIT = {worker_seccomp._LOCK_COMMANDS!r}, {worker_seccomp.F_NOTIFY}, {worker_seccomp.RWF_NOWAIT}",
         f"POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE = {worker_seccomp.POSIX_FADV_DONTNEED}, {worker_seccomp.POSIX_FADV_NOREUSE}",
         f"MADV_MERGEABLE, MADV_COLD, MADV_PAGEOUT = {worker_seccomp.MADV_MERGEABLE}, {worker_seccomp.MADV_COLD}, {worker_seccomp.MADV_PAGEOUT}",
+        f"SOL_SOCKET, SO_COOKIE, SO_NETNS_COOKIE = {worker_seccomp.SOL_SOCKET}, {worker_seccomp.SO_COOKIE}, {worker_seccomp.SO_NETNS_COOKIE}",
         inspect.getsource(worker_seccomp._add_channel_rules),
     ]
 )

@@ -325,8 +325,11 @@ def test_concurrent_runs_and_sessions():
 @needs_bwrap
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_non_root_mode():
-    """As an ordinary user, bubblewrap makes a user namespace: code runs as that user, still without network;
-    a worker the code kills is restarted. The pool runs under the system Python with only this package."""
+    """As an ordinary user, bubblewrap makes a user namespace: code runs as that user, still without network,
+    and cannot reach its worker: the worker lies outside the run's pid namespace (``getppid()`` is 0), so the
+    kill below hits only the run's own process group, whose pid 1 it is, and the run ends normally. The pool
+    runs under the system Python with only this package. (Until issue 35's round 4 this test skipped: the mode
+    failed at startup on kernels where bubblewrap's --disable-userns nests a user namespace.)"""
     tmp_path = Path(tempfile.mkdtemp(dir="/tmp"))  # pytest's tmp_path is not traversable by other users
     pkg = tmp_path / "agentrl" / "envs"
     pkg.mkdir(parents=True)
@@ -355,7 +358,7 @@ def test_non_root_mode():
         shutil.rmtree(tmp_path)
     if "namespace" in out.stderr:
         pytest.skip(f"unprivileged user namespaces are disabled here: {out.stderr[-300:]}")
-    assert out.stdout.split() == ["65534", "error", "sandbox_error", "7"], out.stderr
+    assert out.stdout.split() == ["65534", "error", "ok", "7"], out.stderr
 
 
 def _run_as_nobody(script: str, pythonpath: Path) -> subprocess.CompletedProcess:

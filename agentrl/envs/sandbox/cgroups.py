@@ -1,5 +1,5 @@
 """Memory accounting per sandbox worker and per execution, with memory cgroups (v1, or v2 where the controller
-is delegated to our own cgroup).
+is delegated to our own cgroup), and a CPU cgroup per worker (:class:`CpuCgroup`).
 
 RLIMIT_AS bounds one process's mappings; a cgroup bounds everything an execution holds, its processes and the
 shared memory and tmpfs files it creates, which no rlimit sees. Each worker gets a cgroup capped at the
@@ -139,6 +139,81 @@ class MemoryCgroup:
                 time.sleep(0.01)
 
 
+class CpuCgroup:
+    """One worker's CPU cgroup (v1 ``cpu`` controller, or v2 where ``cpu`` is enabled for our cgroup's children):
+    bubblewrap, the worker and everything its executions start are born inside, and the code cannot leave it (no
+    cgroup filesystem in the sandbox, and a cgroup namespace rooted here).
+
+    A worker runs one request at a time and stops its idle sessions' kernels between calls, so the group is the
+    running execution's: the kernel's scheduler gives it one share (``cpu.shares`` 1024, v2 ``cpu.weight`` 100)
+    however many processes, threads, process groups or sessions it makes, against each other worker's execution
+    and every other entity in our own CPU cgroup. Without it, scheduler autogroups group by session only for
+    processes in the root CPU cgroup; in a CPU cgroup of its own (a container) each process had a share.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def create(cls, name: str) -> CpuCgroup | None:
+        """Create ``name`` under our own CPU cgroup; None if there is none we can write."""
+        parent = _own_cpu_cgroup()
+        if parent is None:
+            return None
+        _remove_stale(parent)
+        try:
+            (parent / name).mkdir()
+        except OSError:
+            return None
+        return cls(parent / name)
+
+    @property
+    def procs_file(self) -> Path:
+        return self.path / "cgroup.procs"
+
+    def remove(self) -> None:
+        """Delete the cgroup once its processes are gone (retries briefly while they exit)."""
+        for _ in range(100):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.01)
+
+
+def _own_cpu_cgroup() -> Path | None:
+    """The directory of this process's CPU cgroup, if its children can get CPU shares of their own."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        mounts = [line.split(" - ") for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "cpu" not in controllers.split(","):
+            continue
+        for head, tail in (m for m in mounts if len(m) == 2):
+            fstype, _, options = tail.split()[:3]
+            if fstype == "cgroup" and "cpu" in options.split(","):
+                root, mount_point = head.split()[3:5]
+                inside = os.path.relpath(path, root) if path.startswith(root) else None
+                if inside is not None and not inside.startswith(".."):
+                    return (Path(mount_point) / inside).resolve()
+        return None
+    mount = _cgroup2_mount()
+    for line in lines:
+        if line.startswith("0::") and mount is not None:
+            own = mount / line[3:].lstrip("/")
+            try:
+                if "cpu" in (own / "cgroup.subtree_control").read_text().split():
+                    return own
+            except OSError:
+                return None
+    return None
+
+
 def _remove_stale(parent: Path) -> None:
     """Delete empty ``agentrl-sandbox-<pid>-...`` cgroups left by pools whose process died without closing."""
     try:
@@ -148,7 +223,7 @@ def _remove_stale(parent: Path) -> None:
     for name in names:
         pid = name[len(PREFIX) :].split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            MemoryCgroup(parent / name, 0).remove_quietly()
+            MemoryCgroup(parent / name, 0).remove_quietly()  # (a CPU cgroup is a directory without children)
 
 
 def descendants(pid: int) -> list[int]:

@@ -18,7 +18,7 @@ from typing import Any
 from agentrl.envs.sandbox import isolation as iso
 from agentrl.envs.sandbox.base import SandboxUnavailable
 from agentrl.envs.sandbox.cgroups import PREFIX as CGROUP_PREFIX
-from agentrl.envs.sandbox.cgroups import MemoryCgroup, command_name, descendants, protect_from_oom
+from agentrl.envs.sandbox.cgroups import CpuCgroup, MemoryCgroup, command_name, descendants, protect_from_oom
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class _Worker:
         self.uid_base = uid_base
         self.s = settings
         self.cgroup: MemoryCgroup | None = None
+        self.cpu_cgroup: CpuCgroup | None = None
         self.lock = asyncio.Lock()
         self.load = 0  # runs queued or in flight here
         self.generation = 0
@@ -125,9 +126,12 @@ class _Worker:
                 raise BlockBusy(
                     f"processes {leftover[:5]} still run as uids of sandbox block {self.uid_base}; refusing to reuse it"
                 )
+        for cgroup in self._take_cgroups():  # a previous sandbox's, if it died without kill()
+            await asyncio.to_thread(cgroup.remove)
         self.generation += 1
         self._frame_size = None
         self.cgroup = self._make_cgroup()
+        self.cpu_cgroup = CpuCgroup.create(self._cgroup_name())
         cg_fd = self.cgroup.open_dir() if self.cgroup is not None else None
         source_fd = iso.worker_source_fd() if s.mode != "none" else None
         pass_fds = tuple(fd for fd in (cg_fd, source_fd) if fd is not None)
@@ -136,16 +140,18 @@ class _Worker:
                 argv = iso.unisolated_command(s.python)
             else:
                 argv = iso.bwrap_command(s.python, mode=s.mode, source_fd=source_fd, ro_binds=s.ro_binds)
-            if (
-                self.cgroup is not None
-            ):  # born inside its cgroup, so the cgroup namespace shows none of the host's
-                argv = [
-                    "/bin/sh",
-                    "-c",
-                    'echo $$ > "$0" && exec "$@"',
-                    str(self.cgroup.path / "sys" / "cgroup.procs"),
-                    *argv,
-                ]
+            # Born inside its cgroups, so the cgroup namespace shows none of the host's. The memory cgroup must
+            # take it; the CPU cgroup may refuse (e.g. cgroup v2's rules on where processes may live): the
+            # sandbox then runs in ours, CPU shared as without one.
+            joins: list[tuple[str, str]] = []
+            if self.cgroup is not None:
+                joins.append(('echo $$ > "$%d" &&', str(self.cgroup.path / "sys" / "cgroup.procs")))
+            if self.cpu_cgroup is not None:
+                joins.append(('{ echo $$ > "$%d"; } 2>/dev/null;', str(self.cpu_cgroup.procs_file)))
+            if joins:
+                script = " ".join(step % i for i, (step, _) in enumerate(joins, 1))
+                files = [path for _, path in joins]
+                argv = ["/bin/sh", "-c", f'{script} shift {len(joins)} && exec "$@"', "sh", *files, *argv]
             self.proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
@@ -209,7 +215,7 @@ class _Worker:
         if cap.mode == "off" or not _is_root():
             group = None
         else:
-            name = f"{CGROUP_PREFIX}{os.getpid()}-{self.s.pool_id}-{self.index}-{self.generation}"
+            name = self._cgroup_name()
             owner = self.uid_base if self.s.mode == "root" else None
             group = MemoryCgroup.create(name, cap.capacity_bytes + _SYSTEM_MARGIN, owner_uid=owner)
         if group is None:
@@ -226,6 +232,10 @@ class _Worker:
                     "memory controller for full accounting)"
                 )
         return group
+
+    def _cgroup_name(self) -> str:
+        """The name of this sandbox's cgroups (one per controller hierarchy; see :func:`cgroups._remove_stale`)."""
+        return f"{CGROUP_PREFIX}{os.getpid()}-{self.s.pool_id}-{self.index}-{self.generation}"
 
     def _send(self, payload: dict[str, Any]) -> None:
         assert self.proc is not None and self.proc.stdin is not None
@@ -341,8 +351,7 @@ class _Worker:
                 except ProcessLookupError:
                     pass
                 await proc.wait()
-            if self.cgroup is not None:
-                cgroup, self.cgroup = self.cgroup, None
+            for cgroup in self._take_cgroups():
                 await asyncio.to_thread(cgroup.remove)
         finally:
             if self._stderr_task is not None:
@@ -362,10 +371,15 @@ class _Worker:
             self.s.background.add(self._stderr_task)  # the pool's close awaits it
             self._stderr_task.add_done_callback(self.s.background.discard)
             self._stderr_task = None
-        cgroup, self.cgroup = self.cgroup, None
-        task = asyncio.get_running_loop().create_task(_reap(proc, cgroup))
+        task = asyncio.get_running_loop().create_task(_reap(proc, self._take_cgroups()))
         self.s.background.add(task)
         task.add_done_callback(self.s.background.discard)
+
+    def _take_cgroups(self) -> list[MemoryCgroup | CpuCgroup]:
+        """This sandbox's cgroups, forgotten here (the caller removes them once its processes are gone)."""
+        groups = [g for g in (self.cgroup, self.cpu_cgroup) if g is not None]
+        self.cgroup = self.cpu_cgroup = None
+        return groups
 
     async def _stop_and_read_stderr(self) -> str:
         proc = self.proc
@@ -392,9 +406,9 @@ async def _within(coro: Any, timeout: float) -> Any:
     return await asyncio.wait_for(coro, timeout)
 
 
-async def _reap(proc: asyncio.subprocess.Process, cgroup: MemoryCgroup | None) -> None:
+async def _reap(proc: asyncio.subprocess.Process, cgroups: list[MemoryCgroup | CpuCgroup]) -> None:
     await proc.wait()
-    if cgroup is not None:
+    for cgroup in cgroups:
         await asyncio.to_thread(cgroup.remove)
 
 

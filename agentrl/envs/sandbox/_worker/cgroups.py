@@ -16,7 +16,6 @@ class Cgroups:
         self.limit_file = "memory.limit_in_bytes" if self.version == 1 else "memory.max"
         # Opened while the worker is still root on the host (these files stay root's); written through later.
         self.run_name = "run"
-        self.sessions_made = 0
         self.run_procs = os.open("run/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
         self.run_limit_fd = os.open("run/" + self.limit_file, os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
         self.run_limit = None
@@ -39,10 +38,11 @@ class Cgroups:
             os.pwrite(self.run_limit_fd, str(limit).encode(), 0)
             self.run_limit = limit
 
-    def replace_run(self, generation):
-        """Give the stateless runs a fresh cgroup ``run<generation>``; returns the old one's name (the caller
-        removes it once its memory is freed)."""
-        name = f"run{generation}"
+    def replace_run(self):
+        """Give the stateless runs a fresh cgroup ``run-<random>``; returns the old one's name (the caller removes
+        it once its memory is freed). The code reads its cgroup's name in /proc/self/cgroup: a count in it would
+        tell a run how often earlier runs left memory behind, which a run can choose to do."""
+        name = _random_name("run")
         os.mkdir(name, dir_fd=self.dir_fd)
         stat = os.open(f"{name}/memory.stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
         procs = os.open(f"{name}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
@@ -54,9 +54,9 @@ class Cgroups:
         return old
 
     def create_session(self, uid, limit):
-        """A fresh cgroup for one session; returns (name, an fd of its cgroup.procs to join it)."""
-        self.sessions_made += 1
-        name = f"s{uid}-{self.sessions_made}"
+        """A fresh cgroup for one session; returns (name, an fd of its cgroup.procs to join it). Its name is
+        random (the code reads it in /proc/self/cgroup; a count would tell how many sessions this worker made)."""
+        name = _random_name(f"s{uid}")
         os.mkdir(name, dir_fd=self.dir_fd)
         self.set_limit(name, limit)
         return name, os.open(f"{name}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
@@ -134,3 +134,7 @@ class Cgroups:
             if name == key:
                 return int(value)
         return 0
+
+
+def _random_name(prefix):
+    return f"{prefix}-{os.urandom(6).hex()}"

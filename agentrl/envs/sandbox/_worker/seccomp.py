@@ -90,6 +90,7 @@ _LOCK_COMMANDS = (5, 6, 7, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETL
 F_NOTIFY, RWF_NOWAIT = 1026, 0x8
 POSIX_FADV_DONTNEED, POSIX_FADV_NOREUSE, MADV_MERGEABLE, MADV_COLD, MADV_PAGEOUT = 4, 5, 12, 20, 21
 CLONE_PIDFD, SOL_SOCKET, SO_PASSPIDFD, SO_PEERPIDFD = 0x1000, 1, 76, 77
+SO_COOKIE, SO_NETNS_COOKIE = 57, 71
 # CLONE_NEWUSER, NEWPID, NEWNET, NEWIPC, NEWUTS, NEWNS, NEWCGROUP
 _CLONE_NS_FLAGS = (0x10000000, 0x20000000, 0x40000000, 0x08000000, 0x04000000, 0x00020000, 0x02000000)
 
@@ -158,7 +159,10 @@ def _add_channel_rules(flt, seccomp):
     """Calls that would let one execution signal another through kernel state they share, made no-ops (success,
     nothing done) or refused: file locks (flock, fcntl record locks), directory change notification (dnotify),
     dropping pages of shared files from the page cache (fadvise DONTNEED/NOREUSE, madvise COLD/PAGEOUT), page
-    merging (madvise MERGEABLE), and reads that fail instead of waiting when a page is not cached (RWF_NOWAIT)."""
+    merging (madvise MERGEABLE), reads that fail instead of waiting when a page is not cached (RWF_NOWAIT), and
+    socket cookies (SO_COOKIE numbers every socket asked for one from a host-wide counter, exact enough that one
+    execution asking for thousands moves what another's next cookie is; SO_NETNS_COOKIE counts network
+    namespaces made on the host): ENOPROTOOPT, as a kernel without them."""
     noop = seccomp.ERRNO(0)
     flt.add_rule(noop, "flock")
     for cmd in _LOCK_COMMANDS:
@@ -171,6 +175,13 @@ def _add_channel_rules(flt, seccomp):
     for name in ("preadv2", "pwritev2"):
         flt.add_rule(
             seccomp.ERRNO(errno.EOPNOTSUPP), name, seccomp.Arg(5, seccomp.MASKED_EQ, RWF_NOWAIT, RWF_NOWAIT)
+        )
+    for option in (SO_COOKIE, SO_NETNS_COOKIE):
+        flt.add_rule(
+            seccomp.ERRNO(errno.ENOPROTOOPT),
+            "getsockopt",
+            seccomp.Arg(1, seccomp.EQ, SOL_SOCKET),
+            seccomp.Arg(2, seccomp.EQ, option),
         )
 
 

@@ -120,6 +120,10 @@ def setup_worker(cfg):
         # mode they belong to the code's uid) and its /dev/mqueue (a stateless run sees it, while its own queues
         # live in its own IPC namespace: a file there would be a queue in the sandbox's namespace).
         flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+        if mode == "userns":
+            # bubblewrap's --disable-userns leaves us in a nested user namespace that does not own the mount
+            # namespace bubblewrap built (every mount call failed with EPERM): a copy of it that ours owns.
+            _unshare(CLONE_NEWNS)
         for path in ("/", "/dev"):
             _mount("none", path, None, flags, None)
         _mount("none", "/dev/mqueue", None, flags | MS_NOEXEC, None)
@@ -128,7 +132,12 @@ def setup_worker(cfg):
         # execution's mount namespace. /dev/pts too: its ptys would be one pool for all executions, whose
         # numbers (the lowest free one is handed out) show what the others hold, so the code gets no pty.
         for path in ("/tmp", "/dev/shm", "/dev/pts", SOURCE):
-            _check(_libc.umount2(path.encode(), 0), f"umount {path}")
+            if mode == "root":
+                _check(_libc.umount2(path.encode(), 0), f"umount {path}")
+            else:  # userns: bubblewrap's mounts are locked in our copy (the kernel refuses to uncover what lies
+                # under them), so each is covered by an empty read-only tmpfs instead (the source: its directory)
+                cover = os.path.dirname(path) if path == SOURCE else path
+                _mount("tmpfs", cover, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0755")
     if mode == "root":
         # A plain /proc of this namespace, fully visible (no mounts inside it): the kernel lets a user namespace
         # mount a /proc of its own only if one is. No code ever sees it (every execution mounts its own). It

@@ -95,7 +95,6 @@ class Worker(Confinement):
         self.capacity, self.reserved = cfg["worker_bytes"], cfg["reserved_bytes"]
         self.evicted = {}  # session key -> MiB it held when it was ended to make room for another execution
         self.orphans = {}  # replaced cgroup -> bytes it still held (memory of finished executions not yet freed)
-        self.run_generation = 0
         self.limit_hits = cgroups.worker_limit_hits() if cgroups is not None else 0
         isolated = self.mode != "none"
         self.pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) if isolated else None
@@ -659,8 +658,7 @@ class Worker(Confinement):
             if held > 1 << 20:
                 self.orphans[cgroup] = held
                 if cgroup == self.cgroups.run_name:
-                    self.run_generation += 1
-                    self.cgroups.replace_run(self.run_generation)
+                    self.cgroups.replace_run()
             elif cgroup != self.cgroups.run_name:
                 self.oom_seen.pop(cgroup, None)
                 if not self.cgroups.remove(cgroup):
