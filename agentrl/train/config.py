@@ -242,6 +242,9 @@ class ActorConfig:
     kl_loss_type: str = key("low_var_kl", "KL estimator", choices=KL_TYPES, verl="actor_rollout_ref.actor.kl_loss_type")
     logprob_chunk_size: int = key(1024, "tokens per chunk of the log-prob/entropy computation", min=1)
     share_prompt_prefix: bool = key(True, "run the rows' common prompt prefix once (dense, non-sliding models)")
+    skip_zero_advantage_backward: bool = key(True, "skip the backward of a micro-batch whose advantages are all 0 "
+                                             "(exactly zero gradient: same weights to the bit; only without KL "
+                                             "loss or entropy bonus, on one process)")
     gradient_checkpointing: bool = key(False, "recompute activations in the backward",
                                        verl="actor_rollout_ref.model.enable_gradient_checkpointing")
     freeze: list[str] = key([], "parameter groups kept fixed", choices=FREEZE_GROUPS)

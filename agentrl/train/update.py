@@ -22,6 +22,9 @@ to the model:
   gives the values one pass over the whole batch would). Its ``rollout_corr/*``
   metrics, the rollout-vs-train gap included, are computed once over the whole batch (all ranks' rows
   that hold a model token);
+- a micro-batch whose advantages are all 0 (GRPO's flat groups) runs its forward and loss but not its backward
+  when the loss is the policy loss alone (:mod:`agentrl.train.backward_skip`): its gradient is exactly zero, so
+  the weights, the metrics and the old log-probs are those of running it, to the bit;
 - optional KL loss to a frozen reference model (for a LoRA policy, the policy itself with its adapters
   disabled: the base model without a second copy), optional entropy bonus, gradient accumulation over
   micro-batches;
@@ -68,6 +71,7 @@ from agentrl.train.algorithms import (
     onpolicy_old_log_prob,
     rollout_correction,
 )
+from agentrl.train.backward_skip import record_zero_gradients, skip_allowed, zero_gradient
 from agentrl.train.batch import Batch
 from agentrl.train.logprobs import model_token_logprobs
 from agentrl.train.prefix_sharing import shared_prefix_logprobs
@@ -300,13 +304,15 @@ class _Run:
     advantages: torch.Tensor
     on_policy: bool
     loss_scale_factor: float
+    skip_backward: bool = False  # zero-advantage micro-batches may skip their backward (agentrl.train.backward_skip)
     old_log_prob: torch.Tensor | None = None  # the separate pass's, or (on-policy) filled step by step
     ref_log_prob: torch.Tensor | None = None
     collected: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     loss_metrics: _LossMetrics = field(default_factory=lambda: _LossMetrics())
     totals: dict[str, float] = field(default_factory=lambda: {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0})
     counts: dict[str, int] = field(
-        default_factory=lambda: {"optimizer_steps": 0, "zero_grad_steps_skipped": 0, "nonfinite_grad_steps_skipped": 0}
+        default_factory=lambda: {"optimizer_steps": 0, "zero_grad_steps_skipped": 0, "nonfinite_grad_steps_skipped": 0,
+                                 "backward_skipped_micro_batches": 0}
     )
     timing: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     trained_tokens: int = 0
@@ -331,7 +337,9 @@ def run_update(
     old-policy and reference passes when needed, each planned optimizer step (see the module docstring) on
     ``batch`` (already on the model's device), the metrics: verl's names plus ``actor/optimizer_steps`` (steps
     taken), ``actor/zero_grad_steps_skipped`` and ``actor/nonfinite_grad_steps_skipped`` (steps whose gradient
-    was all zero or not finite: no update). ``cfg`` is the full train config. ``ref_model``: the KL reference (with ``actor.use_kl_loss``): a
+    was all zero or not finite: no update), ``actor/backward_skipped_micro_batches`` (micro-batches whose
+    backward was not run: advantage 0 on every token, :mod:`agentrl.train.backward_skip`; the weights, the other
+    metrics and the old log-probs are to the bit those of running it). ``cfg`` is the full train config. ``ref_model``: the KL reference (with ``actor.use_kl_loss``): a
     frozen model, or ``model`` itself when it carries a LoRA adapter (its base model: adapters disabled for the
     reference pass). ``routing``: per-row rollout MoE routing to replay in every policy forward (routing
     replay), or None."""
@@ -353,6 +361,8 @@ def run_update(
     if steps:
         _old_policy_pass(run)
         _reference_pass(run, ref_model)
+    run.skip_backward = skip_allowed(actor, has_reference=run.ref_log_prob is not None,
+                                     distributed=distributed.is_distributed(), model=model)
     if run.on_policy:
         run.old_log_prob = torch.zeros_like(batch.rollout_log_probs)  # filled by each step's own forward
     t0 = time.perf_counter()
@@ -510,10 +520,23 @@ def _micro_batch_loss(run: _Run, mb: torch.Tensor, sub: Batch, agg: dict[str, An
         kl_loss = agg_loss(kl_penalty(log_prob, run.ref_log_prob[rows], actor.kl_loss_type), sub_mask, mode, **agg)
         loss = loss + actor.kl_loss_coef * kl_loss
         kl_value = kl_loss.item()
-    loss.backward()
+    if _backward_skipped(run, rows, sub_mask, padding, log_prob, entropy, loss):
+        run.counts["backward_skipped_micro_batches"] += 1
+    else:
+        loss.backward()
     run.trained_tokens += 0 if padding else int(sub.attention_mask.sum())
     run.loss_metrics.add(pg_metrics, float(sub_tokens))
     return _MicroBatchLoss(sub_tokens, pg_loss.item(), entropy_loss.item(), kl_value)
+
+
+def _backward_skipped(run: _Run, rows: torch.Tensor, loss_mask: torch.Tensor, padding: bool, *forward: torch.Tensor | None
+                      ) -> bool:
+    """Whether the micro-batch of ``rows`` skips its backward: allowed for this update, advantage 0 on its whole
+    ``loss_mask`` and a finite ``forward`` (:mod:`agentrl.train.backward_skip`); then the zero gradients the
+    backward would have written are recorded."""
+    if not run.skip_backward or padding or not zero_gradient(run.advantages[rows], loss_mask, *forward):
+        return False
+    return record_zero_gradients(forward[-1], run.params)
 
 
 def _metrics(run: _Run, n_steps: int) -> dict[str, float]:
