@@ -66,3 +66,17 @@ class RolloutEngine(Protocol):
     async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Completion]:
         """Return one :class:`Completion` per prompt, in order."""
         ...
+
+
+def checked_parameters(model: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``model``'s parameters by name, after checking that every tensor of ``state`` (an ``update_weights``
+    payload) names one of them and has its shape: ValueError naming the key otherwise, before anything is
+    copied."""
+    params = dict(model.named_parameters())
+    for name, value in state.items():
+        if name not in params:
+            raise ValueError(f"update_weights: the engine's model has no parameter {name!r}")
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, the engine's model "
+                             f"{tuple(params[name].shape)}")
+    return params

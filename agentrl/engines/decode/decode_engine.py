@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from agentrl.engines.base import Completion, EngineAborted, SamplingParams
+from agentrl.engines.base import Completion, EngineAborted, SamplingParams, checked_parameters
 from agentrl.engines.decode.runner import ModelRunner, RowSampling
 from agentrl.engines.decode.sampling import request_key
 from agentrl.engines.decode.scheduler import Job, Scheduler
@@ -203,13 +203,7 @@ class DecodeEngine:
         into the model's parameters in place, between scheduler steps (see the module docstring). ``version``: the
         new :attr:`policy_version`. ValueError naming the key for a name the model lacks or a shape that differs;
         nothing is copied then."""
-        params = dict(self.model.named_parameters())
-        for name, value in state.items():
-            if name not in params:
-                raise ValueError(f"update_weights: the engine's model has no parameter {name!r}")
-            if tuple(value.shape) != tuple(params[name].shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, the engine's model "
-                                 f"{tuple(params[name].shape)}")
+        params = checked_parameters(self.model, state)
         with self._lock:
             for name, value in state.items():
                 params[name].copy_(value)
